@@ -1,0 +1,32 @@
+# Two commands: `make demo` and `make test`. Both set up .venv on first use.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export MM_ASSETS_HOME ?= $(CURDIR)/.mm_assets
+export DAGSTER_HOME ?= $(MM_ASSETS_HOME)/dagster_home
+
+.PHONY: setup demo test lint format bench clean
+
+setup:
+	@bash scripts/setup_env.sh
+
+demo: setup
+	@mkdir -p "$(DAGSTER_HOME)"
+	$(PY) -m mm_assets.demo run
+
+test: setup lint
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check mm_assets tests bench scripts
+	$(VENV)/bin/ruff format --check mm_assets tests bench scripts
+
+format: setup
+	$(VENV)/bin/ruff check --fix mm_assets tests bench scripts
+	$(VENV)/bin/ruff format mm_assets tests bench scripts
+
+bench: setup
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf .mm_assets .pytest_cache

@@ -1,0 +1,1 @@
+"""Benchmarks: `make bench` (or `python -m bench.run_all`) runs them all."""

@@ -1,0 +1,1 @@
+"""Offline demo assets: synthetic chat datasets and tiny random-weight targets built locally."""

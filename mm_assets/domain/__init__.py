@@ -1,0 +1,1 @@
+"""Pure domain logic: no Dagster, no storage. Each module holds one concern."""

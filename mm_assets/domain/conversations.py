@@ -1,0 +1,296 @@
+"""Normalizing dataset records into one conversation form, with a reason for every drop.
+
+Normalized form: a list of turns `{"role": system|user|assistant|tool, "content": ...}`
+where content is a string or a list of parts `{"type": "text", "text": ...}` /
+`{"type": "image", "path": <absolute path>}`.
+
+Unknown roles quarantine the whole row rather than being dropped or guessed: a turn
+silently removed or relabelled would train the draft on a conversation shape the target
+never serves, and the row stays visible with its reason for someone to map the role.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from mm_assets.domain.images import ImageProbe
+
+IMAGE_PLACEHOLDER = "<image>"
+
+ROLE_ALIASES: dict[str, str] = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+    "ipython": "tool",
+}
+
+
+class DropReason(StrEnum):
+    MALFORMED_ROW = "malformed_row"
+    EMPTY_CONVERSATION = "empty_conversation"
+    NO_ASSISTANT_TURN = "no_assistant_turn"
+    UNKNOWN_ROLE = "unknown_role"
+    IMAGE_PLACEHOLDER_MISMATCH = "image_placeholder_mismatch"
+    IMAGE_UNAVAILABLE = "image_unavailable"
+    DUPLICATE_SAMPLE = "duplicate_sample"
+
+
+class Rejected(Exception):
+    """A row that cannot be used, with the reason recorded in the quarantine."""
+
+    def __init__(self, reason: DropReason, detail: str) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+Turn = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    turns: list[Turn]
+    images: list[ImageProbe]  # in the order their parts appear
+
+    @property
+    def multimodal(self) -> bool:
+        return bool(self.images)
+
+    def sample_id(self) -> str:
+        """Stable across reruns, row order and moves of the image root: a hash of the
+        turns with each image replaced by its content hash."""
+        hashes = iter(p.content_hash for p in self.images)
+
+        def stable(part: Any) -> Any:
+            if isinstance(part, dict) and part.get("type") == "image":
+                return {"type": "image", "sha256": next(hashes)}
+            return part
+
+        canonical = [
+            {**t, "content": [stable(p) for p in t["content"]]}
+            if isinstance(t["content"], list)
+            else t
+            for t in self.turns
+        ]
+        blob = json.dumps(canonical, sort_keys=True, ensure_ascii=False).encode()
+        return hashlib.sha256(blob).hexdigest()[:20]
+
+
+# -- reading records -------------------------------------------------------------
+
+
+def parse_record(record_json: str, parse_error: str | None = None) -> dict[str, Any]:
+    if parse_error is not None:
+        raise Rejected(DropReason.MALFORMED_ROW, parse_error)
+    try:
+        record = json.loads(record_json)
+    except json.JSONDecodeError as exc:
+        raise Rejected(DropReason.MALFORMED_ROW, f"invalid JSON: {exc}") from exc
+    if not isinstance(record, dict):
+        raise Rejected(
+            DropReason.MALFORMED_ROW, f"record is a {type(record).__name__}, not an object"
+        )
+    return record
+
+
+def image_references(record: Mapping[str, Any], fmt: str) -> list[str]:
+    """The image references a record names, in order (for the availability stage)."""
+    if fmt == "sharegpt4v":
+        image = record.get("image")
+        if image is None:
+            return []
+        return list(image) if isinstance(image, list) else [image]
+    if fmt == "messages":
+        refs = []
+        for message in _messages_list(record, strict=False):
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                refs.extend(r for p in content if (r := _part_image_ref(p)) is not None)
+        return refs
+    return []
+
+
+def _messages_list(record: Mapping[str, Any], strict: bool = True) -> list[Any]:
+    turns = record.get("messages", record.get("conversations"))
+    if not isinstance(turns, list):
+        if strict:
+            raise Rejected(
+                DropReason.MALFORMED_ROW,
+                f"'messages' is a {type(turns).__name__}, expected a list of turns",
+            )
+        return []
+    return turns
+
+
+def _part_image_ref(part: Any) -> str | None:
+    if not isinstance(part, dict):
+        return None
+    if part.get("type") == "image":
+        return part.get("image", part.get("path", part.get("url")))
+    if part.get("type") == "image_url":
+        url = part.get("image_url")
+        return url.get("url") if isinstance(url, dict) else url
+    return None
+
+
+# -- normalizers, selected by the registry entry's `format` ------------------------
+
+
+def _role(raw: Any) -> str:
+    role = ROLE_ALIASES.get(str(raw).strip().lower()) if isinstance(raw, str) else None
+    if role is None:
+        raise Rejected(
+            DropReason.UNKNOWN_ROLE,
+            f"role {raw!r}; known: {sorted(ROLE_ALIASES)} (map it in ROLE_ALIASES)",
+        )
+    return role
+
+
+def _split_placeholders(text: str, images: list[ImageProbe], cursor: list[int]) -> list[dict]:
+    """Text with `<image>` placeholders as parts; the newline that separates a
+    placeholder from its text belongs to the placeholder."""
+    parts: list[dict] = []
+    segments = re.split(f"({re.escape(IMAGE_PLACEHOLDER)})", text)
+    for i, segment in enumerate(segments):
+        if segment == IMAGE_PLACEHOLDER:
+            if cursor[0] >= len(images):
+                raise Rejected(
+                    DropReason.IMAGE_PLACEHOLDER_MISMATCH,
+                    f"more {IMAGE_PLACEHOLDER} placeholders than the {len(images)} image(s)",
+                )
+            parts.append({"type": "image", "path": images[cursor[0]].path})
+            cursor[0] += 1
+            continue
+        if i > 0 and segments[i - 1] == IMAGE_PLACEHOLDER and segment.startswith("\n"):
+            segment = segment[1:]
+        if i + 1 < len(segments) and segments[i + 1] == IMAGE_PLACEHOLDER:
+            segment = segment.removesuffix("\n")
+        if segment:
+            parts.append({"type": "text", "text": segment})
+    return parts
+
+
+def _from_value_turns(
+    record: Mapping[str, Any], images: list[ImageProbe], with_placeholders: bool
+) -> list[Turn]:
+    turns_raw = record.get("conversations")
+    if not isinstance(turns_raw, list):
+        raise Rejected(
+            DropReason.MALFORMED_ROW,
+            f"'conversations' is a {type(turns_raw).__name__}, expected a list of turns",
+        )
+    cursor = [0]
+    turns: list[Turn] = []
+    for index, turn in enumerate(turns_raw):
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise Rejected(DropReason.MALFORMED_ROW, f"turn {index} has no string 'value'")
+        role = _role(turn.get("from"))
+        value = turn["value"]
+        if with_placeholders and IMAGE_PLACEHOLDER in value:
+            if role != "user":
+                raise Rejected(
+                    DropReason.IMAGE_PLACEHOLDER_MISMATCH,
+                    f"{IMAGE_PLACEHOLDER} in a {role} turn (turn {index})",
+                )
+            turns.append({"role": role, "content": _split_placeholders(value, images, cursor)})
+        else:
+            turns.append({"role": role, "content": value})
+    if cursor[0] != len(images):
+        raise Rejected(
+            DropReason.IMAGE_PLACEHOLDER_MISMATCH,
+            f"{len(images)} image(s) but {cursor[0]} {IMAGE_PLACEHOLDER} placeholder(s)",
+        )
+    return turns
+
+
+def _sharegpt4v(record: Mapping[str, Any], images: list[ImageProbe]) -> list[Turn]:
+    return _from_value_turns(record, images, with_placeholders=True)
+
+
+def _sharegpt(record: Mapping[str, Any], images: list[ImageProbe]) -> list[Turn]:
+    return _from_value_turns(record, images, with_placeholders=False)
+
+
+def _messages(record: Mapping[str, Any], images: list[ImageProbe]) -> list[Turn]:
+    pending = iter(images)
+    turns: list[Turn] = []
+    for index, message in enumerate(_messages_list(record)):
+        if not isinstance(message, dict):
+            raise Rejected(DropReason.MALFORMED_ROW, f"turn {index} is not an object")
+        role = _role(message.get("role"))
+        content = message.get("content")
+        if isinstance(content, str):
+            turns.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise Rejected(DropReason.MALFORMED_ROW, f"turn {index} content is not text or parts")
+        parts = []
+        for part in content:
+            if _part_image_ref(part) is not None:
+                parts.append({"type": "image", "path": next(pending).path})
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            else:
+                raise Rejected(DropReason.MALFORMED_ROW, f"turn {index} has an unknown part")
+        turns.append({"role": role, "content": parts})
+    return turns
+
+
+NORMALIZERS: dict[str, Callable[[Mapping[str, Any], list[ImageProbe]], list[Turn]]] = {
+    "sharegpt4v": _sharegpt4v,
+    "sharegpt": _sharegpt,
+    "messages": _messages,
+}
+
+
+def normalize(
+    record: Mapping[str, Any], fmt: str, probes: Mapping[str, ImageProbe]
+) -> Conversation:
+    """The normalized conversation of one record, or `Rejected` with the reason."""
+    if fmt not in NORMALIZERS:
+        raise ValueError(f"unknown format {fmt!r}; known: {sorted(NORMALIZERS)}")
+    refs = image_references(record, fmt)
+    images = []
+    for ref in refs:
+        probe = probes.get(str(ref))
+        if probe is None or not probe.ok:
+            status = probe.status.value if probe else "not probed"
+            raise Rejected(DropReason.IMAGE_UNAVAILABLE, f"{ref}: {status}")
+        images.append(probe)
+    turns = NORMALIZERS[fmt](record, images)
+    if not turns:
+        raise Rejected(DropReason.EMPTY_CONVERSATION, "no turns")
+    if not any(t["role"] == "assistant" for t in turns):
+        raise Rejected(DropReason.NO_ASSISTANT_TURN, "nothing to supervise")
+    return Conversation(turns, images)
+
+
+def to_vllm_messages(turns: list[Turn]) -> list[dict[str, Any]]:
+    """OpenAI chat messages for vLLM: image parts as `file://` URLs (never pixels)."""
+
+    def part(p: dict[str, Any]) -> dict[str, Any]:
+        if p["type"] == "image":
+            return {"type": "image_url", "image_url": {"url": f"file://{p['path']}"}}
+        return {"type": "text", "text": p["text"]}
+
+    return [
+        {"role": t["role"], "content": t["content"]}
+        if isinstance(t["content"], str)
+        else {"role": t["role"], "content": [part(p) for p in t["content"]]}
+        for t in turns
+    ]

@@ -1,0 +1,155 @@
+"""Resolving image references under a root and probing their headers.
+
+Nothing here decodes pixels: Pillow's `Image.open` parses the header (size, format) and
+the file's bytes are streamed once for a content hash and a cheap end-of-file check
+(truncated JPEG/PNG/GIF files lack their trailer). A reference that resolves
+outside the root — `..`, an absolute path elsewhere, a symlink pointing out — is refused
+before the file is opened.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+# Pillow's own default warning threshold (~89.5 MP); above it decoding is a bomb risk.
+DEFAULT_MAX_PIXELS = 89_478_485
+_TAIL_BYTES = 4096
+
+
+class ImageStatus(StrEnum):
+    OK = "ok"
+    MISSING = "missing"
+    EMPTY = "empty"
+    UNREADABLE = "unreadable"
+    OUTSIDE_ROOT = "outside_root"
+    TOO_LARGE = "too_large"
+    INVALID_REFERENCE = "invalid_reference"
+
+
+@dataclass(frozen=True)
+class ImageProbe:
+    """What the availability stage records for one referenced image."""
+
+    reference: str
+    path: str | None
+    status: ImageStatus
+    detail: str = ""
+    width: int | None = None
+    height: int | None = None
+    format: str | None = None
+    bytes: int | None = None
+    content_hash: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is ImageStatus.OK
+
+    def as_row(self) -> dict[str, Any]:
+        row = asdict(self)
+        row["status"] = self.status.value
+        return row
+
+
+def resolve_reference(root: Path, reference: object, strip_prefix: str = "") -> Path | ImageProbe:
+    """The real path a reference names under `root`, or a probe saying why it is refused."""
+    ref = str(reference)
+    if not isinstance(reference, str) or not reference.strip():
+        return ImageProbe(ref, None, ImageStatus.INVALID_REFERENCE, "not a non-empty string")
+    if reference.startswith("file://"):
+        reference = reference[len("file://") :]
+    elif "://" in reference:
+        return ImageProbe(
+            ref, None, ImageStatus.INVALID_REFERENCE, "only local files are supported"
+        )
+    if strip_prefix and reference.startswith(strip_prefix):
+        reference = reference[len(strip_prefix) :]
+    real_root = Path(os.path.realpath(root))
+    real = Path(os.path.realpath(real_root / reference))  # resolves `..` and symlinks
+    if not real.is_relative_to(real_root):
+        return ImageProbe(
+            ref, None, ImageStatus.OUTSIDE_ROOT, f"resolves to {real}, outside {real_root}"
+        )
+    return real
+
+
+def probe_image(reference: str, path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageProbe:
+    """Header facts and a content hash for one resolved image, without decoding pixels."""
+
+    def refused(status: ImageStatus, detail: str, **facts: Any) -> ImageProbe:
+        return ImageProbe(reference, str(path), status, detail, **facts)
+
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return refused(ImageStatus.MISSING, "no such file")
+    except OSError as exc:
+        return refused(ImageStatus.UNREADABLE, f"stat failed: {exc}")
+    if not path.is_file():
+        return refused(ImageStatus.UNREADABLE, "not a regular file")
+    if stat.st_size == 0:
+        return refused(ImageStatus.EMPTY, "zero bytes", bytes=0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as image:  # parses the header only
+                width, height = image.size
+                fmt = image.format
+    except Image.DecompressionBombError as exc:
+        return refused(ImageStatus.TOO_LARGE, str(exc), bytes=stat.st_size)
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        return refused(ImageStatus.UNREADABLE, f"not a readable image: {exc}", bytes=stat.st_size)
+    facts = {"width": width, "height": height, "format": fmt, "bytes": stat.st_size}
+    if width * height > max_pixels:
+        return refused(
+            ImageStatus.TOO_LARGE,
+            f"{width}x{height} = {width * height} pixels > limit {max_pixels}",
+            **facts,
+        )
+    try:
+        digest, tail = _hash_and_tail(path)
+    except OSError as exc:
+        return refused(ImageStatus.UNREADABLE, f"read failed: {exc}", **facts)
+    if not trailer_present(fmt, tail):
+        return refused(
+            ImageStatus.UNREADABLE, f"truncated {fmt}: end-of-image marker missing", **facts
+        )
+    return ImageProbe(reference, str(path), ImageStatus.OK, "", content_hash=digest, **facts)
+
+
+def _hash_and_tail(path: Path) -> tuple[str, bytes]:
+    digest = hashlib.sha256()
+    tail = b""
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+            tail = (tail + chunk)[-_TAIL_BYTES:]
+    return digest.hexdigest(), tail
+
+
+def trailer_present(fmt: str | None, tail: bytes) -> bool:
+    """Whether the file ends the way a complete file of its format does. Formats without
+    a cheap trailer check pass; vLLM rejects anything still broken per sample."""
+    if fmt == "JPEG":
+        return b"\xff\xd9" in tail  # EOI; tolerate padding some encoders append
+    if fmt == "PNG":
+        return b"IEND\xaeB`\x82" in tail[-64:]
+    if fmt == "GIF":
+        return tail.rstrip(b"\x00").endswith(b";")
+    return True
+
+
+def probe_reference(
+    root: Path, reference: object, strip_prefix: str = "", max_pixels: int = DEFAULT_MAX_PIXELS
+) -> ImageProbe:
+    resolved = resolve_reference(root, reference, strip_prefix)
+    if isinstance(resolved, ImageProbe):
+        return resolved
+    return probe_image(str(reference), resolved, max_pixels)

@@ -1,0 +1,35 @@
+"""Where mm_assets keeps its data, from the environment.
+
+One root (`MM_ASSETS_HOME`, default `./.mm_assets`) holds tables, blobs, speculators and,
+unless `DAGSTER_HOME` is set, Dagster's instance, so a run's history survives the process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def home() -> Path:
+    """The storage root; created on first use."""
+    root = Path(os.environ.get("MM_ASSETS_HOME", ".mm_assets")).expanduser().resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def demo_dir() -> Path:
+    """Where `mm_assets.demo` builds the demo model, images and datasets."""
+    return home() / "demo"
+
+
+def default_target_model() -> str:
+    """The target model when `MM_ASSETS_TARGET_MODEL` is unset: the locally built demo."""
+    return os.environ.get("MM_ASSETS_TARGET_MODEL", str(demo_dir() / "target"))
+
+
+def ensure_dagster_home() -> Path:
+    """Point `DAGSTER_HOME` under the storage root when unset, so run history persists."""
+    path = Path(os.environ.get("DAGSTER_HOME") or home() / "dagster_home")
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("DAGSTER_HOME", str(path))
+    return path

@@ -1,0 +1,69 @@
+"""Arrow schemas of every table the pipeline writes, in one place."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+RAW_DATASET = pa.schema(
+    [
+        ("source_index", pa.int64()),
+        ("record", pa.string()),  # the record's JSON text (or the raw line when unparseable)
+        ("parse_error", pa.string()),
+    ]
+)
+
+IMAGE_AVAILABILITY = pa.schema(
+    [
+        ("reference", pa.string()),
+        ("path", pa.string()),
+        ("status", pa.string()),
+        ("detail", pa.string()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("format", pa.string()),
+        ("bytes", pa.int64()),
+        ("content_hash", pa.string()),
+        ("referenced_by", pa.int32()),
+    ]
+)
+
+NORMALIZED = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("source_index", pa.int64()),
+        ("turns", pa.string()),  # JSON: the normalized form
+        ("multimodal", pa.bool_()),
+        ("image_paths", pa.list_(pa.string())),
+        ("image_hashes", pa.list_(pa.string())),
+        ("image_heights", pa.list_(pa.int32())),
+        ("image_widths", pa.list_(pa.int32())),
+    ]
+)
+
+QUARANTINE = pa.schema(
+    [
+        ("source_index", pa.int64()),
+        ("sample_id", pa.string()),
+        ("reason", pa.string()),
+        ("detail", pa.string()),
+        ("record", pa.string()),
+    ]
+)
+
+TOKENIZED = pa.schema(
+    [
+        ("row_id", pa.string()),  # sample_id, or sample_id/turnN when a row per turn
+        ("sample_id", pa.string()),
+        ("source_index", pa.int64()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("seq_len", pa.int32()),
+        ("num_supervised", pa.int32()),
+        ("truncated", pa.bool_()),
+        ("multimodal", pa.bool_()),
+        ("messages", pa.string()),  # JSON, vLLM chat form; null for text-only rows
+        ("image_hashes", pa.list_(pa.string())),
+    ]
+)
+
+TOKEN_FREQUENCIES = pa.schema([("token_id", pa.int32()), ("count", pa.int64())])

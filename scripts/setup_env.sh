@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Create .venv with everything the project, its tests and the CPU vLLM engine need.
+# Idempotent: a stamp holding the hash of the inputs makes a second run a no-op.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3.11}
+stamp="$VENV/.mm_assets-setup"
+want=$(cat pyproject.toml scripts/setup_env.sh scripts/torchvision_cpu_shim.py | sha256sum | cut -c1-16)
+
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
+    exit 0
+fi
+
+echo "setup: creating $VENV (first run takes a few minutes: vLLM's CPU engine is ~3.5 GB)"
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
+# torch==2.13.0 resolves to the CPU wheel that lies on disk (PIP_FIND_LINKS / pip config).
+"${pip[@]}" install -q -e '.[cpu,dev]'
+
+# PyPI's torchaudio/torchcodec are CUDA builds whose ops break `import transformers`
+# model code beside CPU torch; nothing here needs them.
+"${pip[@]}" uninstall -q -y torchaudio torchcodec 2>/dev/null || true
+
+# torchvision's compiled ops cannot load beside CPU torch: install the start-up shim.
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+cp scripts/torchvision_cpu_shim.py "$site/_mm_assets_torchvision_cpu_shim.py"
+echo "import _mm_assets_torchvision_cpu_shim as s; s.install()" > "$site/_mm_assets_torchvision_cpu_shim.pth"
+
+"$VENV/bin/python" - <<'PY'
+import torchvision, transformers, vllm, dagster  # noqa: F401
+print(f"setup: torch ok, transformers {transformers.__version__}, vllm {vllm.__version__}, dagster {dagster.__version__}")
+PY
+echo "$want" > "$stamp"

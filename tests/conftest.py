@@ -1,0 +1,55 @@
+"""Test session setup: an isolated storage root with the demo built once.
+
+The environment is set before `mm_assets` is imported, because the dataset registry (and
+so the partitions) is read when the definitions load. A user registry file adds a
+`bad_inputs` dataset (files written by its test) and the demo data with a wrong
+image root.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+SESSION_HOME = Path(tempfile.mkdtemp(prefix="mm_assets_test_"))
+os.environ["MM_ASSETS_HOME"] = str(SESSION_HOME)
+os.environ["DAGSTER_HOME"] = str(SESSION_HOME / "dagster_home")
+os.environ["MM_ASSETS_DATASETS"] = str(SESSION_HOME / "datasets.yaml")
+os.environ.pop("MM_ASSETS_TARGET_MODEL", None)
+os.environ.pop("COCO_DIR", None)
+(SESSION_HOME / "dagster_home").mkdir(parents=True)
+BAD_DIR = SESSION_HOME / "bad_inputs"
+(SESSION_HOME / "datasets.yaml").write_text(
+    f"""
+bad_inputs:
+  path: {BAD_DIR}/data.json
+  format: sharegpt4v
+  image_root: {BAD_DIR}/coco
+  image_path_strip_prefix: "coco/"
+  min_image_availability: 0.0
+
+demo_wrong_root:
+  path: {SESSION_HOME}/demo/data/sharegpt4v_coco.json
+  format: sharegpt4v
+  image_root: {SESSION_HOME}/no_such_root
+  image_path_strip_prefix: "coco/"
+"""
+)
+
+
+@pytest.fixture(scope="session")
+def demo_dir() -> Path:
+    """The demo target and datasets, built once per test session."""
+    from mm_assets.demo.__main__ import build
+
+    return build()
+
+
+@pytest.fixture(scope="session")
+def demo_processor(demo_dir: Path):
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(demo_dir / "target")

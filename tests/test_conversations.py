@@ -1,0 +1,166 @@
+"""Normalization of the supported formats and the reason for every drop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mm_assets.domain.conversations import (
+    DropReason,
+    Rejected,
+    image_references,
+    normalize,
+    parse_record,
+    to_vllm_messages,
+)
+from mm_assets.domain.images import ImageProbe, ImageStatus
+
+
+def _ok(ref: str, digest: str = "h1") -> ImageProbe:
+    return ImageProbe(
+        ref, f"/data/coco/{ref}", ImageStatus.OK, width=64, height=48, content_hash=digest
+    )
+
+
+PROBES = {
+    "coco/a.jpg": _ok("coco/a.jpg"),
+    "coco/b.jpg": _ok("coco/b.jpg", "h2"),
+    "coco/gone.jpg": ImageProbe("coco/gone.jpg", "/data/coco/gone.jpg", ImageStatus.MISSING),
+}
+
+
+def _v4(image, *turns):
+    return {"image": image, "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+def test_sharegpt4v_image_line_becomes_an_image_part() -> None:
+    conv = normalize(
+        _v4("coco/a.jpg", ("human", "<image>\nWhat is this?"), ("gpt", "A cat.")),
+        "sharegpt4v",
+        PROBES,
+    )
+    assert conv.turns == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "path": "/data/coco/coco/a.jpg"},
+                {"type": "text", "text": "What is this?"},
+            ],
+        },
+        {"role": "assistant", "content": "A cat."},
+    ]
+    assert conv.multimodal and conv.images[0].content_hash == "h1"
+
+
+def test_placeholder_after_text_and_list_of_images() -> None:
+    conv = normalize(
+        _v4(
+            ["coco/a.jpg", "coco/b.jpg"], ("human", "Compare\n<image>\nand <image>"), ("gpt", "ok")
+        ),
+        "sharegpt4v",
+        PROBES,
+    )
+    parts = conv.turns[0]["content"]
+    assert [p["type"] for p in parts] == ["text", "image", "text", "image"]
+    assert parts[0]["text"] == "Compare" and parts[2]["text"] == "and "
+
+
+@pytest.mark.parametrize(
+    ("record", "reason"),
+    [
+        (
+            _v4("coco/gone.jpg", ("human", "<image>\nhi"), ("gpt", "x")),
+            DropReason.IMAGE_UNAVAILABLE,
+        ),
+        (
+            _v4("coco/unknown.jpg", ("human", "<image>\nhi"), ("gpt", "x")),
+            DropReason.IMAGE_UNAVAILABLE,
+        ),
+        (
+            _v4("coco/a.jpg", ("human", "<image>\n<image>\nhi"), ("gpt", "x")),
+            DropReason.IMAGE_PLACEHOLDER_MISMATCH,
+        ),
+        (_v4("coco/a.jpg", ("human", "hi"), ("gpt", "x")), DropReason.IMAGE_PLACEHOLDER_MISMATCH),
+        (_v4(None, ("human", "<image>\nhi"), ("gpt", "x")), DropReason.IMAGE_PLACEHOLDER_MISMATCH),
+        (
+            _v4("coco/a.jpg", ("human", "hi"), ("gpt", "<image>")),
+            DropReason.IMAGE_PLACEHOLDER_MISMATCH,
+        ),
+        (_v4(None, ("human", "hi"), ("human", "again")), DropReason.NO_ASSISTANT_TURN),
+        (_v4(None), DropReason.EMPTY_CONVERSATION),
+        ({"image": None, "conversations": "human: hi"}, DropReason.MALFORMED_ROW),
+        ({"conversations": [{"from": "human"}]}, DropReason.MALFORMED_ROW),
+        (_v4(None, ("narrator", "once"), ("gpt", "x")), DropReason.UNKNOWN_ROLE),
+    ],
+)
+def test_bad_records_are_rejected_with_their_reason(record, reason) -> None:
+    with pytest.raises(Rejected) as info:
+        normalize(record, "sharegpt4v", PROBES)
+    assert info.value.reason is reason
+
+
+def test_sharegpt_maps_roles_and_keeps_text_placeholders() -> None:
+    record = {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "What is <image> in HTML?"},
+            {"from": "gpt", "value": "A tag."},
+        ]
+    }
+    conv = normalize(record, "sharegpt", {})
+    assert [t["role"] for t in conv.turns] == ["system", "user", "assistant"]
+    assert conv.turns[1]["content"] == "What is <image> in HTML?" and not conv.multimodal
+
+
+def test_messages_format_with_image_parts() -> None:
+    record = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": "coco/a.jpg"},
+                    {"type": "text", "text": "?"},
+                ],
+            },
+            {"role": "assistant", "content": "A cat."},
+        ]
+    }
+    assert image_references(record, "messages") == ["coco/a.jpg"]
+    conv = normalize(record, "messages", PROBES)
+    assert conv.turns[0]["content"][0] == {"type": "image", "path": "/data/coco/coco/a.jpg"}
+
+
+def test_parse_record_rejects_non_objects_and_bad_json() -> None:
+    for text in ("[1, 2]", "{not json", '"a string"'):
+        with pytest.raises(Rejected) as info:
+            parse_record(text)
+        assert info.value.reason is DropReason.MALFORMED_ROW
+    with pytest.raises(Rejected):
+        parse_record("whatever", parse_error="invalid JSON: line 3")
+
+
+def test_sample_id_is_stable_and_follows_image_content_not_path() -> None:
+    record = _v4("coco/a.jpg", ("human", "<image>\nWhat?"), ("gpt", "A cat."))
+    a = normalize(record, "sharegpt4v", PROBES).sample_id()
+    moved = {
+        "coco/a.jpg": ImageProbe(
+            "coco/a.jpg", "/elsewhere/a.jpg", ImageStatus.OK, content_hash="h1"
+        )
+    }
+    assert normalize(record, "sharegpt4v", moved).sample_id() == a
+    other = {"coco/a.jpg": _ok("coco/a.jpg", "different-bytes")}
+    assert normalize(record, "sharegpt4v", other).sample_id() != a
+
+
+def test_vllm_messages_use_file_urls_never_pixels() -> None:
+    conv = normalize(
+        _v4("coco/a.jpg", ("human", "<image>\nWhat?"), ("gpt", "A cat.")), "sharegpt4v", PROBES
+    )
+    messages = to_vllm_messages(conv.turns)
+    assert messages[0]["content"][0] == {
+        "type": "image_url",
+        "image_url": {"url": "file:///data/coco/coco/a.jpg"},
+    }
+    assert messages[1] == {"role": "assistant", "content": "A cat."}
+    json.dumps(messages)  # serializable as stored

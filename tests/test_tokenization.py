@@ -1,0 +1,210 @@
+"""Loss masks, lazy image-token expansion and truncation, on the demo's real processors."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from mm_assets.domain.conversations import Rejected, image_references, normalize
+from mm_assets.domain.images import probe_reference
+from mm_assets.domain.tokenization import (
+    GENERATION_MARKER,
+    ChatTokenizer,
+    TokenizeDropReason,
+    TokenizeRejected,
+    expand_image_tokens,
+    mask_from_spans,
+    tokenize_with_pixels,
+    truncate,
+)
+
+# -- pure functions ----------------------------------------------------------------
+
+
+def test_mask_from_spans_marks_overlapping_tokens() -> None:
+    offsets = [(0, 3), (3, 5), (5, 9), (9, 9), (9, 12)]
+    assert mask_from_spans(offsets, [(4, 9)]) == [0, 1, 1, 0, 0]
+    assert mask_from_spans(offsets, [(0, 3), (9, 12)]) == [1, 0, 0, 1, 1]
+
+
+def test_expand_image_tokens_repeats_each_image_by_its_own_count() -> None:
+    ids, mask = expand_image_tokens([1, 9, 2, 9, 3], [0, 0, 1, 0, 1], 9, [3, 2])
+    assert ids == [1, 9, 9, 9, 2, 9, 9, 3]
+    assert mask == [0, 0, 0, 0, 1, 0, 0, 1]
+
+
+@pytest.mark.parametrize(("max_length", "cut"), [(3, 2), (4, 2), (5, 5), (2, 2), (6, 6)])
+def test_truncate_never_splits_an_image_block(max_length: int, cut: int) -> None:
+    ids = [1, 2, 9, 9, 9, 3, 4, 5]
+    out, mask, truncated = truncate(ids, [1] * 8, max_length, image_token_id=9)
+    assert out == ids[:cut] and len(mask) == cut and truncated
+
+
+def test_truncate_leaves_short_rows_alone() -> None:
+    assert truncate([1, 2], [0, 1], 5, 9) == ([1, 2], [0, 1], False)
+
+
+# -- on the demo's processors ------------------------------------------------------
+
+
+def _demo_conversations(demo_dir: Path, multimodal_only: bool = True):
+    """Every usable demo conversation with its image sizes, via the domain functions."""
+    records = json.loads((demo_dir / "data" / "sharegpt4v_coco.json").read_text())
+    root = demo_dir / "coco"
+    out = []
+    for record in records:
+        refs = image_references(record, "sharegpt4v")
+        probes = {r: probe_reference(root, r, "coco/") for r in refs}
+        try:
+            conv = normalize(record, "sharegpt4v", probes)
+        except Rejected:
+            continue
+        out.append((conv.turns, [(p.height, p.width) for p in conv.images]))
+    assert len(out) > 150
+    return out
+
+
+def _without_generation_markers(processor):
+    clone = copy.copy(processor)
+    clone.chat_template = processor.chat_template.replace("{%- generation -%}", "").replace(
+        "{%- endgeneration -%}", ""
+    )
+    assert not GENERATION_MARKER.search(clone.chat_template)
+    return clone
+
+
+def test_lazy_ids_equal_the_processor_on_pixels_for_every_demo_sample(
+    demo_dir: Path, demo_processor
+) -> None:
+    lazy = ChatTokenizer(demo_processor, max_length=100_000)
+    assert lazy.multimodal and lazy.mask_method == "generation_markers"
+    for turns, sizes in _demo_conversations(demo_dir):
+        (row,) = lazy.tokenize(turns, sizes)
+        eager = tokenize_with_pixels(demo_processor, turns)
+        assert row.input_ids == eager["input_ids"]
+        assert row.loss_mask == eager["loss_mask"]
+        assert row.input_ids.count(lazy.image_token_id) > len(sizes)  # really expanded
+
+
+def test_lazy_ids_equal_pixels_for_a_llava_style_processor(demo_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoProcessor
+
+    from mm_assets.demo.data import demo_corpus
+    from mm_assets.demo.target import build_llava_style_target
+
+    processor = AutoProcessor.from_pretrained(
+        build_llava_style_target(tmp_path / "llava", demo_corpus(demo_dir))
+    )
+    lazy = ChatTokenizer(processor, max_length=100_000)
+    assert lazy.mask_method == "prefix_render"
+    per_image = set()
+    for turns, sizes in _demo_conversations(demo_dir)[:60]:
+        (row,) = lazy.tokenize(turns, sizes)
+        assert row.input_ids == tokenize_with_pixels(processor, turns)["input_ids"]
+        per_image.add(row.input_ids.count(lazy.image_token_id) // len(sizes))
+    assert len(per_image) == 1 and per_image.pop() > 1  # a fixed count per image
+
+
+def test_prefix_render_mask_equals_the_generation_marker_mask(
+    demo_dir: Path, demo_processor
+) -> None:
+    with_markers = ChatTokenizer(demo_processor, max_length=100_000)
+    fallback = ChatTokenizer(_without_generation_markers(demo_processor), max_length=100_000)
+    assert fallback.mask_method == "prefix_render"
+    checked = 0
+    for turns, sizes in _demo_conversations(demo_dir)[:80]:
+        (a,) = with_markers.tokenize(turns, sizes)
+        (b,) = fallback.tokenize(turns, sizes)
+        assert a.input_ids == b.input_ids and a.loss_mask == b.loss_mask
+        checked += sum(t["role"] == "assistant" for t in turns) > 1
+    assert checked > 5  # multi-turn conversations were among them
+
+
+def test_supervised_tokens_are_exactly_the_assistant_replies(demo_processor) -> None:
+    chat = ChatTokenizer(demo_processor)
+    turns = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Blue."},
+    ]
+    (row,) = chat.tokenize(turns)
+    supervised = [t for t, m in zip(row.input_ids, row.loss_mask, strict=True) if m]
+    assert chat.tokenizer.decode(supervised) == "Red.<|im_end|>Blue.<|im_end|>"
+
+
+def test_history_rewriting_template_gives_one_row_per_assistant_turn(demo_processor) -> None:
+    """A template that hides earlier answers (as reasoning templates drop old <think>)."""
+    clone = copy.copy(demo_processor)
+    clone.chat_template = (
+        "{%- for m in messages -%}<|im_start|>{{ m.role }}\n"
+        "{%- if m.role == 'assistant' and not loop.last -%}(earlier answer)"
+        "{%- else -%}{{ m.content }}{%- endif -%}<|im_end|>\n{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+    )
+    chat = ChatTokenizer(clone)
+    turns = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Red."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Blue."},
+    ]
+    rows = chat.tokenize(turns)
+    assert [r.num_turns for r in rows] == [2, 4]
+    decoded = [
+        chat.tokenizer.decode([t for t, m in zip(r.input_ids, r.loss_mask, strict=True) if m])
+        for r in rows
+    ]
+    assert decoded == ["Red.<|im_end|>", "Blue.<|im_end|>"]
+
+
+def test_truncation_with_a_real_processor_stops_before_the_image_block(
+    demo_dir: Path, demo_processor
+) -> None:
+    turns, sizes = next((t, s) for t, s in _demo_conversations(demo_dir) if s and min(s[0]) >= 100)
+    full = ChatTokenizer(demo_processor, max_length=100_000).tokenize(turns, sizes)[0]
+    image_id = demo_processor.image_token_id
+    first = full.input_ids.index(image_id)
+    # A limit inside the image block, with the assistant reply beyond it: nothing left to
+    # supervise, so the row is refused with its reason rather than cut mid-image.
+    short = ChatTokenizer(demo_processor, max_length=first + 3)
+    with pytest.raises(TokenizeRejected) as info:
+        short.tokenize(turns, sizes)
+    assert info.value.reason is TokenizeDropReason.NO_SUPERVISED_TOKENS
+    # A limit past the image keeps the whole block and cuts later.
+    limit = len(full.input_ids) - 2
+    (row,) = ChatTokenizer(demo_processor, max_length=limit).tokenize(turns, sizes)
+    assert row.truncated and len(row.input_ids) == limit
+    assert row.input_ids.count(image_id) == full.input_ids.count(image_id)
+
+
+def test_template_that_drops_images_is_refused(demo_processor) -> None:
+    clone = copy.copy(demo_processor)
+    clone.chat_template = (
+        "{%- for m in messages -%}{{ m.role }}: "
+        "{%- if m.content is string -%}{{ m.content }}{%- endif -%}\n{%- endfor -%}"
+    )
+    turns = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "path": "/x.jpg"}, {"type": "text", "text": "?"}],
+        },
+        {"role": "assistant", "content": "ok"},
+    ]
+    with pytest.raises(TokenizeRejected) as info:
+        ChatTokenizer(clone).tokenize(turns, [(56, 56)])
+    assert info.value.reason is TokenizeDropReason.TEMPLATE_ERROR
+
+
+def test_a_plain_tokenizer_target_is_text_only(demo_processor) -> None:
+    tokenizer = copy.copy(demo_processor.tokenizer)
+    tokenizer.chat_template = demo_processor.chat_template
+    chat = ChatTokenizer(tokenizer)
+    assert not chat.multimodal and chat.image_token_id is None
+    (row,) = chat.tokenize(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}]
+    )
+    assert row.num_supervised > 0 and row.num_images == 0
