@@ -1,0 +1,1 @@
+"""Clients of external systems: the vLLM server (managed or external) and its connector."""
