@@ -1,4 +1,4 @@
-"""The mm_assets code location: dataset → images → conversations → tokens.
+"""The mm_assets code location: dataset → images → conversations → tokens → hidden states.
 
 `dagster dev` and `dagster asset materialize -m mm_assets.definitions` load this module.
 """
@@ -7,12 +7,23 @@ import dagster as dg
 
 from mm_assets import settings
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
+from mm_assets.assets.model import hidden_states
 from mm_assets.assets.prep import normalized_conversations, tokenized_samples
-from mm_assets.resources import StorageResource, TargetModelResource
+from mm_assets.resources import StorageResource, TargetModelResource, VllmResource
 
 settings.ensure_dagster_home()
 
 defs = dg.Definitions(
-    assets=[raw_dataset, coco_image_availability, normalized_conversations, tokenized_samples],
-    resources={"storage": StorageResource(), "target_model": TargetModelResource()},
+    assets=[
+        raw_dataset,
+        coco_image_availability,
+        normalized_conversations,
+        tokenized_samples,
+        hidden_states,
+    ],
+    resources={
+        "storage": StorageResource(),
+        "target_model": TargetModelResource(),
+        "vllm": VllmResource(),
+    },
 )

@@ -53,3 +53,55 @@ def demo_processor(demo_dir: Path):
     from transformers import AutoProcessor
 
     return AutoProcessor.from_pretrained(demo_dir / "target")
+
+
+PREP_ASSETS = [
+    "raw_dataset",
+    "coco_image_availability",
+    "normalized_conversations",
+    "tokenized_samples",
+]
+
+
+def materialize(
+    partition: str,
+    assets: list[str],
+    resources: dict | None = None,
+    raise_on_error: bool = True,
+):
+    """Materialize some assets of the real definitions for one partition, in process."""
+    import dagster as dg
+
+    from mm_assets.definitions import defs
+
+    return dg.materialize(
+        [defs.get_assets_def(name) for name in assets],
+        partition_key=partition,
+        resources={**defs.resources, **(resources or {})},
+        instance=dg.DagsterInstance.get(),
+        raise_on_error=raise_on_error,
+    )
+
+
+@pytest.fixture(scope="session")
+def prepared_demo(demo_dir: Path) -> dict:
+    """The prep stages materialized once for both demo partitions."""
+    return {p: materialize(p, PREP_ASSETS) for p in ("demo_sharegpt4v_coco", "demo_sharegpt")}
+
+
+@pytest.fixture(scope="session")
+def vllm_server(demo_dir: Path):
+    """One real vLLM server (CPU engine) for the demo target, shared by the test run."""
+    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
+    from mm_assets.domain.hidden_states import default_layer_ids
+
+    server = ManagedVllmServer(
+        str(demo_dir / "target"),
+        default_layer_ids(8),
+        SESSION_HOME / "blobs" / "incoming" / "session_server",
+        demo_dir / "coco",
+        SESSION_HOME / "logs" / "session_vllm.log",
+        EngineOptions(dtype="float32", kv_cache_gib=1.0),
+    )
+    with server:
+        yield server

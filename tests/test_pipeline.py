@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import struct
-import zlib
 from pathlib import Path
 
 import dagster as dg
 import pytest
-from PIL import Image
 
-from tests.conftest import BAD_DIR
+from tests.bad_inputs import write_bad_inputs
+from tests.conftest import PREP_ASSETS, materialize
 
 
-def _materialize(partition: str) -> dg.ExecuteInProcessResult:
-    from mm_assets.definitions import defs
-
-    job = defs.resolve_implicit_global_asset_job_def()
-    return job.execute_in_process(partition_key=partition, instance=dg.DagsterInstance.get())
+def _materialize(partition: str, raise_on_error: bool = True) -> dg.ExecuteInProcessResult:
+    return materialize(partition, PREP_ASSETS, raise_on_error=raise_on_error)
 
 
 def _metadata(result: dg.ExecuteInProcessResult, asset: str) -> dict:
@@ -28,8 +23,8 @@ def _metadata(result: dg.ExecuteInProcessResult, asset: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def demo_results(demo_dir: Path) -> dict[str, dg.ExecuteInProcessResult]:
-    return {p: _materialize(p) for p in ("demo_sharegpt4v_coco", "demo_sharegpt")}
+def demo_results(prepared_demo) -> dict[str, dg.ExecuteInProcessResult]:
+    return prepared_demo
 
 
 def test_demo_partitions_materialize_and_are_queryable(demo_results) -> None:
@@ -114,73 +109,10 @@ def test_metadata_a_user_reads(demo_results) -> None:
 # -- bad input -----------------------------------------------------------------------
 
 
-def _png_declaring(path: Path, width: int, height: int) -> None:
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-        )
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    path.write_bytes(
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
-    )
-
-
-def _write_bad_inputs() -> dict[int, str | None]:
-    """Records of every bad kind beside good ones; returns index -> expected reason."""
-    images = BAD_DIR / "coco" / "train2017"
-    images.mkdir(parents=True, exist_ok=True)
-    Image.effect_noise((80, 60), 50).convert("RGB").save(images / "good.jpg", quality=95)
-    Image.new("RGB", (50, 70), "green").save(images / "good2.png")
-    (images / "empty.jpg").write_bytes(b"")
-    full = (images / "good.jpg").read_bytes()
-    (images / "cut.jpg").write_bytes(full[: len(full) // 2])
-    (images / "text.jpg").write_text("not an image")
-    _png_declaring(images / "bomb.png", 50_000, 50_000)
-    Image.new("RGB", (8, 8)).save(BAD_DIR / "outside.jpg")
-    escape = images / "escape.jpg"
-    if not escape.is_symlink():
-        escape.symlink_to(BAD_DIR / "outside.jpg")
-
-    def v4(image, *turns):
-        return {"image": image, "conversations": [{"from": f, "value": v} for f, v in turns]}
-
-    ask = ("human", "<image>\nWhat is it?")
-    answer = ("gpt", "A picture.")
-    cases: list[tuple[object, str | None]] = [
-        (v4("coco/train2017/good.jpg", ask, answer), None),
-        (v4("coco/train2017/good2.png", ask, answer, ("human", "More?"), ("gpt", "Green.")), None),
-        (v4("coco/train2017/nope.jpg", ask, answer), "image_unavailable"),
-        (v4("coco/train2017/empty.jpg", ask, answer), "image_unavailable"),
-        (v4("coco/train2017/cut.jpg", ask, answer), "image_unavailable"),
-        (v4("coco/train2017/text.jpg", ask, answer), "image_unavailable"),
-        (v4("coco/../outside.jpg", ask, answer), "image_unavailable"),
-        (v4("coco/train2017/escape.jpg", ask, answer), "image_unavailable"),
-        (v4("coco/train2017/bomb.png", ask, answer), "image_unavailable"),
-        (
-            v4("coco/train2017/good.jpg", ("human", "<image>\n<image>\nTwo?"), answer),
-            "image_placeholder_mismatch",
-        ),
-        (
-            v4("coco/train2017/good.jpg", ("human", "No placeholder"), answer),
-            "image_placeholder_mismatch",
-        ),
-        (v4(None, ("human", "Hello?")), "no_assistant_turn"),
-        (v4(None), "empty_conversation"),
-        ({"conversations": "human: hi / gpt: hello"}, "malformed_row"),
-        (v4(None, ("narrator", "Once upon a time"), answer), "unknown_role"),
-        (v4(None, ("human", "Just text?"), ("gpt", "Just text.")), None),
-        (v4("coco/train2017/good.jpg", ask, answer), "duplicate_sample"),
-        ([1, 2, 3], "malformed_row"),
-    ]
-    (BAD_DIR / "data.json").write_text(json.dumps([c for c, _ in cases]))
-    return {i: reason for i, (_, reason) in enumerate(cases)}
-
-
 def test_bad_inputs_are_quarantined_with_reasons_and_good_rows_kept() -> None:
     from mm_assets.resources import StorageResource
 
-    expected = _write_bad_inputs()
+    expected = write_bad_inputs()
     result = _materialize("bad_inputs")
     assert result.success
     tables = StorageResource().tables()
@@ -213,12 +145,7 @@ def test_bad_inputs_are_quarantined_with_reasons_and_good_rows_kept() -> None:
 def test_low_availability_fails_the_blocking_check_and_stops_downstream(demo_dir: Path) -> None:
     """The demo data with a wrong image root: the check names the fix, and nothing
     downstream of the availability stage runs."""
-    from mm_assets.definitions import defs
-
-    job = defs.resolve_implicit_global_asset_job_def()
-    result = job.execute_in_process(
-        partition_key="demo_wrong_root", instance=dg.DagsterInstance.get(), raise_on_error=False
-    )
+    result = _materialize("demo_wrong_root", raise_on_error=False)
     (check,) = result.get_asset_check_evaluations()
     assert not check.passed and "COCO_DIR" in check.description
     assert result.asset_materializations_for_node("coco_image_availability")

