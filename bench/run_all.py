@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -14,6 +16,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results["tokenize_lazy_vs_pixels"] = tokenize_lazy_vs_pixels.run(300, Path(tmp) / "speed")
         results["tokenize_memory"] = tokenize_memory.run(Path(tmp) / "memory")
+    # a fresh process: it registers its own datasets before mm_assets is imported
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.hidden_states_throughput"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    ).stdout
+    results["hidden_states_throughput"] = json.loads(out[out.index("{") :])
     print(json.dumps(results, indent=2))
 
 

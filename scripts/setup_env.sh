@@ -13,11 +13,26 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     exit 0
 fi
 
+# tcmalloc makes vLLM's CPU engine ~3x faster (preloaded by the managed launcher).
+# Best effort: without it, or without root, everything still works, only slower.
+if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+        echo "setup: installing libtcmalloc-minimal4"
+        (apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \
+            || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1)) \
+            || echo "setup: could not install libtcmalloc-minimal4; vLLM on CPU will be slower"
+    fi
+fi
+
 echo "setup: creating $VENV (first run takes a few minutes: vLLM's CPU engine is ~3.5 GB)"
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # torch==2.13.0 resolves to the CPU wheel that lies on disk (PIP_FIND_LINKS / pip config).
-"${pip[@]}" install -q -e '.[cpu,dev]'
+if ! "${pip[@]}" install -q -e '.[cpu,dev]' >"$VENV/pip-install.log" 2>&1; then
+    grep -v "is ignored: it is neither a file nor a directory" "$VENV/pip-install.log" | tail -40
+    echo "setup: pip install failed (full log: $VENV/pip-install.log)" >&2
+    exit 1
+fi
 
 # PyPI's torchaudio/torchcodec are CUDA builds whose ops break `import transformers`
 # model code beside CPU torch; nothing here needs them.

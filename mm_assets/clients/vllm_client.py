@@ -165,8 +165,11 @@ class HiddenStatesClient:
         handle: Callable[[ExtractionRequest, ExtractionResponse | Exception], Awaitable[None]],
     ) -> None:
         """Send every request with at most `concurrency` in flight; `handle` gets each
-        response or per-sample failure. A `CircuitOpen` stops everything and propagates."""
+        response or per-sample failure. Handling (reading and storing a file) runs beside
+        the next requests instead of holding a request slot. A `CircuitOpen` stops
+        everything and propagates."""
         queue: asyncio.Queue[ExtractionRequest | None] = asyncio.Queue(self.concurrency * 2)
+        handling = asyncio.Semaphore(self.concurrency * 2)
 
         async def produce() -> None:
             for request in requests:
@@ -174,18 +177,27 @@ class HiddenStatesClient:
             for _ in range(self.concurrency):
                 await queue.put(None)
 
-        async def work() -> None:
+        async def handle_and_release(
+            request: ExtractionRequest, outcome: ExtractionResponse | Exception
+        ) -> None:
+            try:
+                await handle(request, outcome)
+            finally:
+                handling.release()
+
+        async def work(group: asyncio.TaskGroup) -> None:
             while (request := await queue.get()) is not None:
                 try:
                     outcome: ExtractionResponse | Exception = await self.extract(request)
                 except RequestRefused as exc:
                     outcome = exc
-                await handle(request, outcome)
+                await handling.acquire()
+                group.create_task(handle_and_release(request, outcome))
 
         async with asyncio.TaskGroup() as group:
             group.create_task(produce())
             for _ in range(self.concurrency):
-                group.create_task(work())
+                group.create_task(work(group))
 
     async def close(self) -> None:
         for server in self.servers:

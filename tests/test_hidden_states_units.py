@@ -1,0 +1,187 @@
+"""Pure parts of the hidden-state stage: layer ids, cache keys, validation, disk budget,
+the writer's lock, and parsing vLLM's responses."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mm_assets.clients.vllm_client import RequestRefused, parse_response
+from mm_assets.clients.vllm_server import extraction_configs
+from mm_assets.domain.extraction import (
+    DiskBudgetError,
+    ExtractionSettings,
+    check_disk_budget,
+    plan_extraction,
+    wait_for_writer,
+)
+from mm_assets.domain.hidden_states import (
+    HiddenStatesProblem,
+    HiddenStatesRejected,
+    cache_key,
+    default_layer_ids,
+    estimate_bytes,
+    target_fingerprint,
+    text_config_facts,
+    validate_layer_ids,
+    validate_tensors,
+)
+from mm_assets.storage.blobs import BlobStore
+
+
+def test_default_layer_ids_and_validation() -> None:
+    assert default_layer_ids(8) == [2, 4, 5, 8]
+    assert default_layer_ids(32) == [2, 16, 29, 32]
+    assert validate_layer_ids([1, 3, 6, 8], 8) == [1, 3, 6, 8]
+    for bad in ([2, 4, 5], [2, 4, 5, 7], [0, 4, 5, 8], [2, 4, 9, 8]):
+        with pytest.raises(ValueError, match="last layer"):
+            validate_layer_ids(bad, 8)
+
+
+def test_text_config_facts_read_the_language_model_of_a_vlm() -> None:
+    vlm = {"text_config": {"num_hidden_layers": 28, "hidden_size": 3584, "dtype": "bfloat16"}}
+    facts = text_config_facts(vlm)
+    assert (facts.num_layers, facts.hidden_size, facts.dtype) == (28, 3584, "bfloat16")
+    llm = {"num_hidden_layers": 4, "hidden_size": 64, "torch_dtype": "float16"}
+    assert text_config_facts(llm).dtype == "float16"
+
+
+def test_cache_key_changes_with_everything_that_changes_the_states() -> None:
+    base = cache_key("t", [2, 4, 5, 8], "float32", [1, 2, 3], ["img"])
+    assert base == cache_key("t", [2, 4, 5, 8], "float32", [1, 2, 3], ["img"])
+    variants = [
+        cache_key("t2", [2, 4, 5, 8], "float32", [1, 2, 3], ["img"]),
+        cache_key("t", [2, 4, 6, 8], "float32", [1, 2, 3], ["img"]),
+        cache_key("t", [2, 4, 5, 8], "bfloat16", [1, 2, 3], ["img"]),
+        cache_key("t", [2, 4, 5, 8], "float32", [1, 2, 4], ["img"]),
+        cache_key("t", [2, 4, 5, 8], "float32", [1, 2, 3], ["other"]),
+    ]
+    assert len({base, *variants}) == 6
+
+
+def test_target_fingerprint_follows_content(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    a = target_fingerprint(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\1" * 1000)
+    assert target_fingerprint(tmp_path) != a
+
+
+def _tensors(n: int, layers: int = 4, hidden: int = 8, dtype=torch.float32, ids=None) -> dict:
+    return {
+        "hidden_states": torch.randn(n, layers, hidden).to(dtype),
+        "token_ids": torch.tensor(ids if ids is not None else list(range(n))),
+    }
+
+
+def test_validate_tensors_accepts_and_cuts_untruncated_renders() -> None:
+    assert validate_tensors(_tensors(5), [0, 1, 2, 3, 4], 4, 8, "float32").shape == (5, 4, 8)
+    # a truncated row: the server rendered the whole conversation, the row keeps a prefix
+    assert validate_tensors(_tensors(7), [0, 1, 2, 3], 4, 8, "float32").shape == (4, 4, 8)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "ids", "problem"),
+    [
+        (_tensors(5, ids=[0, 1, 9, 3, 4]), [0, 1, 2, 3, 4], HiddenStatesProblem.TOKEN_MISMATCH),
+        (_tensors(3), [0, 1, 2, 3], HiddenStatesProblem.BAD_SHAPE),
+        (_tensors(4, layers=3), [0, 1, 2, 3], HiddenStatesProblem.BAD_SHAPE),
+        (_tensors(4, dtype=torch.bfloat16), [0, 1, 2, 3], HiddenStatesProblem.BAD_DTYPE),
+        ({"hidden_states": torch.zeros(4, 4, 8)}, [0, 1, 2, 3], HiddenStatesProblem.BAD_FILE),
+    ],
+)
+def test_validate_tensors_rejects(tensors, ids, problem) -> None:
+    with pytest.raises(HiddenStatesRejected) as info:
+        validate_tensors(tensors, ids, 4, 8, "float32")
+    assert info.value.reason is problem
+
+
+def test_validate_tensors_rejects_non_finite_values() -> None:
+    tensors = _tensors(4)
+    tensors["hidden_states"][2, 1, 3] = float("nan")
+    with pytest.raises(HiddenStatesRejected, match="from token 2"):
+        validate_tensors(tensors, [0, 1, 2, 3], 4, 8, "float32")
+
+
+def test_plan_skips_cached_and_duplicate_rows(tmp_path: Path) -> None:
+    blobs = BlobStore(tmp_path)
+    settings = ExtractionSettings("t", [2, 4, 5, 8], 8, "float32")
+    rows = [
+        {"row_id": "a", "sample_id": "a", "input_ids": [1, 2], "image_hashes": []},
+        {"row_id": "b", "sample_id": "b", "input_ids": [3, 4, 5], "image_hashes": []},
+        {"row_id": "c", "sample_id": "c", "input_ids": [1, 2], "image_hashes": []},
+    ]
+    blobs.put_tensors(_tensors(3), settings.key([3, 4, 5], []))
+    plan = plan_extraction(rows, settings, blobs)
+    assert plan.missing == {"a"} and plan.cache_hits == 2 and plan.missing_tokens == 2
+
+
+def test_disk_budget_refuses_what_cannot_fit(tmp_path: Path, monkeypatch) -> None:
+    blobs = BlobStore(tmp_path)
+    settings = ExtractionSettings("t", [2, 16, 29, 32], 4096, "bfloat16")
+    rows = [
+        {"row_id": str(i), "sample_id": str(i), "input_ids": [i] * 8192, "image_hashes": []}
+        for i in range(10)
+    ]
+    plan = plan_extraction(rows, settings, blobs)
+    needed = estimate_bytes(81920, 4, 4096, "bfloat16")
+    assert needed > 4 * 4096 * 2 * 81920  # ~2.7 GB for ten 8k-token rows
+    monkeypatch.setattr(BlobStore, "free_bytes", lambda self: needed // 2)
+    with pytest.raises(DiskBudgetError, match="free space"):
+        check_disk_budget(plan, settings, blobs)
+    monkeypatch.setattr(BlobStore, "free_bytes", lambda self: needed * 2)
+    assert check_disk_budget(plan, settings, blobs) == needed
+
+
+def test_wait_for_writer_blocks_until_the_lock_is_released(tmp_path: Path) -> None:
+    path = tmp_path / "x.safetensors"
+    fd = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    released = []
+
+    def release() -> None:
+        time.sleep(0.3)
+        path.write_bytes(b"done")
+        released.append(time.monotonic())
+        os.close(fd)
+
+    threading.Thread(target=release).start()
+    wait_for_writer(path, timeout_s=10)
+    assert released and time.monotonic() >= released[0]
+    fd2 = os.open(f"{path}.lock", os.O_WRONLY)
+    fcntl.flock(fd2, fcntl.LOCK_EX)
+    with pytest.raises(TimeoutError):
+        wait_for_writer(path, timeout_s=0.2)
+    os.close(fd2)
+
+
+def test_parse_response_from_completions_and_chat() -> None:
+    params = {"kv_transfer_params": {"hidden_states_path": "/x.safetensors"}}
+    chat = parse_response({"prompt_token_ids": [1, 2], **params})
+    completion = parse_response({"choices": [{"prompt_token_ids": [3]}], **params})
+    assert (chat.prompt_token_ids, completion.prompt_token_ids) == ([1, 2], [3])
+    with pytest.raises(RequestRefused, match="extract_hidden_states"):
+        parse_response({"choices": [{"prompt_token_ids": [3]}]})
+
+
+def test_extraction_configs_name_the_cpu_connector(tmp_path: Path) -> None:
+    import json
+
+    spec, transfer = extraction_configs([2, 4, 5, 8], tmp_path, use_cpu_connector=True)
+    assert json.loads(spec)["draft_model_config"]["hf_config"][
+        "eagle_aux_hidden_state_layer_ids"
+    ] == [2, 4, 5, 8]
+    transfer = json.loads(transfer)
+    assert transfer["kv_connector"] == "CpuHiddenStatesConnector"
+    assert transfer["kv_connector_extra_config"]["shared_storage_path"] == str(tmp_path)
+    stock = json.loads(extraction_configs([2, 4, 5, 8], tmp_path, use_cpu_connector=False)[1])
+    assert (
+        stock["kv_connector"] == "ExampleHiddenStatesConnector"
+        and "kv_connector_module_path" not in stock
+    )
