@@ -108,7 +108,7 @@ def run(home: Path) -> dict:
     (home / "dagster_home").mkdir(parents=True, exist_ok=True)
     import dagster as dg
 
-    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
+    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
     from mm_assets.definitions import defs
     from mm_assets.demo.__main__ import build
     from mm_assets.domain.hidden_states import default_layer_ids
@@ -131,8 +131,7 @@ def run(home: Path) -> dict:
     tokens = sum(len(r["input_ids"]) for r in rows)
     server = ManagedVllmServer(
         str(demo / "target"),
-        default_layer_ids(8),
-        home / "blobs" / "incoming" / "bench",
+        extraction_args(default_layer_ids(8), home / "blobs" / "incoming" / "bench", "auto"),
         home / "bench" / "coco",
         home / "vllm.log",
         EngineOptions(dtype="float32", kv_cache_gib=2.0),

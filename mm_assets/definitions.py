@@ -1,4 +1,5 @@
-"""The mm_assets code location: dataset → images → conversations → tokens → hidden states.
+"""The mm_assets code location: dataset → images → conversations → tokens → hidden states
+→ trained EAGLE-3 speculator.
 
 `dagster dev` and `dagster asset materialize -m mm_assets.definitions` load this module.
 """
@@ -7,7 +8,7 @@ import dagster as dg
 
 from mm_assets import settings
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
-from mm_assets.assets.model import hidden_states
+from mm_assets.assets.model import hidden_states, trained_speculator
 from mm_assets.assets.prep import normalized_conversations, tokenized_samples
 from mm_assets.resources import StorageResource, TargetModelResource, VllmResource
 
@@ -20,6 +21,7 @@ defs = dg.Definitions(
         normalized_conversations,
         tokenized_samples,
         hidden_states,
+        trained_speculator,
     ],
     resources={
         "storage": StorageResource(),

@@ -14,7 +14,7 @@ import dagster as dg
 from pydantic import Field
 
 from mm_assets import settings
-from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
+from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
 from mm_assets.domain.hidden_states import (
     DTYPE_BYTES,
     TextConfigFacts,
@@ -135,6 +135,15 @@ class VllmResource(dg.ConfigurableResource):
             return self.local_path_prefix + path[len(self.server_path_prefix) :]
         return path
 
+    def engine_options(self, dtype: str) -> EngineOptions:
+        return EngineOptions(
+            dtype=dtype,
+            max_model_len=self.max_model_len,
+            kv_cache_gib=self.kv_cache_gib,
+            enforce_eager=self.enforce_eager,
+            extra_args=tuple(self.extra_args),
+        )
+
     @contextmanager
     def session(
         self,
@@ -149,17 +158,14 @@ class VllmResource(dg.ConfigurableResource):
         if not self.managed:
             yield ServerSession(list(self.base_urls))
             return
-        options = EngineOptions(
-            dtype=dtype,
-            max_model_len=self.max_model_len,
-            kv_cache_gib=self.kv_cache_gib,
-            enforce_eager=self.enforce_eager,
-            extra_args=tuple(self.extra_args),
-            connector=self.connector,
-        )
+        options = self.engine_options(dtype)
         server = ManagedVllmServer(
-            model, layer_ids, hidden_states_dir, image_root, log_path, options,
+            model,
+            extraction_args(layer_ids, hidden_states_dir, self.connector),
+            image_root,
+            log_path,
+            options,
             self.startup_timeout_s,
-        )  # fmt: skip
+        )
         with server as url:
             yield ServerSession([url], server)

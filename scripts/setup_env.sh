@@ -43,6 +43,14 @@ site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pur
 cp scripts/torchvision_cpu_shim.py "$site/_mm_assets_torchvision_cpu_shim.py"
 echo "import _mm_assets_torchvision_cpu_shim as s; s.install()" > "$site/_mm_assets_torchvision_cpu_shim.pth"
 
+# speculators, only as a conformance oracle for the tests: kept out of site-packages
+# (its pins would fight ours) and added to PYTHONPATH by the test that uses it.
+oracle="$VENV/speculators-oracle"
+if [[ ! -d "$oracle/speculators" ]]; then
+    "${pip[@]}" install -q --no-deps --target "$oracle" speculators==0.9.0 hs-connectors==0.9.0 \
+        >"$VENV/pip-oracle.log" 2>&1 || { tail -20 "$VENV/pip-oracle.log"; exit 1; }
+fi
+
 "$VENV/bin/python" - <<'PY'
 import torchvision, transformers, vllm, dagster  # noqa: F401
 print(f"setup: torch ok, transformers {transformers.__version__}, vllm {vllm.__version__}, dagster {dagster.__version__}")

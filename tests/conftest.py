@@ -2,8 +2,8 @@
 
 The environment is set before `mm_assets` is imported, because the dataset registry (and
 so the partitions) is read when the definitions load. A user registry file adds a
-`bad_inputs` dataset (files written by its test) and the demo data with a wrong
-image root.
+`bad_inputs` dataset (files written by its test), and the demo data twice more: with
+a wrong image root, and as a partition whose tokens a test tampers with.
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ bad_inputs:
   image_root: {BAD_DIR}/coco
   image_path_strip_prefix: "coco/"
   min_image_availability: 0.0
+
+demo_tampered:
+  path: {SESSION_HOME}/demo/data/sharegpt4v_coco.json
+  format: sharegpt4v
+  image_root: {SESSION_HOME}/demo/coco
+  image_path_strip_prefix: "coco/"
 
 demo_wrong_root:
   path: {SESSION_HOME}/demo/data/sharegpt4v_coco.json
@@ -92,13 +98,13 @@ def prepared_demo(demo_dir: Path) -> dict:
 @pytest.fixture(scope="session")
 def vllm_server(demo_dir: Path):
     """One real vLLM server (CPU engine) for the demo target, shared by the test run."""
-    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
+    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
     from mm_assets.domain.hidden_states import default_layer_ids
 
+    incoming = SESSION_HOME / "blobs" / "incoming" / "session_server"
     server = ManagedVllmServer(
         str(demo_dir / "target"),
-        default_layer_ids(8),
-        SESSION_HOME / "blobs" / "incoming" / "session_server",
+        extraction_args(default_layer_ids(8), incoming, "auto"),
         demo_dir / "coco",
         SESSION_HOME / "logs" / "session_vllm.log",
         EngineOptions(dtype="float32", kv_cache_gib=1.0),

@@ -17,7 +17,12 @@ import torch
 from safetensors.torch import load_file
 
 from mm_assets.clients.vllm_client import ExtractionRequest, HiddenStatesClient
-from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, ServerStartupError
+from mm_assets.clients.vllm_server import (
+    EngineOptions,
+    ManagedVllmServer,
+    ServerStartupError,
+    extraction_args,
+)
 from mm_assets.domain.extraction import (
     ExtractionSettings,
     plan_extraction,
@@ -167,27 +172,26 @@ def test_token_mismatch_is_rejected_and_nothing_stored(
     assert not any(blobs.dir.rglob("*.safetensors"))
 
 
-def test_blocking_check_fails_on_rejections(extracted, external) -> None:
+def test_blocking_check_fails_on_rejections(demo_dir, external) -> None:
     """A partition whose stored ids disagree with vLLM's rendering fails its check."""
-    tables = StorageResource().tables()
-    rows = list(tables.iter_rows("tokenized_samples", "demo_sharegpt4v_coco"))[:10]
-    for row in rows[:2]:
-        row["input_ids"] = [
-            row["input_ids"][0],
-            *[(t + 1) % 700 for t in row["input_ids"][1:5]],
-            *row["input_ids"][5:],
-        ]
     from mm_assets.storage import schemas
 
-    tables.write("tokenized_samples", "bad_inputs", rows, schemas.TOKENIZED)
-    result = materialize("bad_inputs", ["hidden_states"], external, raise_on_error=False)
+    partition = "demo_tampered"
+    materialize(partition, PREP_ASSETS)
+    tables = StorageResource().tables()
+    rows = list(tables.iter_rows("tokenized_samples", partition))[:10]
+    for row in rows[:2]:
+        ids = row["input_ids"]
+        row["input_ids"] = [ids[0], *[(t + 1) % 700 for t in ids[1:5]], *ids[5:]]
+    tables.write("tokenized_samples", partition, rows, schemas.TOKENIZED)
+    result = materialize(partition, ["hidden_states"], external, raise_on_error=False)
     (check,) = result.get_asset_check_evaluations()
     assert not check.passed and "2/10" in check.description and "chat template" in check.description
     rejected = {
-        r["row_id"]: r["reason"] for r in tables.iter_rows("hidden_states_rejections", "bad_inputs")
+        r["row_id"]: r["reason"] for r in tables.iter_rows("hidden_states_rejections", partition)
     }
     assert rejected == {rows[0]["row_id"]: "token_mismatch", rows[1]["row_id"]: "token_mismatch"}
-    assert len(list(tables.iter_rows("hidden_states_manifest", "bad_inputs"))) == 8
+    assert len(list(tables.iter_rows("hidden_states_manifest", partition))) == 8
 
 
 def _copy_prep_tables(src_root: Path, dest_root: Path, partition: str) -> None:
@@ -315,8 +319,7 @@ def test_kill_mid_run_then_resume_matches_uninterrupted_run(extracted, tmp_path:
 def test_managed_startup_failure_reports_the_server_log(demo_dir: Path, tmp_path: Path) -> None:
     server = ManagedVllmServer(
         str(demo_dir / "target"),
-        default_layer_ids(8),
-        tmp_path / "incoming",
+        extraction_args(default_layer_ids(8), tmp_path / "incoming", "auto"),
         None,
         tmp_path / "vllm.log",
         EngineOptions(dtype="float32", extra_args=("--no-such-flag",)),

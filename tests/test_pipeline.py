@@ -34,11 +34,15 @@ def test_demo_partitions_materialize_and_are_queryable(demo_results) -> None:
     tables = StorageResource().tables()
     with tables.connect() as con:
         counts = dict(
-            con.execute("SELECT dataset, count(*) FROM tokenized_samples GROUP BY ALL").fetchall()
+            con.execute(
+                "SELECT dataset, count(*) FROM tokenized_samples "
+                "WHERE dataset LIKE 'demo_sharegpt%' GROUP BY ALL"
+            ).fetchall()
         )
         normalized = dict(
             con.execute(
-                "SELECT dataset, count(*) FROM normalized_conversations GROUP BY ALL"
+                "SELECT dataset, count(*) FROM normalized_conversations "
+                "WHERE dataset LIKE 'demo_sharegpt%' GROUP BY ALL"
             ).fetchall()
         )
         missing = con.execute(

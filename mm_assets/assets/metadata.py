@@ -38,3 +38,23 @@ def length_stats(lengths: Sequence[int]) -> dict[str, int]:
         "tokens_p95": int(np.percentile(arr, 95)),
         "tokens_max": int(arr.max()),
     }
+
+
+def line_chart(values: Sequence[float], x: str, y: str, points: int = 24) -> dg.MetadataValue:
+    """A Markdown chart of a series (e.g. the loss curve), downsampled to `points` rows."""
+    if not values:
+        return dg.MetadataValue.md("(no values)")
+    step = max(1, len(values) // points)
+    rows = [(i, float(np.mean(values[i : i + step]))) for i in range(0, len(values), step)]
+    top = max(v for _, v in rows) or 1.0
+    lines = [f"| {x} | {y} | |", "|---:|---:|---|"]
+    lines += [f"| {i + 1} | {v:.4f} | {'█' * max(1, round(30 * v / top))} |" for i, v in rows]
+    return dg.MetadataValue.md("\n".join(lines))
+
+
+def bar_chart(labels: Sequence[str], values: Sequence[float]) -> dg.MetadataValue:
+    lines = ["| | value | |", "|---|---:|---|"]
+    lines += [
+        f"| {k} | {v:.3f} | {'█' * round(30 * v)} |" for k, v in zip(labels, values, strict=True)
+    ]
+    return dg.MetadataValue.md("\n".join(lines))

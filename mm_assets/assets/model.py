@@ -1,9 +1,18 @@
-"""Model stage: hidden states from a real vLLM server (and, next, the trained speculator)."""
+"""Model stage: hidden states from a real vLLM server, and the trained EAGLE-3 speculator."""
+
+import json
+from pathlib import Path
 
 import dagster as dg
+import torch
 
+from mm_assets.assets.metadata import bar_chart, line_chart
 from mm_assets.assets.prep import tokenized_samples
 from mm_assets.clients.vllm_client import CircuitOpen, HiddenStatesClient
+from mm_assets.domain.conversations import first_prompt, to_vllm_messages
+from mm_assets.domain.draft_vocab import build_draft_vocab
+from mm_assets.domain.eagle3 import Eagle3Config, Eagle3Draft
+from mm_assets.domain.evaluation import measure_in_vllm
 from mm_assets.domain.extraction import (
     ExtractionReport,
     ExtractionSettings,
@@ -19,9 +28,14 @@ from mm_assets.domain.hidden_states import (
     human_bytes,
     validate_layer_ids,
 )
+from mm_assets.domain.speculator_checkpoint import checkpoint_config, save_checkpoint
+from mm_assets.domain.target_weights import load_target_head
+from mm_assets.domain.trainer import TrainSettings, train
+from mm_assets.domain.training_data import SampleRef, check_layer_ids, split
 from mm_assets.partitions import dataset_partitions, dataset_spec
 from mm_assets.resources import StorageResource, TargetModelResource, VllmResource
-from mm_assets.storage import schemas
+from mm_assets.storage import TableStore, schemas
+from mm_assets.storage.tables import file_hash
 
 REJECTION_CHECK = "token_id_rejections"
 
@@ -200,4 +214,167 @@ def hidden_states(
                 },
             )
         ],
+    )
+
+
+def held_out_prompts(
+    tables: TableStore, partition: str, row_ids: set[str], limit: int
+) -> list[list[dict]]:
+    """Chat prompts (up to the first assistant turn) of held-out samples, images included."""
+    sample_ids = {row_id.split("/")[0] for row_id in row_ids}
+    prompts = []
+    for row in tables.iter_rows("normalized_conversations", partition, ["sample_id", "turns"]):
+        if row["sample_id"] in sample_ids and (turns := first_prompt(json.loads(row["turns"]))):
+            prompts.append(to_vllm_messages(turns))
+            if len(prompts) >= limit:
+                break
+    return prompts
+
+
+class SpeculatorConfig(dg.Config):
+    epochs: int = 4
+    learning_rate: float = 1e-3
+    batch_tokens: int = 4096
+    """Tokens per packed batch."""
+    ttt_steps: int = 3
+    """Test-time-training unroll: draft positions trained per root position."""
+    step_loss_decay: float = 1.0
+    draft_vocab_size: int = 32000
+    held_out_fraction: float = 0.1
+    seed: int = 0
+    layer_ids: list[int] | None = None
+    """Must equal the ids the hidden states were generated with (checked)."""
+    speculative_tokens: int = 3
+    measure_in_vllm: bool = True
+    """Serve the target with the trained draft and read vLLM's spec-decode counters."""
+    vllm_prompts: int = 32
+    vllm_max_tokens: int = 64
+
+
+@dg.asset(
+    partitions_def=dataset_partitions,
+    group_name="model",
+    code_version="1",
+    kinds={"pytorch", "safetensors"},
+    deps=[hidden_states],
+)
+def trained_speculator(
+    context: dg.AssetExecutionContext,
+    config: SpeculatorConfig,
+    storage: StorageResource,
+    target_model: TargetModelResource,
+    vllm: VllmResource,
+) -> dg.MaterializeResult:
+    """An EAGLE-3 draft for the target, trained on this partition's hidden states and
+    written in the speculators format vLLM loads (`speculators/<partition>/`). Reports the
+    held-out loss, per-position conditional accuracy and estimated acceptance length, and
+    — with `measure_in_vllm` — the acceptance vLLM measures serving the target with it."""
+    spec = dataset_spec(context)
+    tables, root = storage.tables(), Path(storage.root)
+    facts = target_model.text_facts()
+    layer_ids = validate_layer_ids(
+        config.layer_ids or default_layer_ids(facts.num_layers), facts.num_layers
+    )
+    manifest = list(tables.iter_rows("hidden_states_manifest", spec.name))
+    check_layer_ids(manifest, layer_ids)
+    tokens = {
+        r["row_id"]: r
+        for r in tables.iter_rows(
+            "tokenized_samples", spec.name, ["row_id", "input_ids", "loss_mask"]
+        )
+    }
+    refs = [
+        SampleRef(
+            m["row_id"],
+            m["path"],
+            tokens[m["row_id"]]["input_ids"],
+            tokens[m["row_id"]]["loss_mask"],
+        )
+        for m in manifest
+        if m["row_id"] in tokens and len(tokens[m["row_id"]]["input_ids"]) > 1
+    ]
+    frequencies = {
+        r["token_id"]: r["count"] for r in tables.iter_rows("token_frequencies", spec.name)
+    }
+    target_config = target_model.config()
+    torch.manual_seed(config.seed)
+    cfg = Eagle3Config.from_target(target_config, config.draft_vocab_size)
+    vocab = build_draft_vocab(frequencies, cfg.vocab_size, cfg.draft_vocab_size)
+    model = Eagle3Draft(cfg)
+    head = load_target_head(target_model.local_dir())
+    model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
+    train_refs, held_out = split(refs, config.held_out_fraction, config.seed)
+    settings = TrainSettings(
+        epochs=config.epochs,
+        learning_rate=config.learning_rate,
+        batch_tokens=config.batch_tokens,
+        ttt_steps=config.ttt_steps,
+        step_loss_decay=config.step_loss_decay,
+        seed=config.seed,
+    )
+    out_dir = root / "speculators" / spec.name
+    result = train(
+        model, train_refs, held_out, settings, root / "train_state" / spec.name, context.log.info
+    )
+    checkpoint = checkpoint_config(
+        cfg,
+        layer_ids[:3],
+        str(target_model.local_dir()),
+        list(target_config.get("architectures") or []),
+        config.speculative_tokens,
+        {
+            "dataset": spec.name,
+            "layer_ids": layer_ids,
+            "layer_convention": LAYER_CONVENTION,
+            "target_fingerprint": target_model.fingerprint(),
+            "ttt_steps": config.ttt_steps,
+            "epochs": config.epochs,
+            "held_out_acceptance_estimate": result.held_out_acceptance,
+        },
+    )
+    save_checkpoint(model.cpu(), checkpoint, out_dir)
+
+    metadata: dict = {
+        "checkpoint": dg.MetadataValue.path(str(out_dir)),
+        "train_rows": len(train_refs),
+        "held_out_rows": len(held_out),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_vocab_size": cfg.vocab_size,
+        "layer_ids": layer_ids,
+        "final_train_loss": result.epoch_losses[-1] if result.epoch_losses else float("nan"),
+        "held_out_loss": result.held_out_loss,
+        "held_out_conditional_accuracy": [round(a, 4) for a in result.held_out_accuracy],
+        "acceptance_length_estimate": result.held_out_acceptance,
+        "train_tokens_per_s": result.tokens_per_s,
+        "resumed_from_epoch": result.resumed_from_epoch,
+        "loss_curve": line_chart(result.batch_losses, "batch", "loss"),
+        "per_position_accuracy": bar_chart(
+            [f"draft token {i + 1}" for i in range(len(result.held_out_accuracy))],
+            result.held_out_accuracy,
+        ),
+    }
+    if config.measure_in_vllm and held_out:
+        prompts = held_out_prompts(
+            tables, spec.name, {r.row_id for r in held_out}, config.vllm_prompts
+        )
+        measured, _ = measure_in_vllm(
+            str(target_model.local_dir()),
+            out_dir,
+            prompts,
+            spec.resolved_image_root(),
+            root / "logs" / f"vllm_spec_{context.run.run_id}.log",
+            vllm.engine_options(vllm.resolved_dtype(facts)),
+            config.speculative_tokens,
+            config.vllm_max_tokens,
+        )
+        metadata.update(
+            {
+                "vllm_acceptance_length": measured.acceptance_length,
+                "vllm_per_position_acceptance": [round(r, 4) for r in measured.per_position_rates],
+                "vllm_drafts": int(measured.drafts),
+                "vllm_prompts": len(prompts),
+            }
+        )
+    return dg.MaterializeResult(
+        metadata=metadata, data_version=dg.DataVersion(file_hash(out_dir / "model.safetensors"))
     )

@@ -41,13 +41,33 @@ class EngineOptions:
     kv_cache_gib: float | None = None
     enforce_eager: bool | None = None  # None: eager on CPU (fast start), graphs on GPU
     extra_args: Sequence[str] = field(default_factory=tuple)
-    connector: str = "auto"  # auto | cpu | stock
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def uses_cpu_connector(connector: str) -> bool:
+    """`auto`: the CPU-safe connector where there is no CUDA device."""
+    return connector == "cpu" or (connector == "auto" and not cuda_available())
+
+
+def extraction_args(layer_ids: Sequence[int], hidden_states_dir: Path, connector: str) -> list[str]:
+    """Server arguments that make every request write its hidden states to a file."""
+    speculative, transfer = extraction_configs(
+        layer_ids, hidden_states_dir, uses_cpu_connector(connector)
+    )
+    hidden_states_dir.mkdir(parents=True, exist_ok=True)
+    return ["--speculative-config", speculative, "--kv-transfer-config", transfer]
+
+
+def speculative_decoding_args(draft_dir: Path, num_speculative_tokens: int) -> list[str]:
+    """Server arguments that serve the target with a trained EAGLE-3 draft."""
+    config = {"model": str(draft_dir), "method": "eagle3",
+              "num_speculative_tokens": num_speculative_tokens}  # fmt: skip
+    return ["--speculative-config", json.dumps(config)]
 
 
 def extraction_configs(
@@ -87,21 +107,20 @@ class ServerStartupError(RuntimeError):
 
 
 class ManagedVllmServer:
-    """A vLLM server for one step: `with ManagedVllmServer(...) as base_url: ...`."""
+    """A vLLM server for one step: `with ManagedVllmServer(...) as base_url: ...`.
+    `serve_args` say what it is for (`extraction_args`, `speculative_decoding_args`)."""
 
     def __init__(
         self,
         model: str,
-        layer_ids: Sequence[int],
-        hidden_states_dir: Path,
+        serve_args: Sequence[str],
         image_root: Path | None,
         log_path: Path,
         options: EngineOptions = EngineOptions(),
         startup_timeout_s: float = 600.0,
     ) -> None:
         self.model = model
-        self.layer_ids = list(layer_ids)
-        self.hidden_states_dir = hidden_states_dir
+        self.serve_args = list(serve_args)
         self.image_root = image_root
         self.log_path = log_path
         self.options = options
@@ -115,13 +134,10 @@ class ManagedVllmServer:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def _on_cpu(self) -> bool:
-        if self.options.connector != "auto":
-            return self.options.connector == "cpu"
         return not cuda_available()
 
     def command(self) -> list[str]:
         on_cpu = self._on_cpu()
-        speculative, transfer = extraction_configs(self.layer_ids, self.hidden_states_dir, on_cpu)
         opts = self.options
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -129,9 +145,8 @@ class ManagedVllmServer:
             "--host", "127.0.0.1",
             "--port", str(self.port),
             "--dtype", opts.dtype,
-            "--speculative-config", speculative,
-            "--kv-transfer-config", transfer,
             "--disable-uvicorn-access-log",
+            *self.serve_args,
         ]  # fmt: skip
         if self.image_root is not None and self.image_root.is_dir():
             cmd += ["--allowed-local-media-path", str(self.image_root)]
@@ -155,7 +170,6 @@ class ManagedVllmServer:
 
     def start(self) -> str:
         self.port = free_port()
-        self.hidden_states_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         with open(self.log_path, "ab") as log:

@@ -294,3 +294,11 @@ def to_vllm_messages(turns: list[Turn]) -> list[dict[str, Any]]:
         else {"role": t["role"], "content": [part(p) for p in t["content"]]}
         for t in turns
     ]
+
+
+def first_prompt(turns: list[Turn]) -> list[Turn] | None:
+    """The conversation up to its first assistant turn: a prompt to generate from."""
+    for index, turn in enumerate(turns):
+        if turn["role"] == "assistant":
+            return turns[:index] or None
+    return None

@@ -1,0 +1,292 @@
+"""The EAGLE-3 draft model, written for training on CPU or GPU with plain torch.
+
+Architecture (what vLLM's `Eagle3LlamaForCausalLM` runs): the target's three auxiliary
+hidden states are concatenated and projected by `fc` to the hidden size; one Llama-style
+decoder layer whose attention reads `cat(input_layernorm(token embedding),
+hidden_norm(hidden))` (2H wide); a final norm and a head over the draft vocabulary.
+Embeddings are the target's, frozen.
+
+Training unrolls test-time steps (TTT): step 0 reads the target's states; step s reads the
+draft's own output of step s-1 at the same position, with the ground-truth token s
+positions further, and attends to every step-0 key of its sample up to its position plus
+its own keys of steps 1..s (what the draft sees at inference). The teacher is the
+target's final norm + `lm_head` rows of the draft vocabulary applied to the last layer's
+hidden state; each step's loss is forward KL(teacher || draft) over supervised
+positions, decayed by `decay**s` and summed over steps. Batches are pre-shifted as in
+speculators: tokens x[1:], aux states g[:-1], last-layer states y[1:], mask l[1:].
+Positions whose step-s target would belong to the next packed sample are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mm_assets.domain.draft_vocab import DraftVocab
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    num_aux: int = 3
+    norm_before_residual: bool = True
+    norm_output: bool = False
+    train_lm_head: bool = False
+
+    @classmethod
+    def from_target(cls, target_config: dict[str, Any], draft_vocab_size: int) -> Eagle3Config:
+        """A draft shaped like one layer of the target's language model."""
+        text = target_config.get("text_config") or target_config
+        hidden = int(text["hidden_size"])
+        heads = int(text["num_attention_heads"])
+        rope = text.get("rope_parameters") or {}
+        return cls(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=int(text.get("num_key_value_heads", heads)),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            intermediate_size=int(text["intermediate_size"]),
+            vocab_size=int(text["vocab_size"]),
+            draft_vocab_size=min(draft_vocab_size, int(text["vocab_size"])),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+            max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, ...]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        inner = 2 * cfg.hidden_size
+        self.q_proj = nn.Linear(inner, cfg.num_attention_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(inner, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(inner, cfg.num_key_value_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        cfg, n = self.cfg, x.shape[0]
+        q = self.q_proj(x).view(n, cfg.num_attention_heads, cfg.head_dim).transpose(0, 1)
+        k = self.k_proj(x).view(n, cfg.num_key_value_heads, cfg.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(n, cfg.num_key_value_heads, cfg.head_dim).transpose(0, 1)
+        cos, sin = rotary(positions, cfg.head_dim, cfg.rope_theta)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cache.append((k, v))
+        keys = torch.cat([c[0] for c in cache], dim=1)
+        values = torch.cat([c[1] for c in cache], dim=1)
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        if groups > 1:
+            keys = keys.repeat_interleave(groups, dim=0)
+            values = values.repeat_interleave(groups, dim=0)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.transpose(0, 1).reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FirstLayer(nn.Module):
+    """The draft's decoder layer; parameter names are those vLLM and speculators load."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, positions, cache, mask) -> torch.Tensor:
+        normed_hidden = self.hidden_norm(hidden)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
+        hidden = residual + self.self_attn(x, positions, cache, mask)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def ttt_mask(segment: torch.Tensor, step: int) -> torch.Tensor:
+    """[N, N*(step+1)] boolean: step-0 keys causal within the sample, plus each query's
+    own keys of steps 1..step."""
+    n = segment.shape[0]
+    index = torch.arange(n)
+    causal = (index[None, :] <= index[:, None]) & (segment[None, :] == segment[:, None])
+    eye = torch.eye(n, dtype=torch.bool)
+    return torch.cat([causal | eye, *([eye] * step)], dim=1)
+
+
+@dataclass
+class StepStats:
+    loss: torch.Tensor
+    correct: torch.Tensor  # [N] bool, argmax agrees with the teacher
+    valid: torch.Tensor  # [N] bool, counted positions
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(cfg.num_aux * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layers = nn.ModuleList([FirstLayer(cfg)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(cfg.train_lm_head)
+        # the frozen teacher: the target's final norm and its lm_head rows of the draft vocab
+        self.verifier_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.verifier_norm.weight.requires_grad_(False)
+        self.verifier_lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.verifier_lm_head.weight.requires_grad_(False)
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+
+    def init_from_target(
+        self,
+        embed: torch.Tensor,
+        lm_head: torch.Tensor,
+        final_norm: torch.Tensor,
+        vocab: DraftVocab,
+    ) -> None:
+        """Frozen parts from the target; the draft head starts as the teacher's head."""
+        if vocab.size != self.cfg.draft_vocab_size:
+            raise ValueError(f"draft vocab {vocab.size} != model's {self.cfg.draft_vocab_size}")
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed)
+            rows = lm_head[vocab.selected]
+            self.verifier_lm_head.weight.copy_(rows)
+            self.lm_head.weight.copy_(rows)
+            self.verifier_norm.weight.copy_(final_norm)
+            self.t2d.copy_(vocab.t2d)
+            self.d2t.copy_(vocab.d2t)
+
+    def step_hidden(self, aux: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden: torch.Tensor,
+        last_hidden: torch.Tensor,
+        loss_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        segment: torch.Tensor,
+        ttt_steps: int = 3,
+        decay: float = 1.0,
+    ) -> tuple[torch.Tensor, list[StepStats]]:
+        """Total loss and per-step statistics for one pre-shifted packed batch."""
+        n = input_ids.shape[0]
+        with torch.no_grad():
+            teacher = self.verifier_lm_head(self.verifier_norm(last_hidden)).float()
+            teacher_top = teacher.argmax(-1)
+        hidden = self.fc(aux_hidden)
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        ids = input_ids
+        total = hidden.new_zeros((), dtype=torch.float32)
+        stats: list[StepStats] = []
+        index = torch.arange(n)
+        for step in range(ttt_steps):
+            embeds = self.embed_tokens(ids)
+            hidden = self.layers[0](
+                embeds, hidden, position_ids + step, cache, ttt_mask(segment, step)
+            )
+            normed = self.norm(hidden)
+            logits = self.lm_head(normed).float()
+            if self.cfg.norm_output:
+                hidden = normed
+            shifted = (index + step).clamp(max=n - 1)
+            valid = (index + step < n) & (segment[shifted] == segment) & loss_mask[shifted]
+            log_q = F.log_softmax(logits, dim=-1)
+            p = F.softmax(teacher[shifted], dim=-1)
+            kl = (p * (torch.log(p.clamp_min(1e-30)) - log_q)).sum(-1)
+            weight = valid.float()
+            step_loss = (kl * weight).sum() / (weight.sum() + 1e-5) * decay**step
+            total = total + step_loss
+            stats.append(
+                StepStats(step_loss.detach(), logits.argmax(-1) == teacher_top[shifted], valid)
+            )
+            ids = torch.cat([ids[1:], ids.new_zeros(1)])
+        return total, stats
+
+
+def conditional_accuracies(stats: list[list[StepStats]]) -> list[float]:
+    """Per step: accuracy among positions whose earlier steps were all right (what
+    acceptance at that draft position depends on), over many batches."""
+    steps = len(stats[0])
+    hits, counts = [0] * steps, [0] * steps
+    for batch in stats:
+        previous = torch.ones_like(batch[0].valid)
+        for s, st in enumerate(batch):
+            considered = previous & st.valid
+            hits[s] += int((st.correct & considered).sum())
+            counts[s] += int(considered.sum())
+            previous = previous & st.correct
+    return [h / c if c else 0.0 for h, c in zip(hits, counts, strict=True)]
+
+
+def acceptance_length(accuracies: list[float]) -> float:
+    """Expected tokens per verification step: 1 + Σ_k Π_{j≤k} acc_j."""
+    total, running = 1.0, 1.0
+    for acc in accuracies:
+        running *= acc
+        total += running
+    return total
+
+
+def param_count(model: nn.Module, trainable: bool = True) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)

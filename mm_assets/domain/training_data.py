@@ -1,0 +1,117 @@
+"""Training data for the EAGLE-3 draft: tokenized rows joined with their hidden states.
+
+Rows are split deterministically into train and held-out sets by a hash of the row id
+(stable when rows are added or reordered), and packed into batches of at most
+`batch_tokens` tokens. Hidden states are read from the blob store batch by batch, so
+memory stays bounded by one batch. Hidden states generated for other layer ids, or under
+another layer convention, are refused: training on them silently collapses acceptance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file
+
+from mm_assets.domain.hidden_states import LAYER_CONVENTION
+
+
+class LayerMismatch(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    row_id: str
+    path: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class Batch:
+    """Samples packed along one time axis; `segment` tells them apart."""
+
+    input_ids: torch.Tensor  # [N] long
+    loss_mask: torch.Tensor  # [N] bool
+    aux_hidden: torch.Tensor  # [N, 3 * H] target hidden states at the 3 auxiliary ids
+    last_hidden: torch.Tensor  # [N, H] target's last layer before the final norm
+    position_ids: torch.Tensor  # [N] restarting at 0 for each sample
+    segment: torch.Tensor  # [N] sample index within the batch
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def check_layer_ids(manifest_rows: Iterable[dict], expected: Sequence[int]) -> None:
+    """Refuse hidden states generated for other layer ids or another convention."""
+    for row in manifest_rows:
+        if list(row["layer_ids"]) != list(expected) or row["layer_convention"] != LAYER_CONVENTION:
+            raise LayerMismatch(
+                f"hidden states for row {row['row_id']} were generated with layer ids "
+                f"{list(row['layer_ids'])} ({row['layer_convention']}), but the draft is "
+                f"built for {list(expected)} ({LAYER_CONVENTION}); rematerialize "
+                "hidden_states with the same layer_ids as training"
+            )
+
+
+def is_held_out(row_id: str, fraction: float, seed: int) -> bool:
+    digest = hashlib.sha256(f"{seed}:{row_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def split(refs: Sequence[SampleRef], fraction: float, seed: int) -> tuple[list, list]:
+    train = [r for r in refs if not is_held_out(r.row_id, fraction, seed)]
+    held_out = [r for r in refs if is_held_out(r.row_id, fraction, seed)]
+    if not train:
+        raise ValueError("no training rows left after the held-out split")
+    return train, held_out
+
+
+def pack(refs: Sequence[SampleRef], batch_tokens: int) -> list[list[SampleRef]]:
+    """Greedy packing in the given order; a row longer than the budget is a batch alone."""
+    batches: list[list[SampleRef]] = []
+    current: list[SampleRef] = []
+    used = 0
+    for ref in refs:
+        if current and used + ref.num_tokens > batch_tokens:
+            batches.append(current)
+            current, used = [], 0
+        current.append(ref)
+        used += ref.num_tokens
+    if current:
+        batches.append(current)
+    return batches
+
+
+def load_batch(refs: Sequence[SampleRef]) -> Batch:
+    """Read and shift each sample as EAGLE-3 training expects: the draft at position t
+    reads the target's state at t and token t+1, so tokens, last-layer states and the mask
+    drop their first entry, auxiliary states their last, and positions start at 1."""
+    ids, masks, aux, last, pos, seg = [], [], [], [], [], []
+    for index, ref in enumerate(refs):
+        hidden = load_file(ref.path)["hidden_states"].float()  # [T, 4, H]
+        n = ref.num_tokens
+        ids.append(torch.tensor(ref.input_ids[1:], dtype=torch.long))
+        masks.append(torch.tensor(ref.loss_mask[1:], dtype=torch.bool))
+        aux.append(hidden[: n - 1, :3].reshape(n - 1, -1))
+        last.append(hidden[1:n, 3])
+        pos.append(torch.arange(1, n))
+        seg.append(torch.full((n - 1,), index))
+    return Batch(
+        torch.cat(ids), torch.cat(masks), torch.cat(aux), torch.cat(last), torch.cat(pos),
+        torch.cat(seg),
+    )  # fmt: skip
+
+
+def iter_batches(batches: Iterable[Sequence[SampleRef]]) -> Iterator[Batch]:
+    for refs in batches:
+        yield load_batch(refs)

@@ -1,0 +1,253 @@
+"""The EAGLE-3 draft model, draft vocabulary, checkpoint format and training data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mm_assets.domain.draft_vocab import build_draft_vocab, draft_vocab_from_mapping
+from mm_assets.domain.eagle3 import (
+    Eagle3Config,
+    Eagle3Draft,
+    acceptance_length,
+    conditional_accuracies,
+    ttt_mask,
+)
+from mm_assets.domain.hidden_states import LAYER_CONVENTION
+from mm_assets.domain.speculator_checkpoint import (
+    checkpoint_config,
+    load_checkpoint,
+    save_checkpoint,
+)
+from mm_assets.domain.trainer import TrainSettings, train
+from mm_assets.domain.training_data import (
+    LayerMismatch,
+    SampleRef,
+    check_layer_ids,
+    load_batch,
+    pack,
+    split,
+)
+
+CFG = Eagle3Config(
+    hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+    intermediate_size=128, vocab_size=96, draft_vocab_size=48,
+)  # fmt: skip
+
+
+def _model(seed: int = 0, cfg: Eagle3Config = CFG) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    model = Eagle3Draft(cfg)
+    vocab = build_draft_vocab(
+        {i: 100 - i for i in range(0, 96, 2)}, cfg.vocab_size, cfg.draft_vocab_size
+    )
+    model.init_from_target(
+        torch.randn(cfg.vocab_size, 64), torch.randn(cfg.vocab_size, 64) * 3, torch.ones(64), vocab
+    )
+    return model
+
+
+def _batch(lengths: list[int], seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    return {
+        "input_ids": torch.randint(0, 96, (n,), generator=g),
+        "aux_hidden": torch.randn(n, 192, generator=g),
+        "last_hidden": torch.randn(n, 64, generator=g),
+        "loss_mask": torch.ones(n, dtype=torch.bool),
+        "position_ids": torch.cat([torch.arange(1, k + 1) for k in lengths]),
+        "segment": torch.cat([torch.full((k,), i) for i, k in enumerate(lengths)]),
+    }
+
+
+def test_ttt_mask_is_causal_within_a_sample_plus_own_diagonal() -> None:
+    segment = torch.tensor([0, 0, 0, 1, 1])
+    mask = ttt_mask(segment, step=2)
+    assert mask.shape == (5, 15)
+    step0 = mask[:, :5]
+    assert step0.tolist() == [
+        [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 1, 0], [0, 0, 0, 1, 1],
+    ]  # fmt: skip
+    for block in (mask[:, 5:10], mask[:, 10:]):
+        assert torch.equal(block, torch.eye(5, dtype=torch.bool))
+
+
+def test_no_step_sees_a_later_token_or_another_sample() -> None:
+    """Changing a later token of one sample (or anything of another sample) leaves every
+    earlier prediction of the sample unchanged, at every TTT step."""
+    model = _model()
+    base = _batch([6, 5])
+
+    def logits(batch) -> list[torch.Tensor]:
+        captured = []
+        handle = model.lm_head.register_forward_hook(
+            lambda m, a, out: captured.append(out.detach())
+        )
+        with torch.no_grad():
+            model(**batch, ttt_steps=3)
+        handle.remove()
+        return captured
+
+    reference = logits(base)
+    later = {k: v.clone() for k, v in base.items()}
+    later["aux_hidden"][4] += 1.0  # sample 0, position 4
+    later["last_hidden"][4] += 1.0
+    changed = logits(later)
+    for step in range(3):
+        # inputs at step s are tokens shifted by s, so position p reads token p+s; positions
+        # whose inputs are all before index 4 must not move
+        assert torch.allclose(reference[step][:4], changed[step][:4], atol=1e-6)
+        assert torch.allclose(reference[step][6:], changed[step][6:], atol=1e-6)
+    other = {k: v.clone() for k, v in base.items()}
+    other["aux_hidden"][6:] += 1.0
+    for a, b in zip(reference, logits(other), strict=True):
+        assert torch.allclose(a[:6], b[:6], atol=1e-6)
+
+
+def test_loss_decreases_on_a_fixed_batch() -> None:
+    model = _model()
+    batch = _batch([12, 9])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss, _ = model(**batch, ttt_steps=3)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert model.embed_tokens.weight.grad is None and model.verifier_lm_head.weight.grad is None
+
+
+def test_draft_vocab_mapping_round_trip() -> None:
+    frequencies = {7: 50, 3: 50, 90: 10, 5: 1}
+    vocab = build_draft_vocab(frequencies, target_vocab_size=100, size=6)
+    assert vocab.selected.tolist() == [0, 1, 3, 5, 7, 90]  # seen tokens first, then fill by id
+    assert vocab.to_target(torch.arange(6)).tolist() == vocab.selected.tolist()
+    assert int(vocab.t2d.sum()) == 6 and vocab.t2d[90] and not vocab.t2d[2]
+    again = draft_vocab_from_mapping(vocab.d2t, 100)
+    assert torch.equal(again.selected, vocab.selected)
+    assert build_draft_vocab(frequencies, 100, 32000).is_full
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        build_draft_vocab({100: 1}, 100, 10)
+
+
+def test_conditional_accuracy_and_acceptance() -> None:
+    assert acceptance_length([0.5, 0.5, 0.5]) == pytest.approx(1.875)
+    from mm_assets.domain.eagle3 import StepStats
+
+    t, f = True, False
+    stats = [[
+        StepStats(torch.tensor(0.0), torch.tensor([t, t, f, t]), torch.tensor([t, t, t, t])),
+        StepStats(torch.tensor(0.0), torch.tensor([t, f, t, t]), torch.tensor([t, t, t, f])),
+    ]]  # fmt: skip
+    # step 2 only counts positions right at step 1 and valid: 0 and 1 -> one of two right
+    assert conditional_accuracies(stats) == [0.75, 0.5]
+
+
+def _write_refs(tmp_path: Path, lengths: list[int], seed: int = 0) -> list[SampleRef]:
+    g = torch.Generator().manual_seed(seed)
+    refs = []
+    for i, n in enumerate(lengths):
+        path = tmp_path / f"{i}.safetensors"
+        ids = torch.randint(0, 96, (n,), generator=g)
+        save_file(
+            {"hidden_states": torch.randn(n, 4, 64, generator=g), "token_ids": ids}, str(path)
+        )
+        mask = [0] * (n // 3) + [1] * (n - n // 3)
+        refs.append(SampleRef(f"row{i}", str(path), ids.tolist(), mask))
+    return refs
+
+
+def test_batches_are_shifted_and_packed(tmp_path: Path) -> None:
+    refs = _write_refs(tmp_path, [5, 7, 3])
+    batch = load_batch(refs[:2])
+    hidden = load_file(refs[0].path)["hidden_states"]
+    assert batch.input_ids[:4].tolist() == refs[0].input_ids[1:]
+    assert torch.equal(batch.aux_hidden[0], hidden[0, :3].reshape(-1))
+    assert torch.equal(batch.last_hidden[0], hidden[1, 3])
+    assert batch.position_ids.tolist() == [1, 2, 3, 4, 1, 2, 3, 4, 5, 6]
+    assert batch.segment.tolist() == [0] * 4 + [1] * 6
+    assert [len(b) for b in pack(refs, 12)] == [2, 1]
+    train, held = split(refs * 10, 0.3, seed=0)
+    assert split(refs * 10, 0.3, seed=0) == (train, held) and train
+
+
+def test_hidden_states_of_other_layer_ids_are_refused() -> None:
+    ok = {"row_id": "a", "layer_ids": [2, 4, 5, 8], "layer_convention": LAYER_CONVENTION}
+    check_layer_ids([ok], [2, 4, 5, 8])
+    with pytest.raises(LayerMismatch, match="rematerialize"):
+        check_layer_ids([ok], [1, 4, 5, 8])
+    with pytest.raises(LayerMismatch):
+        check_layer_ids([{**ok, "layer_convention": "hf_hidden_states"}], [2, 4, 5, 8])
+
+
+def test_checkpoint_has_the_speculators_fields_and_round_trips(tmp_path: Path) -> None:
+    model = _model()
+    config = checkpoint_config(CFG, [2, 4, 5], "/models/target", ["LlamaForCausalLM"], 3, {"x": 1})
+    save_checkpoint(model, config, tmp_path / "ckpt")
+    written = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    for key in (
+        "speculators_model_type", "architectures", "transformer_layer_config", "draft_vocab_size",
+        "target_hidden_size", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output",
+        "eagle_aux_hidden_state_layer_ids", "speculators_config",
+    ):  # fmt: skip
+        assert key in written, key
+    assert written["speculators_config"]["verifier"]["name_or_path"] == "/models/target"
+    assert written["transformer_layer_config"]["model_type"] == "llama"
+    assert written["transformer_layer_config"]["num_hidden_layers"] == 1
+    keys = set(load_file(str(tmp_path / "ckpt" / "model.safetensors")))
+    assert {
+        "d2t",
+        "t2d",
+        "embed_tokens.weight",
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+    } <= keys
+    assert "layers.0.self_attn.q_proj.weight" in keys and "layers.0.hidden_norm.weight" in keys
+    assert not any(k.startswith("verifier_") for k in keys)
+    loaded, _ = load_checkpoint(tmp_path / "ckpt")
+    for key, value in loaded.state_dict().items():
+        if not key.startswith("verifier_"):
+            assert torch.equal(value, model.state_dict()[key]), key
+    full_cfg = Eagle3Config(**{**CFG.as_dict(), "draft_vocab_size": 96})
+    torch.manual_seed(0)
+    save_checkpoint(Eagle3Draft(full_cfg), config, tmp_path / "full")
+    assert not {"d2t", "t2d"} & set(load_file(str(tmp_path / "full" / "model.safetensors")))
+
+
+def test_interrupted_training_resumes_to_the_same_result(tmp_path: Path) -> None:
+    refs = _write_refs(tmp_path, [9, 14, 7, 11, 13, 8, 10, 12])
+    settings = TrainSettings(epochs=3, learning_rate=2e-3, batch_tokens=30, ttt_steps=2)
+
+    straight = _model(seed=5)
+    train(straight, refs[:6], refs[6:], settings, tmp_path / "straight", log=lambda m: None)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first(epoch: int) -> None:
+        if epoch == 1:
+            raise Stop
+
+    resumed = _model(seed=5)
+    with pytest.raises(Stop):
+        train(
+            resumed,
+            refs[:6],
+            refs[6:],
+            settings,
+            tmp_path / "resumed",
+            log=lambda m: None,
+            after_epoch=stop_after_first,
+        )
+    resumed = _model(seed=5)  # a fresh process: nothing carried over but the saved state
+    result = train(resumed, refs[:6], refs[6:], settings, tmp_path / "resumed", log=lambda m: None)
+    assert result.resumed_from_epoch == 1 and len(result.epoch_losses) == 3
+    for key, value in straight.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), key
