@@ -24,7 +24,7 @@ if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then
     fi
 fi
 
-echo "setup: creating $VENV (first run takes a few minutes: vLLM's CPU engine is ~3.5 GB)"
+echo "setup: installing into $VENV (the first time takes a few minutes: vLLM's CPU engine is ~3.5 GB)"
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # torch==2.13.0 resolves to the CPU wheel that lies on disk (PIP_FIND_LINKS / pip config).

@@ -1,0 +1,132 @@
+"""Conformance with speculators 0.9.0 (the reference EAGLE-3 implementation): it loads our
+checkpoint with its own loader and computes the same loss as our model on the same batch.
+
+speculators is installed by `scripts/setup_env.sh` into `.venv/speculators-oracle`, outside
+site-packages, and runs in a subprocess so its imports never touch this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mm_assets.domain.draft_vocab import build_draft_vocab
+from mm_assets.domain.eagle3 import Eagle3Config, Eagle3Draft
+from mm_assets.domain.speculator_checkpoint import checkpoint_config, save_checkpoint
+from mm_assets.domain.target_weights import load_target_head
+from mm_assets.domain.training_data import SampleRef, load_batch
+
+ORACLE = Path(sys.prefix) / "speculators-oracle"
+LOSS_TOLERANCE = 1e-5  # fp32; measured |diff| 4.8e-7 on a loss of 5.7
+
+ORACLE_SCRIPT = r"""
+import json, sys, torch
+from safetensors.torch import load_file
+from speculators.losses import resolve_loss_config
+from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+ckpt, batch_path, steps, decay = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+cfg = Eagle3SpeculatorConfig.from_pretrained(ckpt)
+cfg.transformer_layer_config._attn_implementation = "sdpa"  # flex attention has no CPU backward
+model = Eagle3DraftModel.from_pretrained(ckpt, config=cfg).eval()
+b = load_file(batch_path)
+with torch.no_grad():
+    _, loss, metrics = model(
+        hidden_states=b["aux_hidden"][None], input_ids=b["input_ids"][None],
+        document_ids=b["segment"][None], loss_mask=b["loss_mask"][None],
+        position_ids=b["position_ids"][None], verifier_last_hidden_states=b["last_hidden"][None],
+        ttt_steps=steps, ttt_step_loss_decay=decay,
+        loss_config=resolve_loss_config("kl_div", "eager"),
+    )
+state = {k: v for k, v in model.state_dict().items()}
+print(json.dumps({
+    "loss": float(loss),
+    "t2d_sum": int(state["t2d"].sum()),
+    "fc": state["fc.weight"].flatten()[:5].tolist(),
+    "lm_head": state["lm_head.weight"].flatten()[:5].tolist(),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory) -> Path:
+    """A tiny Llama target (speculators reads the verifier's embeddings, norm and head)."""
+    path = tmp_path_factory.mktemp("verifier")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, vocab_size=96, max_position_embeddings=256,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # peaked teacher distributions
+    model.save_pretrained(path)
+    return path
+
+
+def test_speculators_loads_our_checkpoint_and_computes_our_loss(
+    verifier: Path, tmp_path: Path
+) -> None:
+    if not (ORACLE / "speculators").is_dir():
+        pytest.fail(f"speculators oracle missing at {ORACLE}; run `make setup`")
+    target_config = json.loads((verifier / "config.json").read_text())
+    cfg = Eagle3Config.from_target(target_config, draft_vocab_size=48)
+    torch.manual_seed(1)
+    model = Eagle3Draft(cfg)
+    head = load_target_head(verifier)
+    vocab = build_draft_vocab({i: 200 - i for i in range(0, 90, 3)}, cfg.vocab_size, 48)
+    model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
+
+    g = torch.Generator().manual_seed(2)
+    n = 40
+    blob = tmp_path / "sample.safetensors"
+    ids = torch.randint(0, 96, (n,), generator=g)
+    save_file(
+        {"hidden_states": torch.randn(n, 4, 64, generator=g) * 2, "token_ids": ids}, str(blob)
+    )
+    mask = [0] * 10 + [1] * 25 + [0] * 5
+    batch = load_batch([SampleRef("s", str(blob), ids.tolist(), mask)])
+
+    # a few optimizer steps so the weights are not just the initialisation
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    fields = {
+        k: getattr(batch, k)
+        for k in ("input_ids", "aux_hidden", "last_hidden", "loss_mask", "position_ids", "segment")
+    }
+    for _ in range(3):
+        loss, _ = model(**fields, ttt_steps=3, decay=0.8)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        ours, _ = model(**fields, ttt_steps=3, decay=0.8)
+
+    ckpt = tmp_path / "draft"
+    config = checkpoint_config(cfg, [1, 2, 3], str(verifier), ["LlamaForCausalLM"], 3, {})
+    save_checkpoint(model, config, ckpt)
+    batch_file = tmp_path / "batch.safetensors"
+    save_file({k: v.contiguous() for k, v in fields.items()}, str(batch_file))
+
+    env = {**os.environ, "PYTHONPATH": str(ORACLE)}
+    proc = subprocess.run(
+        [sys.executable, "-c", ORACLE_SCRIPT, str(ckpt), str(batch_file), "3", "0.8"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert theirs["t2d_sum"] == 48
+    assert theirs["fc"] == pytest.approx(model.fc.weight.flatten()[:5].tolist(), abs=0)
+    assert theirs["lm_head"] == pytest.approx(model.lm_head.weight.flatten()[:5].tolist(), abs=0)
+    difference = abs(theirs["loss"] - float(ours))
+    mine = float(ours)
+    print(f"conformance: ours {mine:.8f} speculators {theirs['loss']:.8f} |diff| {difference:.2e}")
+    assert float(ours) > 0.01  # a real loss, not a degenerate zero
+    assert difference < LOSS_TOLERANCE
