@@ -111,3 +111,15 @@ def vllm_server(demo_dir: Path):
     )
     with server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def demo_hidden_states(prepared_demo, vllm_server) -> dict:
+    """hidden_states materialized for both demo partitions against the session server."""
+    from mm_assets.resources import VllmResource
+
+    external = {"vllm": VllmResource(base_urls=[vllm_server.base_url])}
+    return {
+        p: materialize(p, ["hidden_states"], external)
+        for p in ("demo_sharegpt4v_coco", "demo_sharegpt")
+    }

@@ -48,11 +48,8 @@ def external(vllm_server) -> dict:
 
 
 @pytest.fixture(scope="module")
-def extracted(prepared_demo, external) -> dict[str, dg.ExecuteInProcessResult]:
-    return {
-        p: materialize(p, ["hidden_states"], external)
-        for p in ("demo_sharegpt4v_coco", "demo_sharegpt")
-    }
+def extracted(demo_hidden_states) -> dict[str, dg.ExecuteInProcessResult]:
+    return demo_hidden_states
 
 
 def test_text_and_multimodal_rows_end_to_end(extracted) -> None:

@@ -11,7 +11,7 @@ from mm_assets.assets.prep import tokenized_samples
 from mm_assets.clients.vllm_client import CircuitOpen, HiddenStatesClient
 from mm_assets.domain.conversations import first_prompt, to_vllm_messages
 from mm_assets.domain.draft_vocab import build_draft_vocab
-from mm_assets.domain.eagle3 import Eagle3Config, Eagle3Draft
+from mm_assets.domain.eagle3 import Eagle3Config, Eagle3Draft, acceptance_length
 from mm_assets.domain.evaluation import measure_in_vllm
 from mm_assets.domain.extraction import (
     ExtractionReport,
@@ -30,7 +30,7 @@ from mm_assets.domain.hidden_states import (
 )
 from mm_assets.domain.speculator_checkpoint import checkpoint_config, save_checkpoint
 from mm_assets.domain.target_weights import load_target_head
-from mm_assets.domain.trainer import TrainSettings, train
+from mm_assets.domain.trainer import TrainSettings, evaluate, train
 from mm_assets.domain.training_data import SampleRef, check_layer_ids, split
 from mm_assets.partitions import dataset_partitions, dataset_spec
 from mm_assets.resources import StorageResource, TargetModelResource, VllmResource
@@ -313,6 +313,7 @@ def trained_speculator(
         seed=config.seed,
     )
     out_dir = root / "speculators" / spec.name
+    _, untrained_accuracy = evaluate(model, held_out, settings)
     result = train(
         model, train_refs, held_out, settings, root / "train_state" / spec.name, context.log.info
     )
@@ -345,6 +346,7 @@ def trained_speculator(
         "held_out_loss": result.held_out_loss,
         "held_out_conditional_accuracy": [round(a, 4) for a in result.held_out_accuracy],
         "acceptance_length_estimate": result.held_out_acceptance,
+        "untrained_acceptance_length_estimate": acceptance_length(untrained_accuracy),
         "train_tokens_per_s": result.tokens_per_s,
         "resumed_from_epoch": result.resumed_from_epoch,
         "loss_curve": line_chart(result.batch_losses, "batch", "loss"),

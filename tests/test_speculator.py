@@ -1,0 +1,100 @@
+"""The trained speculator end to end: Dagster trains it on real vLLM hidden states, vLLM
+loads it, measures it, and speculative decoding with it stays lossless."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from mm_assets.clients.vllm_server import (
+    EngineOptions,
+    ManagedVllmServer,
+    speculative_decoding_args,
+)
+from mm_assets.clients.vllm_speculative import generate_greedy, spec_decode_counters
+from mm_assets.resources import StorageResource
+from tests.conftest import SESSION_HOME
+
+pytestmark = pytest.mark.slow
+PARTITION = "demo_sharegpt4v_coco"
+REQUIRED_FIELDS = (
+    "architectures", "speculators_model_type", "transformer_layer_config", "draft_vocab_size",
+    "target_hidden_size", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output",
+    "eagle_aux_hidden_state_layer_ids", "speculators_config",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def trained(demo_hidden_states) -> dict:
+    from mm_assets.definitions import defs
+
+    result = dg.materialize(
+        [defs.get_assets_def("trained_speculator")],
+        partition_key=PARTITION,
+        resources=defs.resources,
+        instance=dg.DagsterInstance.get(),
+        run_config={
+            "ops": {
+                "trained_speculator": {
+                    "config": {
+                        "draft_vocab_size": 512,
+                        "epochs": 3,
+                        "vllm_prompts": 12,
+                        "vllm_max_tokens": 24,
+                    }
+                }
+            }
+        },
+    )
+    (mat,) = result.asset_materializations_for_node("trained_speculator")
+    return {k: v.value for k, v in mat.metadata.items()}
+
+
+def test_checkpoint_fields_and_held_out_acceptance(trained: dict) -> None:
+    ckpt = Path(trained["checkpoint"])
+    config = json.loads((ckpt / "config.json").read_text())
+    assert all(field in config for field in REQUIRED_FIELDS)
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(
+        SESSION_HOME / "demo" / "target"
+    )
+    assert config["draft_vocab_size"] == 512 and config["eagle_aux_hidden_state_layer_ids"] == [
+        2,
+        4,
+        5,
+    ]
+    assert config["mm_assets"]["layer_ids"] == [2, 4, 5, 8]
+    assert trained["acceptance_length_estimate"] > trained["untrained_acceptance_length_estimate"]
+    assert len(trained["held_out_conditional_accuracy"]) == 3
+    assert "| 1 |" in trained["loss_curve"]
+
+
+def test_vllm_served_the_draft_and_counted_acceptance(trained: dict) -> None:
+    assert trained["vllm_drafts"] > 0 and trained["vllm_prompts"] > 0
+    assert trained["vllm_acceptance_length"] >= 1.0
+    assert len(trained["vllm_per_position_acceptance"]) == 3
+
+
+def test_speculative_decoding_with_the_draft_is_lossless(
+    trained: dict, demo_dir: Path, tmp_path
+) -> None:
+    """Greedy output with the draft equals greedy output of the target alone."""
+    from mm_assets.assets.model import held_out_prompts
+
+    tables = StorageResource().tables()
+    rows = {r["row_id"] for r in tables.iter_rows("tokenized_samples", PARTITION)}
+    prompts = held_out_prompts(tables, PARTITION, rows, 12)
+    assert any(isinstance(m["content"], list) for p in prompts for m in p)  # images included
+    options = EngineOptions(dtype="float32", kv_cache_gib=1.0)
+    target = str(demo_dir / "target")
+    args = speculative_decoding_args(Path(trained["checkpoint"]), 3)
+    with ManagedVllmServer(target, args, demo_dir / "coco", tmp_path / "spec.log", options) as url:
+        with_draft = generate_greedy(url, prompts, max_tokens=24)
+        counters = spec_decode_counters(url)
+    with ManagedVllmServer(target, [], demo_dir / "coco", tmp_path / "plain.log", options) as url:
+        plain = generate_greedy(url, prompts, max_tokens=24)
+    assert counters.drafts > 0
+    same = sum(a == b for a, b in zip(with_draft, plain, strict=True))
+    assert same == len(prompts), f"{same}/{len(prompts)} identical"
