@@ -4,14 +4,11 @@ import json
 from pathlib import Path
 
 import dagster as dg
-import torch
 
 from mm_assets.assets.metadata import bar_chart, line_chart
 from mm_assets.assets.prep import tokenized_samples
 from mm_assets.clients.vllm_client import CircuitOpen, HiddenStatesClient
 from mm_assets.domain.conversations import first_prompt, to_vllm_messages
-from mm_assets.domain.draft_vocab import build_draft_vocab
-from mm_assets.domain.eagle3 import Eagle3Config, Eagle3Draft, acceptance_length
 from mm_assets.domain.evaluation import measure_in_vllm
 from mm_assets.domain.extraction import (
     ExtractionReport,
@@ -28,10 +25,8 @@ from mm_assets.domain.hidden_states import (
     human_bytes,
     validate_layer_ids,
 )
-from mm_assets.domain.speculator_checkpoint import checkpoint_config, save_checkpoint
-from mm_assets.domain.target_weights import load_target_head
-from mm_assets.domain.trainer import TrainSettings, evaluate, train
-from mm_assets.domain.training_data import SampleRef, check_layer_ids, split
+from mm_assets.domain.speculator_training import SpeculatorJob, train_speculator
+from mm_assets.domain.trainer import TrainSettings
 from mm_assets.partitions import dataset_partitions, dataset_spec
 from mm_assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.storage import TableStore, schemas
@@ -272,81 +267,41 @@ def trained_speculator(
     spec = dataset_spec(context)
     tables, root = storage.tables(), Path(storage.root)
     facts = target_model.text_facts()
-    layer_ids = validate_layer_ids(
-        config.layer_ids or default_layer_ids(facts.num_layers), facts.num_layers
+    job = SpeculatorJob(
+        partition=spec.name,
+        storage_root=root,
+        target_dir=target_model.local_dir(),
+        target_config=target_model.config(),
+        target_fingerprint=target_model.fingerprint(),
+        layer_ids=validate_layer_ids(
+            config.layer_ids or default_layer_ids(facts.num_layers), facts.num_layers
+        ),
+        draft_vocab_size=config.draft_vocab_size,
+        held_out_fraction=config.held_out_fraction,
+        speculative_tokens=config.speculative_tokens,
+        settings=TrainSettings(
+            epochs=config.epochs,
+            learning_rate=config.learning_rate,
+            batch_tokens=config.batch_tokens,
+            ttt_steps=config.ttt_steps,
+            step_loss_decay=config.step_loss_decay,
+            seed=config.seed,
+        ),
     )
-    manifest = list(tables.iter_rows("hidden_states_manifest", spec.name))
-    check_layer_ids(manifest, layer_ids)
-    tokens = {
-        r["row_id"]: r
-        for r in tables.iter_rows(
-            "tokenized_samples", spec.name, ["row_id", "input_ids", "loss_mask"]
-        )
-    }
-    refs = [
-        SampleRef(
-            m["row_id"],
-            m["path"],
-            tokens[m["row_id"]]["input_ids"],
-            tokens[m["row_id"]]["loss_mask"],
-        )
-        for m in manifest
-        if m["row_id"] in tokens and len(tokens[m["row_id"]]["input_ids"]) > 1
-    ]
-    frequencies = {
-        r["token_id"]: r["count"] for r in tables.iter_rows("token_frequencies", spec.name)
-    }
-    target_config = target_model.config()
-    torch.manual_seed(config.seed)
-    cfg = Eagle3Config.from_target(target_config, config.draft_vocab_size)
-    vocab = build_draft_vocab(frequencies, cfg.vocab_size, cfg.draft_vocab_size)
-    model = Eagle3Draft(cfg)
-    head = load_target_head(target_model.local_dir())
-    model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
-    train_refs, held_out = split(refs, config.held_out_fraction, config.seed)
-    settings = TrainSettings(
-        epochs=config.epochs,
-        learning_rate=config.learning_rate,
-        batch_tokens=config.batch_tokens,
-        ttt_steps=config.ttt_steps,
-        step_loss_decay=config.step_loss_decay,
-        seed=config.seed,
-    )
-    out_dir = root / "speculators" / spec.name
-    _, untrained_accuracy = evaluate(model, held_out, settings)
-    result = train(
-        model, train_refs, held_out, settings, root / "train_state" / spec.name, context.log.info
-    )
-    checkpoint = checkpoint_config(
-        cfg,
-        layer_ids[:3],
-        str(target_model.local_dir()),
-        list(target_config.get("architectures") or []),
-        config.speculative_tokens,
-        {
-            "dataset": spec.name,
-            "layer_ids": layer_ids,
-            "layer_convention": LAYER_CONVENTION,
-            "target_fingerprint": target_model.fingerprint(),
-            "ttt_steps": config.ttt_steps,
-            "epochs": config.epochs,
-            "held_out_acceptance_estimate": result.held_out_acceptance,
-        },
-    )
-    save_checkpoint(model.cpu(), checkpoint, out_dir)
-
+    outcome = train_speculator(job, tables, context.log.info)
+    result, out_dir, held_out = outcome.result, outcome.checkpoint, outcome.held_out
     metadata: dict = {
         "checkpoint": dg.MetadataValue.path(str(out_dir)),
-        "train_rows": len(train_refs),
+        "train_rows": outcome.train_rows,
         "held_out_rows": len(held_out),
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_vocab_size": cfg.vocab_size,
-        "layer_ids": layer_ids,
+        "draft_vocab_size": outcome.config.draft_vocab_size,
+        "target_vocab_size": outcome.config.vocab_size,
+        "layer_ids": job.layer_ids,
         "final_train_loss": result.epoch_losses[-1] if result.epoch_losses else float("nan"),
         "held_out_loss": result.held_out_loss,
         "held_out_conditional_accuracy": [round(a, 4) for a in result.held_out_accuracy],
         "acceptance_length_estimate": result.held_out_acceptance,
-        "untrained_acceptance_length_estimate": acceptance_length(untrained_accuracy),
+        "untrained_acceptance_length_estimate": outcome.untrained_acceptance,
         "train_tokens_per_s": result.tokens_per_s,
         "resumed_from_epoch": result.resumed_from_epoch,
         "loss_curve": line_chart(result.batch_losses, "batch", "loss"),
@@ -360,7 +315,7 @@ def trained_speculator(
             tables, spec.name, {r.row_id for r in held_out}, config.vllm_prompts
         )
         measured, _ = measure_in_vllm(
-            str(target_model.local_dir()),
+            str(job.target_dir),
             out_dir,
             prompts,
             spec.resolved_image_root(),

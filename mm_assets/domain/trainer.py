@@ -160,6 +160,8 @@ def train(
     for epoch in range(start_epoch, settings.epochs):
         order = list(range(len(batches)))
         random.Random(settings.seed * 1_000_003 + epoch).shuffle(order)
+        if world > 1:  # every rank takes the same number of steps, or all-reduce hangs
+            order = order[: len(order) - len(order) % world] or order[:1] * world
         epoch_loss, count = 0.0, 0
         for position, index in enumerate(order):
             if position % world != rank:
