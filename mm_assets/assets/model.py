@@ -14,6 +14,7 @@ from mm_assets.domain.extraction import (
     ExtractionReport,
     ExtractionSettings,
     check_disk_budget,
+    manifest_rows,
     plan_extraction,
     requests_for,
     run_extraction,
@@ -143,24 +144,8 @@ def hidden_states(
             incoming.rmdir()
 
     rejected = {r["row_id"] for r in report.rejections}
-    manifest_rows = (
-        {
-            "row_id": row.row_id,
-            "sample_id": row.sample_id,
-            "blob_key": row.key,
-            "path": str(blobs.path(row.key)),
-            "num_tokens": row.num_tokens,
-            "bytes": blobs.path(row.key).stat().st_size,
-            "layer_ids": layer_ids,
-            "layer_convention": LAYER_CONVENTION,
-            "dtype": settings.dtype,
-            "hidden_size": facts.hidden_size,
-            "target_fingerprint": settings.target_fingerprint,
-        }
-        for row in plan.rows
-        if row.row_id not in rejected and blobs.has(row.key)
-    )
-    manifest = tables.write("hidden_states_manifest", spec.name, manifest_rows, schemas.MANIFEST)
+    rows = manifest_rows(plan, rejected, settings, blobs)
+    manifest = tables.write("hidden_states_manifest", spec.name, rows, schemas.MANIFEST)
     tables.write("hidden_states_rejections", spec.name, report.rejections, schemas.REJECTIONS)
     tables.refresh_catalog()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import json
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,10 +28,12 @@ from mm_assets.clients.vllm_client import (
     HiddenStatesClient,
 )
 from mm_assets.domain.hidden_states import (
+    LAYER_CONVENTION,
     HiddenStatesRejected,
     cache_key,
     check_prompt_ids,
     estimate_bytes,
+    human_bytes,
     validate_tensors,
 )
 from mm_assets.storage.blobs import BlobStore
@@ -88,9 +91,30 @@ def plan_extraction(rows: Iterable[dict], settings: ExtractionSettings, blobs: B
     return Plan(planned, missing)
 
 
-def requests_for(rows: Iterable[dict], missing: set[str]) -> Iterator[ExtractionRequest]:
-    import json
+def manifest_rows(
+    plan: Plan, rejected: set[str], settings: ExtractionSettings, blobs: BlobStore
+) -> Iterator[dict]:
+    """One row per stored sample: its blob and how it was made (checked by training)."""
+    for row in plan.rows:
+        path = blobs.path(row.key)
+        if row.row_id in rejected or not path.is_file():
+            continue
+        yield {
+            "row_id": row.row_id,
+            "sample_id": row.sample_id,
+            "blob_key": row.key,
+            "path": str(path),
+            "num_tokens": row.num_tokens,
+            "bytes": path.stat().st_size,
+            "layer_ids": settings.layer_ids,
+            "layer_convention": LAYER_CONVENTION,
+            "dtype": settings.dtype,
+            "hidden_size": settings.hidden_size,
+            "target_fingerprint": settings.target_fingerprint,
+        }
 
+
+def requests_for(rows: Iterable[dict], missing: set[str]) -> Iterator[ExtractionRequest]:
     for row in rows:
         if row["row_id"] in missing:
             messages = json.loads(row["messages"]) if row["messages"] else None
@@ -106,8 +130,6 @@ def check_disk_budget(plan: Plan, settings: ExtractionSettings, blobs: BlobStore
     needed = settings.estimate(plan.missing_tokens) if plan.missing else 0
     free = blobs.free_bytes()
     if needed > free * 0.95:
-        from mm_assets.domain.hidden_states import human_bytes
-
         raise DiskBudgetError(
             f"hidden states for {len(plan.missing)} samples ({plan.missing_tokens} tokens × "
             f"{len(settings.layer_ids)} layers × {settings.hidden_size} × {settings.dtype}) "
