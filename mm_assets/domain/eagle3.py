@@ -125,8 +125,9 @@ class Attention(nn.Module):
         if groups > 1:
             keys = keys.repeat_interleave(groups, dim=0)
             values = values.repeat_interleave(groups, dim=0)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return self.o_proj(out.transpose(0, 1).reshape(n, -1))
+        # 4-D inputs reach the fused CPU kernel (about twice as fast as 3-D here)
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask)
+        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
 
 
 class MLP(nn.Module):
