@@ -18,9 +18,13 @@ from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extr
 from mm_assets.domain.hidden_states import (
     DTYPE_BYTES,
     TextConfigFacts,
+    default_layer_ids,
     target_fingerprint,
     text_config_facts,
+    validate_layer_ids,
 )
+from mm_assets.domain.speculator_training import SpeculatorJob
+from mm_assets.domain.trainer import TrainSettings
 from mm_assets.storage import TableStore
 from mm_assets.storage.blobs import BlobStore
 
@@ -82,6 +86,33 @@ class TargetModelResource(dg.ConfigurableResource):
 
     def fingerprint(self) -> str:
         return target_fingerprint(self.local_dir())
+
+    def speculator_job(
+        self,
+        partition: str,
+        storage_root: Path,
+        settings: TrainSettings,
+        layer_ids: list[int] | None = None,
+        draft_vocab_size: int = 32000,
+        held_out_fraction: float = 0.1,
+        speculative_tokens: int = 3,
+    ) -> SpeculatorJob:
+        """The training job for this target (layer ids default to [2, L//2, L-3, L])."""
+        facts = self.text_facts()
+        return SpeculatorJob(
+            partition=partition,
+            storage_root=storage_root,
+            target_dir=self.local_dir(),
+            target_config=self.config(),
+            target_fingerprint=self.fingerprint(),
+            layer_ids=validate_layer_ids(
+                layer_ids or default_layer_ids(facts.num_layers), facts.num_layers
+            ),
+            draft_vocab_size=draft_vocab_size,
+            held_out_fraction=held_out_fraction,
+            speculative_tokens=speculative_tokens,
+            settings=settings,
+        )
 
 
 def _env_list(name: str) -> list[str]:

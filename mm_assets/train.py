@@ -17,8 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from mm_assets.domain.hidden_states import default_layer_ids, validate_layer_ids
-from mm_assets.domain.speculator_training import SpeculatorJob, train_speculator
+from mm_assets.domain.speculator_training import train_speculator
 from mm_assets.domain.trainer import TrainSettings
 from mm_assets.resources import StorageResource, TargetModelResource
 
@@ -46,18 +45,10 @@ def main() -> None:
     elif torch.cuda.is_available():
         device = "cuda"
     storage, target = StorageResource(), TargetModelResource()
-    facts = target.text_facts()
-    job = SpeculatorJob(
-        partition=args.partition,
-        storage_root=storage.tables().root,
-        target_dir=target.local_dir(),
-        target_config=target.config(),
-        target_fingerprint=target.fingerprint(),
-        layer_ids=validate_layer_ids(default_layer_ids(facts.num_layers), facts.num_layers),
-        draft_vocab_size=args.draft_vocab_size,
-        held_out_fraction=args.held_out_fraction,
-        speculative_tokens=args.speculative_tokens,
-        settings=TrainSettings(
+    job = target.speculator_job(
+        args.partition,
+        storage.tables().root,
+        TrainSettings(
             epochs=args.epochs,
             learning_rate=args.learning_rate,
             batch_tokens=args.batch_tokens,
@@ -65,6 +56,9 @@ def main() -> None:
             seed=args.seed,
             device=device,
         ),
+        draft_vocab_size=args.draft_vocab_size,
+        held_out_fraction=args.held_out_fraction,
+        speculative_tokens=args.speculative_tokens,
     )
     rank = dist.get_rank() if dist.is_initialized() else 0
     outcome = train_speculator(job, storage.tables(), lambda m: print(f"[rank {rank}] {m}"))

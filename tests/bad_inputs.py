@@ -12,7 +12,7 @@ from PIL import Image
 from tests.conftest import BAD_DIR
 
 
-def _png_declaring(path: Path, width: int, height: int) -> None:
+def png_declaring(path: Path, width: int, height: int) -> None:
     def chunk(kind: bytes, data: bytes) -> bytes:
         return (
             struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
@@ -34,7 +34,7 @@ def write_bad_inputs() -> dict[int, str | None]:
     full = (images / "good.jpg").read_bytes()
     (images / "cut.jpg").write_bytes(full[: len(full) // 2])
     (images / "text.jpg").write_text("not an image")
-    _png_declaring(images / "bomb.png", 50_000, 50_000)
+    png_declaring(images / "bomb.png", 50_000, 50_000)
     Image.new("RGB", (8, 8)).save(BAD_DIR / "outside.jpg")
     escape = images / "escape.jpg"
     if not escape.is_symlink():

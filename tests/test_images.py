@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import struct
-import zlib
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from mm_assets.domain.images import ImageStatus, probe_reference, resolve_reference
+from tests.bad_inputs import png_declaring
 
 
 @pytest.fixture()
@@ -20,20 +19,6 @@ def root(tmp_path: Path) -> Path:
     noise.save(root / "train2017" / "a.jpg", quality=95)
     Image.new("RGB", (30, 20), "blue").save(root / "train2017" / "b.png")
     return root
-
-
-def _png_header_only(path: Path, width: int, height: int) -> None:
-    """A PNG whose header declares a size, with a valid CRC and no real pixel data."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-        )
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    path.write_bytes(
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"") + chunk(b"IEND", b"")
-    )
 
 
 def test_ok_images_report_header_facts(root: Path) -> None:
@@ -97,8 +82,8 @@ def test_missing_empty_truncated_and_not_an_image(root: Path) -> None:
 
 
 def test_decompression_bombs_are_refused_without_decoding(root: Path) -> None:
-    _png_header_only(root / "train2017" / "bomb.png", 50_000, 50_000)  # 2.5 Gpx declared
-    _png_header_only(root / "train2017" / "big.png", 4_000, 3_000)
+    png_declaring(root / "train2017" / "bomb.png", 50_000, 50_000)  # 2.5 Gpx declared
+    png_declaring(root / "train2017" / "big.png", 4_000, 3_000)
     assert probe_reference(root, "train2017/bomb.png").status is ImageStatus.TOO_LARGE
     big = probe_reference(root, "train2017/big.png", max_pixels=10_000_000)
     assert big.status is ImageStatus.TOO_LARGE and (big.width, big.height) == (4000, 3000)

@@ -26,7 +26,7 @@ from mm_assets.domain.hidden_states import (
     human_bytes,
     validate_layer_ids,
 )
-from mm_assets.domain.speculator_training import SpeculatorJob, train_speculator
+from mm_assets.domain.speculator_training import train_speculator
 from mm_assets.domain.trainer import TrainSettings
 from mm_assets.partitions import dataset_partitions, dataset_spec
 from mm_assets.resources import StorageResource, TargetModelResource, VllmResource
@@ -252,19 +252,10 @@ def trained_speculator(
     spec = dataset_spec(context)
     tables, root = storage.tables(), Path(storage.root)
     facts = target_model.text_facts()
-    job = SpeculatorJob(
-        partition=spec.name,
-        storage_root=root,
-        target_dir=target_model.local_dir(),
-        target_config=target_model.config(),
-        target_fingerprint=target_model.fingerprint(),
-        layer_ids=validate_layer_ids(
-            config.layer_ids or default_layer_ids(facts.num_layers), facts.num_layers
-        ),
-        draft_vocab_size=config.draft_vocab_size,
-        held_out_fraction=config.held_out_fraction,
-        speculative_tokens=config.speculative_tokens,
-        settings=TrainSettings(
+    job = target_model.speculator_job(
+        spec.name,
+        root,
+        TrainSettings(
             epochs=config.epochs,
             learning_rate=config.learning_rate,
             batch_tokens=config.batch_tokens,
@@ -272,6 +263,10 @@ def trained_speculator(
             step_loss_decay=config.step_loss_decay,
             seed=config.seed,
         ),
+        config.layer_ids,
+        config.draft_vocab_size,
+        config.held_out_fraction,
+        config.speculative_tokens,
     )
     outcome = train_speculator(job, tables, context.log.info)
     result, out_dir, held_out = outcome.result, outcome.checkpoint, outcome.held_out
