@@ -169,7 +169,7 @@ class HiddenStatesClient:
         the next requests instead of holding a request slot. A `CircuitOpen` stops
         everything and propagates."""
         queue: asyncio.Queue[ExtractionRequest | None] = asyncio.Queue(self.concurrency * 2)
-        handling = asyncio.Semaphore(self.concurrency * 2)
+        handling = asyncio.Semaphore(self.concurrency * 4)
 
         async def produce() -> None:
             for request in requests:

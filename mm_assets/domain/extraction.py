@@ -16,6 +16,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -229,7 +230,8 @@ def run_extraction(
             )
         else:
             try:
-                path = await asyncio.to_thread(
+                path = await asyncio.get_running_loop().run_in_executor(
+                    storers,
                     store_response,
                     request,
                     outcome,
@@ -264,6 +266,9 @@ def run_extraction(
         finally:
             await client.close()
 
-    asyncio.run(main())
+    # Storing mostly waits for the server's writer to release its lock: enough threads
+    # that this waiting never holds back the next requests.
+    with ThreadPoolExecutor(max_workers=4 * client.concurrency) as storers:
+        asyncio.run(main())
     report.seconds = time.perf_counter() - started
     return report
