@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench import tokenize_lazy_vs_pixels, tokenize_memory
+from bench import tokenize_lazy_vs_pixels, tokenize_memory, train_speed
 
 
 def main() -> None:
@@ -16,6 +16,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results["tokenize_lazy_vs_pixels"] = tokenize_lazy_vs_pixels.run(300, Path(tmp) / "speed")
         results["tokenize_memory"] = tokenize_memory.run(Path(tmp) / "memory")
+        (Path(tmp) / "train").mkdir()
+        results["train_speed"] = train_speed.run(Path(tmp) / "train")
     # a fresh process: it registers its own datasets before mm_assets is imported
     out = subprocess.run(
         [sys.executable, "-m", "bench.hidden_states_throughput"],
