@@ -20,6 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from mm_assets.domain.images import ImageProbe
+from mm_assets.domain.rejection import RowRejected
 
 IMAGE_PLACEHOLDER = "<image>"
 
@@ -50,13 +51,8 @@ class DropReason(StrEnum):
     DUPLICATE_SAMPLE = "duplicate_sample"
 
 
-class Rejected(Exception):
+class Rejected(RowRejected):
     """A row that cannot be used, with the reason recorded in the quarantine."""
-
-    def __init__(self, reason: DropReason, detail: str) -> None:
-        super().__init__(f"{reason.value}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 Turn = dict[str, Any]

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from mm_assets.domain.rejection import RowRejected
+
 LAYER_CONVENTION = "residual_after_k_layers;L=pre_final_norm"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,11 +114,8 @@ class HiddenStatesProblem(StrEnum):
     NON_FINITE = "non_finite"
 
 
-class HiddenStatesRejected(Exception):
-    def __init__(self, reason: HiddenStatesProblem, detail: str) -> None:
-        super().__init__(f"{reason.value}: {detail}")
-        self.reason = reason
-        self.detail = detail
+class HiddenStatesRejected(RowRejected):
+    """A row this stage cannot use, with its reason."""
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> str:

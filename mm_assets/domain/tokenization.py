@@ -27,6 +27,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 from mm_assets.domain.conversations import Turn
+from mm_assets.domain.rejection import RowRejected
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -36,11 +37,8 @@ class TokenizeDropReason(StrEnum):
     TEMPLATE_ERROR = "template_error"
 
 
-class TokenizeRejected(Exception):
-    def __init__(self, reason: TokenizeDropReason, detail: str) -> None:
-        super().__init__(f"{reason.value}: {detail}")
-        self.reason = reason
-        self.detail = detail
+class TokenizeRejected(RowRejected):
+    """A row this stage cannot use, with its reason."""
 
 
 @dataclass(frozen=True)
