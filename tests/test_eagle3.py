@@ -251,3 +251,27 @@ def test_interrupted_training_resumes_to_the_same_result(tmp_path: Path) -> None
     assert result.resumed_from_epoch == 1 and len(result.epoch_losses) == 3
     for key, value in straight.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[key]), key
+
+
+def test_full_vocab_scoring_counts_only_the_targets_own_greedy_token() -> None:
+    """A draft that matches the teacher inside its vocabulary is still wrong wherever the
+    target's greedy token lies outside the draft vocabulary."""
+    model = _model()
+    batch = _batch([10])
+    full_head = torch.randn(96, 64)
+    greedy = model.target_greedy_tokens(batch["last_hidden"], full_head)
+    expected = (model.verifier_norm(batch["last_hidden"]) @ full_head.T).argmax(-1)
+    assert torch.equal(greedy, expected)
+    with torch.no_grad():
+        _, inside = model(**batch, ttt_steps=1)
+        _, full = model(**batch, ttt_steps=1, target_greedy=greedy)
+    proposals = model.to_target_ids(
+        model.lm_head(model.norm(model.layers[0](
+            model.embed_tokens(batch["input_ids"]), model.fc(batch["aux_hidden"]),
+            batch["position_ids"], [], ttt_mask(batch["segment"], 0),
+        ))).argmax(-1)
+    )  # fmt: skip
+    assert torch.equal(full[0].correct, proposals == greedy)
+    outside = ~model.t2d[greedy]
+    assert not full[0].correct[outside].any()
+    assert inside[0].correct.shape == full[0].correct.shape

@@ -216,8 +216,22 @@ class Eagle3Draft(nn.Module):
             self.t2d.copy_(vocab.t2d)
             self.d2t.copy_(vocab.d2t)
 
-    def step_hidden(self, aux: torch.Tensor) -> torch.Tensor:
-        return self.fc(aux)
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        if self.cfg.draft_vocab_size == self.cfg.vocab_size:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def target_greedy_tokens(
+        self, last_hidden: torch.Tensor, full_lm_head: torch.Tensor, chunk: int = 512
+    ) -> torch.Tensor:
+        """The target's greedy next token at each position (final norm + full lm_head),
+        in chunks so `[N, V]` logits are never held at once."""
+        out = [
+            (self.verifier_norm(last_hidden[i : i + chunk]).float() @ full_lm_head.T).argmax(-1)
+            for i in range(0, last_hidden.shape[0], chunk)
+        ]
+        return torch.cat(out)
 
     def forward(
         self,
@@ -229,8 +243,14 @@ class Eagle3Draft(nn.Module):
         segment: torch.Tensor,
         ttt_steps: int = 3,
         decay: float = 1.0,
+        target_greedy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[StepStats]]:
-        """Total loss and per-step statistics for one pre-shifted packed batch."""
+        """Total loss and per-step statistics for one pre-shifted packed batch.
+
+        With `target_greedy` (the target's own next token over its full vocabulary, see
+        `target_greedy_tokens`), a step counts as right only when the draft proposes
+        exactly that token — what acceptance depends on; without it, agreement with the
+        teacher's best token inside the draft vocabulary."""
         n = input_ids.shape[0]
         with torch.no_grad():
             teacher = self.verifier_lm_head(self.verifier_norm(last_hidden)).float()
@@ -258,9 +278,11 @@ class Eagle3Draft(nn.Module):
             weight = valid.float()
             step_loss = (kl * weight).sum() / (weight.sum() + 1e-5) * decay**step
             total = total + step_loss
-            stats.append(
-                StepStats(step_loss.detach(), logits.argmax(-1) == teacher_top[shifted], valid)
-            )
+            if target_greedy is None:
+                correct = logits.argmax(-1) == teacher_top[shifted]
+            else:
+                correct = self.to_target_ids(logits.argmax(-1)) == target_greedy[shifted]
+            stats.append(StepStats(step_loss.detach(), correct, valid))
             ids = torch.cat([ids[1:], ids.new_zeros(1)])
         return total, stats
 

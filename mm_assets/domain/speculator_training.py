@@ -88,8 +88,11 @@ def train_speculator(
     head = load_target_head(job.target_dir)
     model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
     train_refs, held_out = split(refs, job.held_out_fraction, job.settings.seed)
-    _, untrained_accuracy = evaluate(model, held_out, job.settings)
-    result = train(model, train_refs, held_out, job.settings, job.state_dir, log)
+    # acceptance needs the target's own greedy token, over its whole vocabulary
+    _, untrained_accuracy = evaluate(model, held_out, job.settings, head.lm_head)
+    result = train(
+        model, train_refs, held_out, job.settings, job.state_dir, log, full_lm_head=head.lm_head
+    )
     provenance = {
         "dataset": job.partition,
         "layer_ids": job.layer_ids,

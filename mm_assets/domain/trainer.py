@@ -90,19 +90,29 @@ def _batch_to(batch, device: torch.device):
 
 
 def evaluate(
-    model: Eagle3Draft, refs: Sequence[SampleRef], settings: TrainSettings
+    model: Eagle3Draft,
+    refs: Sequence[SampleRef],
+    settings: TrainSettings,
+    full_lm_head: torch.Tensor | None = None,
 ) -> tuple[float, list[float]]:
-    """Held-out loss and per-step conditional accuracy."""
+    """Held-out loss and per-step conditional accuracy. With the target's full lm_head,
+    a step is right only when the draft proposes the target's own greedy token."""
     device = settings.resolved_device()
     model.eval()
     losses, stats = [], []
+    head = full_lm_head.to(device) if full_lm_head is not None else None
     with torch.no_grad():
         for group in pack(refs, settings.batch_tokens):
+            batch = _batch_to(load_batch(group), device)
+            greedy = (
+                None if head is None else model.target_greedy_tokens(batch["last_hidden"], head)
+            )
             with _autocast(device):
                 loss, step_stats = model(
-                    **_batch_to(load_batch(group), device),
+                    **batch,
                     ttt_steps=settings.ttt_steps,
                     decay=settings.step_loss_decay,
+                    target_greedy=greedy,
                 )
             losses.append(float(loss))
             stats.append(
@@ -128,6 +138,7 @@ def train(
     state_dir: Path,
     log: Callable[[str], None] = print,
     after_epoch: Callable[[int], None] = lambda epoch: None,
+    full_lm_head: torch.Tensor | None = None,
 ) -> TrainResult:
     """Train `model` in place; resumes from `state_dir` when it holds a matching state."""
     device = settings.resolved_device()
@@ -199,6 +210,8 @@ def train(
         after_epoch(epoch + 1)
     elapsed = time.perf_counter() - started
     result.tokens_per_s = result.trained_tokens / elapsed if elapsed > 0 else 0.0
-    result.held_out_loss, result.held_out_accuracy = evaluate(model, held_out_refs, settings)
+    result.held_out_loss, result.held_out_accuracy = evaluate(
+        model, held_out_refs, settings, full_lm_head
+    )
     result.held_out_acceptance = acceptance_length(result.held_out_accuracy)
     return result
