@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export MM_ASSETS_HOME ?= $(CURDIR)/.mm_assets
 export DAGSTER_HOME ?= $(MM_ASSETS_HOME)/dagster_home
 
-.PHONY: setup demo test lint format bench clean
+.PHONY: setup demo test lint format bench dev clean
 
 setup:
 	@bash scripts/setup_env.sh
@@ -16,6 +16,12 @@ demo: setup
 
 test: setup lint
 	$(PY) -m pytest -q
+
+# The Dagster UI on 127.0.0.1:3000 with run history in $(DAGSTER_HOME).
+dev: setup
+	@mkdir -p "$(DAGSTER_HOME)"
+	@[ -f "$(DAGSTER_HOME)/dagster.yaml" ] || cp dagster.yaml "$(DAGSTER_HOME)/dagster.yaml"
+	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 lint: setup
 	$(VENV)/bin/ruff check mm_assets tests bench scripts

@@ -11,6 +11,7 @@ from mm_assets.assets.ingest import coco_image_availability, raw_dataset
 from mm_assets.assets.model import hidden_states, trained_speculator
 from mm_assets.assets.prep import normalized_conversations, tokenized_samples
 from mm_assets.resources import StorageResource, TargetModelResource, VllmResource
+from mm_assets.schedules import refresh_raw_datasets, refresh_raw_datasets_job
 
 settings.ensure_dagster_home()
 
@@ -23,6 +24,8 @@ defs = dg.Definitions(
         hidden_states,
         trained_speculator,
     ],
+    jobs=[refresh_raw_datasets_job],
+    schedules=[refresh_raw_datasets],
     resources={
         "storage": StorageResource(),
         "target_model": TargetModelResource(),

@@ -37,6 +37,10 @@ demo_tampered:
   image_root: {SESSION_HOME}/demo/coco
   image_path_strip_prefix: "coco/"
 
+auto_text:
+  path: {SESSION_HOME}/auto/sharegpt.jsonl
+  format: sharegpt
+
 demo_wrong_root:
   path: {SESSION_HOME}/demo/data/sharegpt4v_coco.json
   format: sharegpt4v

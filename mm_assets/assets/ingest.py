@@ -5,6 +5,7 @@ from collections import Counter
 import dagster as dg
 
 from mm_assets.assets.metadata import counts_table
+from mm_assets.automation import materialize_on_change
 from mm_assets.domain.conversations import Rejected, image_references, parse_record
 from mm_assets.domain.images import DEFAULT_MAX_PIXELS, probe_reference
 from mm_assets.domain.sources import load_rows
@@ -54,6 +55,7 @@ class ImageAvailabilityConfig(dg.Config):
 
 @dg.asset(
     partitions_def=dataset_partitions,
+    automation_condition=materialize_on_change(),
     group_name="ingest",
     code_version="1",
     kinds={"parquet"},

@@ -7,6 +7,7 @@ import dagster as dg
 
 from mm_assets.assets.metadata import bar_chart, line_chart
 from mm_assets.assets.prep import tokenized_samples
+from mm_assets.automation import materialize_on_change
 from mm_assets.clients.vllm_client import CircuitOpen, HiddenStatesClient
 from mm_assets.domain.conversations import first_prompt, to_vllm_messages
 from mm_assets.domain.evaluation import measure_in_vllm
@@ -34,6 +35,9 @@ from mm_assets.storage import TableStore, schemas
 from mm_assets.storage.tables import file_hash
 
 REJECTION_CHECK = "token_id_rejections"
+# Steps that hold the accelerator (a vLLM server, training) share one pool; its limit is
+# the instance's `concurrency.pools` setting (dagster.yaml: one at a time by default).
+ACCELERATOR_POOL = "accelerator"
 
 
 class HiddenStatesConfig(dg.Config):
@@ -51,7 +55,9 @@ class HiddenStatesConfig(dg.Config):
 
 @dg.asset(
     partitions_def=dataset_partitions,
+    automation_condition=materialize_on_change(),
     group_name="model",
+    pool=ACCELERATOR_POOL,
     code_version="1",
     kinds={"vllm", "safetensors"},
     deps=[tokenized_samples],
@@ -233,7 +239,9 @@ class SpeculatorConfig(dg.Config):
 
 @dg.asset(
     partitions_def=dataset_partitions,
+    automation_condition=materialize_on_change(),
     group_name="model",
+    pool=ACCELERATOR_POOL,
     code_version="1",
     kinds={"pytorch", "safetensors"},
     deps=[hidden_states],

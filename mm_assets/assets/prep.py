@@ -7,6 +7,7 @@ import dagster as dg
 
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
 from mm_assets.assets.metadata import counts_table, length_histogram, length_stats
+from mm_assets.automation import materialize_on_change
 from mm_assets.domain.conversations import (
     DropReason,
     Rejected,
@@ -31,6 +32,7 @@ def _load_probes(storage: StorageResource, partition: str) -> dict[str, ImagePro
 
 @dg.asset(
     partitions_def=dataset_partitions,
+    automation_condition=materialize_on_change(),
     group_name="prep",
     code_version="1",
     kinds={"parquet"},
@@ -107,6 +109,7 @@ class TokenizationConfig(dg.Config):
 
 @dg.asset(
     partitions_def=dataset_partitions,
+    automation_condition=materialize_on_change(),
     group_name="prep",
     code_version="1",
     kinds={"parquet"},
