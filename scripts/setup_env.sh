@@ -24,6 +24,14 @@ if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then
     fi
 fi
 
+# Debian's Chromium for the UI test (Playwright drives it; it never downloads a browser).
+if ! command -v chromium >/dev/null && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    echo "setup: installing chromium"
+    apt-get install -y -qq chromium >/dev/null 2>&1 \
+        || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1) \
+        || echo "setup: could not install chromium; the UI test will fail until it is installed"
+fi
+
 echo "setup: installing into $VENV (the first time takes a few minutes: vLLM's CPU engine is ~3.5 GB)"
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check)

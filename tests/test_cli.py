@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,8 @@ def _run(args: list[str], env: dict[str, str], timeout: int = 600) -> str:
     return proc.stdout + proc.stderr
 
 
-def test_validate_and_materialize_through_the_cli(tmp_path: Path) -> None:
+def test_validate_and_materialize_the_whole_chain_through_the_cli(tmp_path: Path) -> None:
+    """The README's command, in a fresh DAGSTER_HOME / MM_ASSETS_HOME: down to the checkpoint."""
     env = {
         **os.environ,
         "MM_ASSETS_HOME": str(tmp_path / "home"),
@@ -38,7 +40,7 @@ def test_validate_and_materialize_through_the_cli(tmp_path: Path) -> None:
             "-m",
             "mm_assets.definitions",
             "--select",
-            "*tokenized_samples",
+            "*trained_speculator",
             "--partition",
             "demo_sharegpt4v_coco",
         ],
@@ -60,5 +62,9 @@ def test_validate_and_materialize_through_the_cli(tmp_path: Path) -> None:
         f"SELECT count(*), min(num_supervised) FROM read_parquet('{glob}')"
     ).fetchall()[0]
     assert rows[0] > 150 and rows[1] > 0
+    checkpoint = tmp_path / "home" / "speculators" / "demo_sharegpt4v_coco"
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert (checkpoint / "model.safetensors").stat().st_size > 0
     # the run was recorded in the persistent instance, not an in-memory one
     assert any((tmp_path / "dagster_home").rglob("*.db"))
