@@ -309,7 +309,3 @@ def acceptance_length(accuracies: list[float]) -> float:
         running *= acc
         total += running
     return total
-
-
-def param_count(model: nn.Module, trainable: bool = True) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)
