@@ -4,9 +4,10 @@
 
 Reads the partition's `tokenized_samples`, `hidden_states_manifest` and
 `token_frequencies` from $MM_ASSETS_HOME (materialize `hidden_states` first) and writes
-the same checkpoint the `trained_speculator` asset writes. Under torchrun each rank trains
-on its share of the batches with DistributedDataParallel (NCCL on GPUs, gloo on CPU);
-rank 0 saves. Resumes from the last epoch checkpoint like the asset does.
+the same checkpoint the `trained_speculator` asset writes; like the asset, it reuses a
+checkpoint trained from identical inputs and settings unless `--retrain`. Under torchrun
+each rank trains on its share of the batches with DistributedDataParallel (NCCL on GPUs,
+gloo on CPU); rank 0 saves. Resumes from the last epoch checkpoint like the asset does.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def main() -> None:
     parser.add_argument("--held-out-fraction", type=float, default=0.1)
     parser.add_argument("--speculative-tokens", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--retrain",
+        action="store_true",
+        help="train even when the checkpoint already came from identical inputs and settings",
+    )
     args = parser.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -61,7 +67,9 @@ def main() -> None:
         speculative_tokens=args.speculative_tokens,
     )
     rank = dist.get_rank() if dist.is_initialized() else 0
-    outcome = train_speculator(job, storage.tables(), lambda m: print(f"[rank {rank}] {m}"))
+    outcome = train_speculator(
+        job, storage.tables(), lambda m: print(f"[rank {rank}] {m}"), reuse=not args.retrain
+    )
     if rank == 0:
         trained, untrained = outcome.result.held_out_acceptance, outcome.untrained_acceptance
         print(

@@ -7,10 +7,12 @@ import os
 from pathlib import Path
 
 import dagster as dg
+import duckdb
 import pytest
 
 from tests.bad_inputs import write_bad_inputs
 from tests.conftest import PREP_ASSETS, materialize
+from tests.plots import PLOT_SIZE, decode_plot
 
 
 def _materialize(partition: str, raise_on_error: bool = True) -> dg.ExecuteInProcessResult:
@@ -106,6 +108,12 @@ def test_metadata_a_user_reads(demo_results) -> None:
         and "<image ×" in tokenized["sample_with_loss_mask"]
     )
     assert tokenized["tokens_max"] >= tokenized["tokens_p50"] > 0
+    assert decode_plot(tokenized["token_lengths"]).size == PLOT_SIZE
+    # the catalog path and the query shown beside every table work as printed
+    sql = tokenized["query"].split("```sql\n")[1].split("\n```")[0]
+    with duckdb.connect(tokenized["catalog"], read_only=True) as con:
+        rows = con.execute(sql.replace("LIMIT 20", "")).fetchall()
+    assert len(rows) == tokenized["rows"]
     checks = result.get_asset_check_evaluations()
     assert [(c.check_name, c.passed) for c in checks] == [("image_availability_ratio", True)]
 

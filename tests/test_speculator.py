@@ -17,6 +17,7 @@ from mm_assets.clients.vllm_server import (
 from mm_assets.clients.vllm_speculative import generate_greedy, spec_decode_counters
 from mm_assets.resources import StorageResource
 from tests.conftest import SESSION_HOME
+from tests.plots import PLOT_SIZE, decode_plot
 
 pytestmark = pytest.mark.slow
 PARTITION = "demo_sharegpt4v_coco"
@@ -27,8 +28,10 @@ REQUIRED_FIELDS = (
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def trained(demo_hidden_states) -> dict:
+CONFIG = {"draft_vocab_size": 512, "epochs": 3, "vllm_prompts": 12, "vllm_max_tokens": 24}
+
+
+def _train(**overrides) -> dict:
     from mm_assets.definitions import defs
 
     result = dg.materialize(
@@ -36,21 +39,15 @@ def trained(demo_hidden_states) -> dict:
         partition_key=PARTITION,
         resources=defs.resources,
         instance=dg.DagsterInstance.get(),
-        run_config={
-            "ops": {
-                "trained_speculator": {
-                    "config": {
-                        "draft_vocab_size": 512,
-                        "epochs": 3,
-                        "vllm_prompts": 12,
-                        "vllm_max_tokens": 24,
-                    }
-                }
-            }
-        },
+        run_config={"ops": {"trained_speculator": {"config": {**CONFIG, **overrides}}}},
     )
     (mat,) = result.asset_materializations_for_node("trained_speculator")
     return {k: v.value for k, v in mat.metadata.items()}
+
+
+@pytest.fixture(scope="module")
+def trained(demo_hidden_states) -> dict:
+    return _train()
 
 
 def test_checkpoint_fields_and_held_out_acceptance(trained: dict) -> None:
@@ -68,7 +65,9 @@ def test_checkpoint_fields_and_held_out_acceptance(trained: dict) -> None:
     assert config["mm_assets"]["layer_ids"] == [2, 4, 5, 8]
     assert trained["acceptance_length_estimate"] > trained["untrained_acceptance_length_estimate"]
     assert len(trained["held_out_conditional_accuracy"]) == 3
-    assert "| 1 |" in trained["loss_curve"]
+    assert decode_plot(trained["loss_curve"]).size == PLOT_SIZE
+    assert decode_plot(trained["per_position_acceptance"]).size == PLOT_SIZE
+    assert trained["reused_checkpoint"] is False
 
 
 def test_vllm_served_the_draft_and_counted_acceptance(trained: dict) -> None:
@@ -98,3 +97,16 @@ def test_speculative_decoding_with_the_draft_is_lossless(
     assert counters.drafts > 0
     same = sum(a == b for a, b in zip(with_draft, plain, strict=True))
     assert same == len(prompts), f"{same}/{len(prompts)} identical"
+
+
+def test_a_rerun_with_identical_inputs_reuses_checkpoint_and_measurement(trained: dict) -> None:
+    """No training and no vLLM server the second time; a changed setting trains again."""
+    weights = Path(trained["checkpoint"]) / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    again = _train()
+    assert again["reused_checkpoint"] is True and again["vllm_measurement_reused"] is True
+    assert weights.stat().st_mtime_ns == before
+    assert again["held_out_loss"] == trained["held_out_loss"]
+    assert again["vllm_acceptance_length"] == trained["vllm_acceptance_length"]
+    changed = _train(epochs=1, measure_in_vllm=False)
+    assert changed["reused_checkpoint"] is False and weights.stat().st_mtime_ns != before

@@ -4,7 +4,7 @@ from collections import Counter
 
 import dagster as dg
 
-from mm_assets.assets.metadata import counts_table
+from mm_assets.assets.metadata import counts_table, table_links
 from mm_assets.automation import materialize_on_change
 from mm_assets.domain.conversations import Rejected, image_references, parse_record
 from mm_assets.domain.images import DEFAULT_MAX_PIXELS, probe_reference
@@ -34,7 +34,8 @@ def raw_dataset(
         {"source_index": r.source_index, "record": r.record_json(), "parse_error": r.parse_error}
         for r in loaded.rows
     )
-    written = storage.tables().write("raw_dataset", spec.name, rows, schemas.RAW_DATASET)
+    tables = storage.tables()
+    written = tables.write("raw_dataset", spec.name, rows, schemas.RAW_DATASET)
     return dg.MaterializeResult(
         metadata={
             "rows": written.num_rows,
@@ -42,7 +43,7 @@ def raw_dataset(
             "rows_after_filter": loaded.after_filter,
             "unparseable_rows": sum(r.parse_error is not None for r in loaded.rows),
             "source": spec.hub or str(spec.resolved_path()),
-            "path": dg.MetadataValue.path(str(written.path)),
+            **table_links(tables, "raw_dataset", spec.name),
         },
         data_version=dg.DataVersion(written.content_hash),
     )
@@ -112,7 +113,7 @@ def coco_image_availability(
             "availability_ratio": ratio,
             "images_by_status": counts_table(by_status, "status", "images"),
             "image_root": dg.MetadataValue.path(str(root)),
-            "path": dg.MetadataValue.path(str(written.path)),
+            **table_links(tables, "coco_image_availability", spec.name),
         },
         data_version=dg.DataVersion(written.content_hash),
         check_results=[

@@ -1,12 +1,18 @@
-"""Small formatters for the metadata a user reads in the Dagster UI."""
+"""Formatters for the metadata a user reads in the Dagster UI: Markdown tables, and plots
+as PNG images inside Markdown (the UI renders Markdown images; there is no plot type)."""
 
 from __future__ import annotations
 
+import base64
+import io
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import dagster as dg
 import numpy as np
+from matplotlib.figure import Figure
+
+from mm_assets.storage import TableStore
 
 
 def counts_table(counts: Mapping[str, int], key: str, value: str = "rows") -> dg.MetadataValue:
@@ -16,16 +22,32 @@ def counts_table(counts: Mapping[str, int], key: str, value: str = "rows") -> dg
     return dg.MetadataValue.md("\n".join(lines))
 
 
-def length_histogram(lengths: Sequence[int], bins: int = 10) -> dg.MetadataValue:
-    """Token lengths as a Markdown bar chart."""
+def _figure() -> tuple[Figure, object]:
+    # a bare Figure (no pyplot): no global state, safe in threads and without a display
+    fig = Figure(figsize=(6.0, 3.2), dpi=90, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def png_markdown(fig: Figure, alt: str) -> dg.MetadataValue:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    encoded = base64.b64encode(buffer.getvalue()).decode()
+    return dg.MetadataValue.md(f"![{alt}](data:image/png;base64,{encoded})")
+
+
+def length_histogram(lengths: Sequence[int], bins: int = 30) -> dg.MetadataValue:
+    """Rows per token length, with the median and 95th percentile marked."""
     if not lengths:
         return dg.MetadataValue.md("(no rows)")
-    counts, edges = np.histogram(np.asarray(lengths), bins=bins)
-    top = max(int(counts.max()), 1)
-    lines = ["| tokens | rows | |", "|---|---:|---|"]
-    for n, lo, hi in zip(counts, edges[:-1], edges[1:], strict=True):
-        lines.append(f"| {int(lo)}–{int(hi)} | {int(n)} | {'█' * round(20 * int(n) / top)} |")
-    return dg.MetadataValue.md("\n".join(lines))
+    arr = np.asarray(lengths)
+    fig, ax = _figure()
+    ax.hist(arr, bins=min(bins, max(1, len(set(lengths)))), color="#4c72b0")
+    for q, style in ((50, "--"), (95, ":")):
+        value = np.percentile(arr, q)
+        ax.axvline(value, color="black", linestyle=style, label=f"p{q} = {value:,.0f}")
+    ax.set(xlabel="tokens per row", ylabel="rows", title=f"{len(arr):,} rows")
+    ax.legend()
+    return png_markdown(fig, "token length histogram")
 
 
 def length_stats(lengths: Sequence[int]) -> dict[str, int]:
@@ -40,21 +62,58 @@ def length_stats(lengths: Sequence[int]) -> dict[str, int]:
     }
 
 
-def line_chart(values: Sequence[float], x: str, y: str, points: int = 24) -> dg.MetadataValue:
-    """A Markdown chart of a series (e.g. the loss curve), downsampled to `points` rows."""
-    if not values:
-        return dg.MetadataValue.md("(no values)")
-    step = max(1, len(values) // points)
-    rows = [(i, float(np.mean(values[i : i + step]))) for i in range(0, len(values), step)]
-    top = max(v for _, v in rows) or 1.0
-    lines = [f"| {x} | {y} | |", "|---:|---:|---|"]
-    lines += [f"| {i + 1} | {v:.4f} | {'█' * max(1, round(30 * v / top))} |" for i, v in rows]
-    return dg.MetadataValue.md("\n".join(lines))
+def loss_curve(
+    batch_losses: Sequence[float], epoch_losses: Sequence[float], held_out_loss: float
+) -> dg.MetadataValue:
+    """Training loss per batch (and a running mean), epoch ends, and the held-out loss."""
+    if not batch_losses:
+        return dg.MetadataValue.md("(no batches: the checkpoint was resumed complete)")
+    losses = np.asarray(batch_losses, dtype=float)
+    fig, ax = _figure()
+    steps = np.arange(1, len(losses) + 1)
+    ax.plot(steps, losses, color="#4c72b0", alpha=0.35, label="batch")
+    window = max(1, len(losses) // 20)
+    smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+    ax.plot(steps[window - 1 :], smooth, color="#4c72b0", label=f"mean of {window}")
+    per_epoch = len(losses) // max(len(epoch_losses), 1)
+    for epoch in range(1, len(epoch_losses)):
+        ax.axvline(epoch * per_epoch + 0.5, color="grey", linewidth=0.6)
+    if np.isfinite(held_out_loss):
+        ax.axhline(held_out_loss, color="#dd8452", linestyle="--", label="held-out, after training")
+    ax.set(xlabel="batch", ylabel="loss (summed over draft steps)", title="training loss")
+    ax.legend()
+    return png_markdown(fig, "loss curve")
 
 
-def bar_chart(labels: Sequence[str], values: Sequence[float]) -> dg.MetadataValue:
-    lines = ["| | value | |", "|---|---:|---|"]
-    lines += [
-        f"| {k} | {v:.3f} | {'█' * round(30 * v)} |" for k, v in zip(labels, values, strict=True)
-    ]
-    return dg.MetadataValue.md("\n".join(lines))
+def acceptance_plot(
+    conditional_accuracy: Sequence[float], vllm_rates: Sequence[float] | None = None
+) -> dg.MetadataValue:
+    """P(draft token i is accepted) per position: estimated on held-out rows (product of
+    the conditional accuracies up to i) and, when measured, counted by vLLM."""
+    estimate = np.cumprod(np.asarray(conditional_accuracy, dtype=float))
+    positions = np.arange(1, len(estimate) + 1)
+    fig, ax = _figure()
+    width = 0.4 if vllm_rates else 0.8
+    ax.bar(positions - (width / 2 if vllm_rates else 0), estimate, width, label="held-out estimate")
+    if vllm_rates:
+        ax.bar(positions + width / 2, vllm_rates, width, label="measured in vLLM")
+    ax.set_xticks(positions)
+    ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1))
+    ax.set_title("per-position acceptance")
+    ax.legend()
+    return png_markdown(fig, "per-position acceptance")
+
+
+def table_links(tables: TableStore, table: str, partition: str) -> dict[str, dg.MetadataValue]:
+    """Where the partition's table lies, and how to query it in the DuckDB catalog (whose
+    views are refreshed here, so a table's first write is queryable at once)."""
+    tables.refresh_catalog()
+    sql = f"SELECT * FROM {table} WHERE dataset = '{partition}' LIMIT 20;"
+    return {
+        "path": dg.MetadataValue.path(str(tables.path(table, partition))),
+        "catalog": dg.MetadataValue.path(str(tables.catalog_path)),
+        "query": dg.MetadataValue.md(
+            f"In `duckdb -readonly {tables.catalog_path}` or "
+            f"`StorageResource().tables().connect()`:\n\n```sql\n{sql}\n```"
+        ),
+    }

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import dagster as dg
 
-from mm_assets.assets.metadata import bar_chart, line_chart
+from mm_assets.assets.metadata import acceptance_plot, loss_curve, table_links
 from mm_assets.assets.prep import tokenized_samples
 from mm_assets.automation import materialize_on_change
 from mm_assets.clients.vllm_client import CircuitOpen, HiddenStatesClient
 from mm_assets.domain.conversations import first_prompt, to_vllm_messages
-from mm_assets.domain.evaluation import measure_in_vllm
+from mm_assets.domain.evaluation import measured_acceptance
 from mm_assets.domain.extraction import (
     ExtractionReport,
     ExtractionSettings,
@@ -27,7 +27,7 @@ from mm_assets.domain.hidden_states import (
     human_bytes,
     validate_layer_ids,
 )
-from mm_assets.domain.speculator_training import train_speculator
+from mm_assets.domain.speculator_training import TRAINING_VERSION, train_speculator
 from mm_assets.domain.trainer import TrainSettings
 from mm_assets.partitions import dataset_partitions, dataset_spec
 from mm_assets.resources import StorageResource, TargetModelResource, VllmResource
@@ -153,7 +153,6 @@ def hidden_states(
     rows = manifest_rows(plan, rejected, settings, blobs)
     manifest = tables.write("hidden_states_manifest", spec.name, rows, schemas.MANIFEST)
     tables.write("hidden_states_rejections", spec.name, report.rejections, schemas.REJECTIONS)
-    tables.refresh_catalog()
 
     ratio = len(rejected) / max(len(plan.rows), 1)
     reasons: dict[str, int] = {}
@@ -179,7 +178,8 @@ def hidden_states(
             "server": "managed" if vllm.managed else ", ".join(vllm.base_urls),
             "server_startup_s": startup_s if startup_s is not None else "n/a",
             "server_rss_mb": round(server_rss / 2**20) if server_rss else "n/a",
-            "manifest": dg.MetadataValue.path(str(manifest.path)),
+            **table_links(tables, "hidden_states_manifest", spec.name),
+            "blobs": dg.MetadataValue.path(str(blobs.dir)),
         },
         data_version=dg.DataVersion(manifest.content_hash),
         check_results=[
@@ -235,6 +235,8 @@ class SpeculatorConfig(dg.Config):
     """Serve the target with the trained draft and read vLLM's spec-decode counters."""
     vllm_prompts: int = 32
     vllm_max_tokens: int = 64
+    retrain: bool = False
+    """Train (and measure) again even when this checkpoint came from identical inputs."""
 
 
 @dg.asset(
@@ -242,7 +244,7 @@ class SpeculatorConfig(dg.Config):
     automation_condition=materialize_on_change(),
     group_name="model",
     pool=ACCELERATOR_POOL,
-    code_version="1",
+    code_version=TRAINING_VERSION,
     kinds={"pytorch", "safetensors"},
     deps=[hidden_states],
 )
@@ -256,7 +258,9 @@ def trained_speculator(
     """An EAGLE-3 draft for the target, trained on this partition's hidden states and
     written in the speculators format vLLM loads (`speculators/<partition>/`). Reports the
     held-out loss, per-position conditional accuracy and estimated acceptance length, and
-    — with `measure_in_vllm` — the acceptance vLLM measures serving the target with it."""
+    — with `measure_in_vllm` — the acceptance vLLM measures serving the target with it.
+    A rerun whose inputs and settings are unchanged reuses the checkpoint and its
+    measurement instead of training again (`retrain` forces it)."""
     spec = dataset_spec(context)
     tables, root = storage.tables(), Path(storage.root)
     facts = target_model.text_facts()
@@ -276,7 +280,7 @@ def trained_speculator(
         config.held_out_fraction,
         config.speculative_tokens,
     )
-    outcome = train_speculator(job, tables, context.log.info)
+    outcome = train_speculator(job, tables, context.log.info, reuse=not config.retrain)
     result, out_dir, held_out = outcome.result, outcome.checkpoint, outcome.held_out
     metadata: dict = {
         "checkpoint": dg.MetadataValue.path(str(out_dir)),
@@ -292,17 +296,15 @@ def trained_speculator(
         "untrained_acceptance_length_estimate": outcome.untrained_acceptance,
         "train_tokens_per_s": result.tokens_per_s,
         "resumed_from_epoch": result.resumed_from_epoch,
-        "loss_curve": line_chart(result.batch_losses, "batch", "loss"),
-        "per_position_accuracy": bar_chart(
-            [f"draft token {i + 1}" for i in range(len(result.held_out_accuracy))],
-            result.held_out_accuracy,
-        ),
+        "reused_checkpoint": outcome.reused,
+        "loss_curve": loss_curve(result.batch_losses, result.epoch_losses, result.held_out_loss),
     }
+    vllm_rates = None
     if config.measure_in_vllm and held_out:
         prompts = held_out_prompts(
             tables, spec.name, {r.row_id for r in held_out}, config.vllm_prompts
         )
-        measured, _ = measure_in_vllm(
+        measured = measured_acceptance(
             str(job.target_dir),
             out_dir,
             prompts,
@@ -311,15 +313,18 @@ def trained_speculator(
             vllm.engine_options(vllm.resolved_dtype(facts)),
             config.speculative_tokens,
             config.vllm_max_tokens,
+            reuse=not config.retrain,
         )
+        vllm_rates = measured.per_position
         metadata.update(
             {
                 "vllm_acceptance_length": measured.acceptance_length,
-                "vllm_per_position_acceptance": [round(r, 4) for r in measured.per_position_rates],
-                "vllm_drafts": int(measured.drafts),
+                "vllm_per_position_acceptance": [round(r, 4) for r in vllm_rates],
+                "vllm_drafts": measured.drafts,
                 "vllm_prompts": len(prompts),
+                "vllm_measurement_reused": measured.reused,
             }
         )
-    return dg.MaterializeResult(
-        metadata=metadata, data_version=dg.DataVersion(file_hash(out_dir / "model.safetensors"))
-    )
+    metadata["per_position_acceptance"] = acceptance_plot(result.held_out_accuracy, vllm_rates)
+    weights = out_dir / "model.safetensors"
+    return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(file_hash(weights)))

@@ -6,7 +6,7 @@ from collections import Counter
 import dagster as dg
 
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
-from mm_assets.assets.metadata import counts_table, length_histogram, length_stats
+from mm_assets.assets.metadata import counts_table, length_histogram, length_stats, table_links
 from mm_assets.automation import materialize_on_change
 from mm_assets.domain.conversations import (
     DropReason,
@@ -95,7 +95,7 @@ def normalized_conversations(
             "rows": kept.result.num_rows,
             "quarantined": quarantine.result.num_rows,
             "drop_reasons": counts_table(reasons, "reason"),
-            "path": dg.MetadataValue.path(str(kept.result.path)),
+            **table_links(tables, "normalized_conversations", spec.name),
             "quarantine_path": dg.MetadataValue.path(str(quarantine.result.path)),
         },
         data_version=dg.DataVersion(kept.result.content_hash),
@@ -187,7 +187,6 @@ def tokenized_samples(
                     example = (row.input_ids, row.loss_mask, row.num_images)
     freq_rows = ({"token_id": t, "count": c} for t, c in sorted(frequencies.items()))
     tables.write("token_frequencies", spec.name, freq_rows, schemas.TOKEN_FREQUENCIES)
-    tables.refresh_catalog()
     assert out.result is not None and quarantine.result is not None
     metadata = {
         "rows": out.result.num_rows,
@@ -201,7 +200,8 @@ def tokenized_samples(
         "target_model": target_model.path,
         "token_lengths": length_histogram(lengths),
         **length_stats(lengths),
-        "path": dg.MetadataValue.path(str(out.result.path)),
+        **table_links(tables, "tokenized_samples", spec.name),
+        "quarantine_path": dg.MetadataValue.path(str(quarantine.result.path)),
     }
     if example is not None:
         text = render_supervision(chat.tokenizer, example[0], example[1], chat.image_token_id)

@@ -7,7 +7,7 @@ Shared by the `trained_speculator` asset (one process) and `python -m mm_assets.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +17,19 @@ import torch.distributed as dist
 from mm_assets.domain.draft_vocab import build_draft_vocab
 from mm_assets.domain.eagle3 import Eagle3Config, Eagle3Draft, acceptance_length
 from mm_assets.domain.hidden_states import LAYER_CONVENTION
+from mm_assets.domain.reuse import inputs_key, load_record, save_record
 from mm_assets.domain.speculator_checkpoint import checkpoint_config, save_checkpoint
 from mm_assets.domain.target_weights import load_target_head
 from mm_assets.domain.trainer import TrainResult, TrainSettings, evaluate, train
 from mm_assets.domain.training_data import SampleRef, check_layer_ids, split
 from mm_assets.storage import TableStore
+from mm_assets.storage.tables import file_hash
+
+# Bump when a change makes training produce something else from the same inputs: it is
+# the `trained_speculator` code version and part of the reuse key, so both notice.
+TRAINING_VERSION = "1"
+OUTCOME_RECORD = "mm_assets_outcome.json"
+TRAINING_TABLES = ("tokenized_samples", "token_frequencies", "hidden_states_manifest")
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,8 @@ class SpeculatorOutcome:
     untrained_acceptance: float
     train_rows: int
     held_out: list[SampleRef]
+    reused: bool = False
+    """True when an identical earlier training was found and nothing was trained."""
 
 
 def sample_refs(tables: TableStore, partition: str, layer_ids: list[int]) -> list[SampleRef]:
@@ -74,9 +84,53 @@ def sample_refs(tables: TableStore, partition: str, layer_ids: list[int]) -> lis
     ]
 
 
+def training_key(job: SpeculatorJob, tables: TableStore) -> str:
+    """What the checkpoint depends on: the partition's tables (by content), the target,
+    the draft's shape and every training setting except the device."""
+    settings = {k: v for k, v in asdict(job.settings).items() if k != "device"}
+    return inputs_key(
+        TRAINING_VERSION,
+        [file_hash(tables.path(table, job.partition)) for table in TRAINING_TABLES],
+        str(job.target_dir),
+        job.target_fingerprint,
+        job.layer_ids,
+        job.draft_vocab_size,
+        job.held_out_fraction,
+        job.speculative_tokens,
+        settings,
+    )
+
+
+def _reused_outcome(job: SpeculatorJob, tables: TableStore, key: str) -> SpeculatorOutcome | None:
+    record = load_record(job.checkpoint_dir / OUTCOME_RECORD, key)
+    weights = job.checkpoint_dir / "model.safetensors"
+    if record is None or not weights.is_file() or file_hash(weights) != record["weights_sha256"]:
+        return None
+    refs = sample_refs(tables, job.partition, job.layer_ids)
+    _, held_out = split(refs, job.held_out_fraction, job.settings.seed)
+    return SpeculatorOutcome(
+        job.checkpoint_dir,
+        Eagle3Config.from_target(job.target_config, job.draft_vocab_size),
+        TrainResult(**record["result"]),
+        record["untrained_acceptance"],
+        record["train_rows"],
+        held_out,
+        reused=True,
+    )
+
+
 def train_speculator(
-    job: SpeculatorJob, tables: TableStore, log: Callable[[str], None] = print
+    job: SpeculatorJob,
+    tables: TableStore,
+    log: Callable[[str], None] = print,
+    reuse: bool = True,
 ) -> SpeculatorOutcome:
+    """Train and save the draft, or, with `reuse`, return the checkpoint an identical
+    earlier job left (its weights verified by hash) without training."""
+    key = training_key(job, tables)
+    if reuse and (outcome := _reused_outcome(job, tables, key)):
+        log(f"reusing {job.checkpoint_dir}: trained from identical inputs and settings")
+        return outcome
     refs = sample_refs(tables, job.partition, job.layer_ids)
     frequencies = {
         r["token_id"]: r["count"] for r in tables.iter_rows("token_frequencies", job.partition)
@@ -110,9 +164,7 @@ def train_speculator(
         job.speculative_tokens,
         provenance,
     )
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-        save_checkpoint(model.cpu(), config, job.checkpoint_dir)
-    return SpeculatorOutcome(
+    outcome = SpeculatorOutcome(
         job.checkpoint_dir,
         cfg,
         result,
@@ -120,3 +172,13 @@ def train_speculator(
         len(train_refs),
         held_out,
     )
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        save_checkpoint(model.cpu(), config, job.checkpoint_dir)
+        record = {
+            "weights_sha256": file_hash(job.checkpoint_dir / "model.safetensors"),
+            "result": asdict(result),
+            "untrained_acceptance": outcome.untrained_acceptance,
+            "train_rows": outcome.train_rows,
+        }
+        save_record(job.checkpoint_dir / OUTCOME_RECORD, key, record)
+    return outcome

@@ -1,0 +1,45 @@
+"""The plots and tables the assets show in the Dagster UI, as pure functions."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mm_assets.assets.metadata import (
+    acceptance_plot,
+    counts_table,
+    length_histogram,
+    loss_curve,
+)
+from tests.plots import PLOT_SIZE, decode_plot
+
+
+def _pixels(markdown: object) -> np.ndarray:
+    return np.asarray(decode_plot(markdown).convert("RGB"), dtype=np.int16)
+
+
+def test_plots_are_pngs_that_depend_on_their_data() -> None:
+    short = length_histogram([10, 12, 12, 15, 40])
+    long = length_histogram(list(range(100, 4000, 7)))
+    assert decode_plot(short).size == decode_plot(long).size == PLOT_SIZE
+    assert np.abs(_pixels(short) - _pixels(long)).sum() > 0
+
+    falling = loss_curve([5.0 / (i + 1) for i in range(60)], [2.0, 1.0, 0.5], 0.7)
+    rising = loss_curve([0.1 * i for i in range(60)], [1.0, 2.0, 3.0], float("nan"))
+    assert np.abs(_pixels(falling) - _pixels(rising)).sum() > 0
+
+    estimate_only = acceptance_plot([0.8, 0.5, 0.3])
+    with_vllm = acceptance_plot([0.8, 0.5, 0.3], [0.7, 0.4, 0.1])
+    assert decode_plot(with_vllm).size == PLOT_SIZE
+    assert np.abs(_pixels(estimate_only) - _pixels(with_vllm)).sum() > 0
+
+
+def test_empty_inputs_say_so_instead_of_plotting() -> None:
+    assert length_histogram([]).value == "(no rows)"
+    assert "no batches" in loss_curve([], [], float("nan")).value
+
+
+def test_counts_table_lists_largest_first() -> None:
+    table = counts_table({"a": 1, "b": 5, "c": 3}, "reason").value
+    rows = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
+    assert rows == ["b", "c", "a"]
+    assert "(none)" in counts_table({}, "reason").value
