@@ -43,3 +43,15 @@ def test_counts_table_lists_largest_first() -> None:
     rows = [line.split("|")[1].strip() for line in table.splitlines()[2:]]
     assert rows == ["b", "c", "a"]
     assert "(none)" in counts_table({}, "reason").value
+
+
+def test_progress_logs_at_most_every_interval_with_an_eta() -> None:
+    from mm_assets.domain.progress import Progress
+
+    now = [0.0]
+    lines: list[str] = []
+    progress = Progress(lines.append, "rows", total=1000, every_s=30, clock=lambda: now[0])
+    for done, t in ((10, 5.0), (300, 30.0), (310, 40.0), (600, 60.0)):
+        now[0] = t
+        progress.update(done)
+    assert lines == ["rows 300/1,000 (10.0/s, ETA 70s)", "rows 600/1,000 (10.0/s, ETA 40s)"]

@@ -113,7 +113,9 @@ def table_links(tables: TableStore, table: str, partition: str) -> dict[str, dg.
         "path": dg.MetadataValue.path(str(tables.path(table, partition))),
         "catalog": dg.MetadataValue.path(str(tables.catalog_path)),
         "query": dg.MetadataValue.md(
-            f"In `duckdb -readonly {tables.catalog_path}` or "
-            f"`StorageResource().tables().connect()`:\n\n```sql\n{sql}\n```"
+            f"Every table is a view in the catalog: in Python, "
+            f"`duckdb.connect('{tables.catalog_path}', read_only=True).sql(query).show()`; "
+            f"or `duckdb -readonly {tables.catalog_path}` with the DuckDB CLI.\n\n"
+            f"```sql\n{sql}\n```"
         ),
     }

@@ -16,6 +16,7 @@ from mm_assets.domain.conversations import (
     to_vllm_messages,
 )
 from mm_assets.domain.images import ImageProbe, ImageStatus
+from mm_assets.domain.progress import Progress
 from mm_assets.domain.tokenization import ChatTokenizer, TokenizeRejected, render_supervision
 from mm_assets.partitions import dataset_partitions, dataset_spec
 from mm_assets.resources import StorageResource, TargetModelResource
@@ -55,7 +56,9 @@ def normalized_conversations(
             "normalized_conversations_quarantine", spec.name, schemas.QUARANTINE
         ) as quarantine,
     ):
-        for row in tables.iter_rows("raw_dataset", spec.name):
+        progress = Progress(context.log.info, "rows", tables.num_rows("raw_dataset", spec.name))
+        for done, row in enumerate(tables.iter_rows("raw_dataset", spec.name), 1):
+            progress.update(done)
             sample_id = None
             try:
                 conv = normalize(
@@ -138,7 +141,10 @@ def tokenized_samples(
         tables.writer("tokenized_samples", spec.name, schemas.TOKENIZED) as out,
         tables.writer("tokenized_samples_quarantine", spec.name, schemas.QUARANTINE) as quarantine,
     ):
-        for sample in tables.iter_rows("normalized_conversations", spec.name):
+        total = tables.num_rows("normalized_conversations", spec.name)
+        progress = Progress(context.log.info, "samples", total)
+        for done, sample in enumerate(tables.iter_rows("normalized_conversations", spec.name), 1):
+            progress.update(done)
             turns = json.loads(sample["turns"])
             sizes = list(zip(sample["image_heights"], sample["image_widths"], strict=True))
             try:

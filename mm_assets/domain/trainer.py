@@ -32,6 +32,7 @@ from mm_assets.domain.eagle3 import (
     acceptance_length,
     conditional_accuracies,
 )
+from mm_assets.domain.progress import Progress
 from mm_assets.domain.training_data import SampleRef, load_batch, pack
 
 
@@ -174,7 +175,9 @@ def train(
         if world > 1:  # every rank takes the same number of steps, or all-reduce hangs
             order = order[: len(order) - len(order) % world] or order[:1] * world
         epoch_loss, count = 0.0, 0
+        progress = Progress(log, f"epoch {epoch + 1}/{settings.epochs}: batch", len(order), 60.0)
         for position, index in enumerate(order):
+            progress.update(position)
             if position % world != rank:
                 continue
             batch = load_batch(batches[index])

@@ -1,0 +1,116 @@
+"""What a cached rerun of the whole demo chain costs compared with the first run.
+
+In fresh MM_ASSETS_HOME / DAGSTER_HOME directories (the repo's dagster.yaml; managed CPU
+vLLM, as `make demo` uses), after `python -m mm_assets.demo build`:
+
+1. first run: the README's command,
+   `dagster asset materialize -m mm_assets.definitions --select '*trained_speculator'
+   --partition demo_sharegpt4v_coco`;
+2. forced rerun: the same command again, nothing changed;
+3. scheduled refresh: `raw_dataset` only (what the schedule runs), then one automation
+   evaluation, which should request nothing downstream.
+
+Reports wall seconds per command, summed step seconds from the instance, and from the
+rerun: vLLM requests sent, vLLM servers started, whether training and the vLLM
+measurement were reused. Alone: `.venv/bin/python -m bench.cached_rerun` (~8 min here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PARTITION = "demo_sharegpt4v_coco"
+DAGSTER = str(Path(sys.executable).parent / "dagster")
+
+
+def _timed(args: list[str], env: dict[str, str]) -> float:
+    started = time.perf_counter()
+    proc = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - started
+
+
+def _materialize(selection: str, env: dict[str, str]) -> float:
+    args = [DAGSTER, "asset", "materialize", "-m", "mm_assets.definitions"]
+    return _timed([*args, "--select", selection, "--partition", PARTITION], env)
+
+
+def run(workdir: Path) -> dict:
+    home, dagster_home = workdir / "home", workdir / "dagster_home"
+    dagster_home.mkdir(parents=True)
+    shutil.copyfile(REPO / "dagster.yaml", dagster_home / "dagster.yaml")
+    env = {
+        **os.environ,
+        "MM_ASSETS_HOME": str(home),
+        "DAGSTER_HOME": str(dagster_home),
+        "MM_ASSETS_DATASETS": str(workdir / "no_user_datasets.yaml"),
+    }
+    env.pop("MM_ASSETS_VLLM_URLS", None)
+    _timed([sys.executable, "-m", "mm_assets.demo", "build"], env)
+    first = _materialize("*trained_speculator", env)
+    rerun = _materialize("*trained_speculator", env)
+    refresh = _materialize("raw_dataset", env)
+
+    # read the instance in this process, with the same homes
+    os.environ.update({k: env[k] for k in ("MM_ASSETS_HOME", "DAGSTER_HOME")})
+    os.environ["MM_ASSETS_DATASETS"] = env["MM_ASSETS_DATASETS"]
+    import dagster as dg
+
+    from mm_assets.definitions import defs
+
+    instance = dg.DagsterInstance.get()
+    runs = sorted(instance.get_runs(), key=lambda r: instance.get_run_stats(r.run_id).start_time)
+    assert len(runs) == 3, [r.run_id for r in runs]
+
+    def step_seconds(run_id: str) -> float:
+        return sum(
+            (s.end_time or 0) - (s.start_time or 0) for s in instance.get_run_step_stats(run_id)
+        )
+
+    def metadata(asset: str, run_id: str) -> dict:
+        records = instance.fetch_materializations(dg.AssetKey(asset), limit=10).records
+        (record,) = [r for r in records if r.run_id == run_id]
+        return {k: v.value for k, v in record.asset_materialization.metadata.items()}
+
+    rerun_id = runs[1].run_id
+    hidden, trained = metadata("hidden_states", rerun_id), metadata("trained_speculator", rerun_id)
+    servers = [p.name for p in (home / "logs").glob(f"vllm*{rerun_id}.log")]
+    tick = dg.evaluate_automation_conditions(defs=defs, instance=instance)
+    requested = sum(tick.get_num_requested(key) for key in defs.resolve_all_asset_keys())
+    first_steps = step_seconds(runs[0].run_id)
+    return {
+        "first_run_wall_s": round(first, 1),
+        "rerun_wall_s": round(rerun, 1),
+        "refresh_wall_s": round(refresh, 1),
+        "rerun_wall_ratio": round(rerun / first, 3),
+        "refresh_wall_ratio": round(refresh / first, 3),
+        "first_run_step_s": round(first_steps, 1),
+        "rerun_step_s": round(step_seconds(rerun_id), 1),
+        "refresh_step_s": round(step_seconds(runs[2].run_id), 1),
+        "rerun_step_ratio": round(step_seconds(rerun_id) / first_steps, 3),
+        "refresh_step_ratio": round(step_seconds(runs[2].run_id) / first_steps, 3),
+        "rerun_vllm_requests": hidden["requests_sent"],
+        "rerun_hidden_state_cache_hits": hidden["cache_hits"],
+        "rerun_vllm_servers_started": len(servers),
+        "rerun_reused_checkpoint": trained["reused_checkpoint"],
+        "rerun_reused_vllm_measurement": trained.get("vllm_measurement_reused"),
+        "automation_requests_after_refresh": requested,
+    }
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory(prefix="mm_assets_rerun_") as tmp:
+        print(json.dumps(run(Path(tmp)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
