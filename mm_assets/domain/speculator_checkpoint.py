@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig
 
 from mm_assets.domain.eagle3 import Eagle3Config, Eagle3Draft
 
@@ -29,6 +28,8 @@ _NOT_SAVED = ("verifier_norm.", "verifier_lm_head.")
 
 
 def layer_config(cfg: Eagle3Config) -> dict[str, Any]:
+    from transformers import LlamaConfig  # here: importing transformers takes seconds
+
     llama = LlamaConfig(
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,

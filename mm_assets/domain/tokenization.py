@@ -22,12 +22,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase, ProcessorMixin
+from typing import TYPE_CHECKING, Any
 
 from mm_assets.domain.conversations import Turn
 from mm_assets.domain.rejection import RowRejected
+
+if TYPE_CHECKING:  # transformers is imported where it is used: it takes seconds
+    from transformers import PreTrainedTokenizerBase, ProcessorMixin
 
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -126,6 +127,8 @@ class ChatTokenizer:
     """Tokenizes normalized conversations for a target's processor or tokenizer."""
 
     def __init__(self, processor: Any, max_length: int = 4096) -> None:
+        from transformers import ProcessorMixin
+
         self.multimodal = isinstance(processor, ProcessorMixin)
         self.processor = processor
         self.tokenizer: PreTrainedTokenizerBase = (
