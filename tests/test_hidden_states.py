@@ -225,7 +225,7 @@ def _kill_server_after(blob_dir: Path, count: int, marker: str) -> threading.Thr
 
 def test_kill_mid_run_then_resume_matches_uninterrupted_run(extracted, tmp_path: Path) -> None:
     """Managed mode: the server dies mid-run, the step fails cleanly, the rerun stores the
-    rest; no sample is lost or duplicated and every file equals the uninterrupted run's."""
+    rest; no sample is lost or duplicated and every file matches the uninterrupted run's."""
     partition = "demo_sharegpt4v_coco"
     root = tmp_path / "home"
     _copy_prep_tables(SESSION_HOME, root, partition)
@@ -284,7 +284,9 @@ def test_kill_mid_run_then_resume_matches_uninterrupted_run(extracted, tmp_path:
         assert row["blob_key"] == ref["blob_key"]
         a, b = load_file(row["path"]), load_file(ref["path"])
         assert torch.equal(a["token_ids"], b["token_ids"])
-        assert torch.equal(a["hidden_states"], b["hidden_states"])
+        # vLLM on CPU is not batch-invariant: another batch mix may round differently;
+        # a wrong or shifted row would differ by the values' own size (~1e-2 and more)
+        torch.testing.assert_close(a["hidden_states"], b["hidden_states"], rtol=1e-3, atol=1e-4)
 
     # Cache: an unchanged partition sends nothing and starts no server …
     third = _metadata(
