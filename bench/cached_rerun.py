@@ -97,6 +97,10 @@ def run(workdir: Path) -> dict:
         "rerun_step_s": round(step_seconds(rerun_id), 1),
         "refresh_step_s": round(step_seconds(runs[2].run_id), 1),
         "rerun_step_ratio": round(step_seconds(rerun_id) / first_steps, 3),
+        "rerun_steps_s": {
+            s.step_key: round((s.end_time or 0) - (s.start_time or 0), 2)
+            for s in instance.get_run_step_stats(rerun_id)
+        },
         "refresh_step_ratio": round(step_seconds(runs[2].run_id) / first_steps, 3),
         "rerun_vllm_requests": hidden["requests_sent"],
         "rerun_hidden_state_cache_hits": hidden["cache_hits"],
