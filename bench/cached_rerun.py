@@ -81,12 +81,15 @@ def run(workdir: Path) -> dict:
         (record,) = [r for r in records if r.run_id == run_id]
         return {k: v.value for k, v in record.asset_materialization.metadata.items()}
 
-    rerun_id = runs[1].run_id
+    first_id, rerun_id = runs[0].run_id, runs[1].run_id
     hidden, trained = metadata("hidden_states", rerun_id), metadata("trained_speculator", rerun_id)
-    servers = [p.name for p in (home / "logs").glob(f"vllm*{rerun_id}.log")]
+
+    def servers(run_id: str) -> int:  # each managed server writes its log under logs/
+        return len(list((home / "logs").glob(f"vllm*{run_id}.log")))
+
     tick = dg.evaluate_automation_conditions(defs=defs, instance=instance)
     requested = sum(tick.get_num_requested(key) for key in defs.resolve_all_asset_keys())
-    first_steps = step_seconds(runs[0].run_id)
+    first_steps = step_seconds(first_id)
     return {
         "first_run_wall_s": round(first, 1),
         "rerun_wall_s": round(rerun, 1),
@@ -102,9 +105,11 @@ def run(workdir: Path) -> dict:
             for s in instance.get_run_step_stats(rerun_id)
         },
         "refresh_step_ratio": round(step_seconds(runs[2].run_id) / first_steps, 3),
+        "first_run_vllm_requests": metadata("hidden_states", first_id)["requests_sent"],
+        "first_run_vllm_servers_started": servers(first_id),
         "rerun_vllm_requests": hidden["requests_sent"],
         "rerun_hidden_state_cache_hits": hidden["cache_hits"],
-        "rerun_vllm_servers_started": len(servers),
+        "rerun_vllm_servers_started": servers(rerun_id),
         "rerun_reused_checkpoint": trained["reused_checkpoint"],
         "rerun_reused_vllm_measurement": trained.get("vllm_measurement_reused"),
         "automation_requests_after_refresh": requested,
