@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import dagster as dg
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from mm_assets.storage import TableStore
@@ -22,7 +23,7 @@ def counts_table(counts: Mapping[str, int], key: str, value: str = "rows") -> dg
     return dg.MetadataValue.md("\n".join(lines))
 
 
-def _figure() -> tuple[Figure, object]:
+def _figure() -> tuple[Figure, Axes]:
     # a bare Figure (no pyplot): no global state, safe in threads and without a display
     fig = Figure(figsize=(6.0, 3.2), dpi=90, layout="constrained")
     return fig, fig.add_subplot()
