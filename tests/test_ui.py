@@ -120,13 +120,12 @@ def _graphql(base: str, query: str) -> dict:
         return json.loads(response.read())["data"]
 
 
-def _runs(base: str) -> list[dict]:
-    where = f'tags: [{{key: "dagster/partition", value: "{PARTITION}"}}]'
-    query = (
-        f"{{ runsOrError(filter: {{{where}}}) {{ ... on Runs {{ results {{ runId status }} }} }} }}"
-    )
-    data = _graphql(base, query)
-    return data["runsOrError"]["results"]
+def _runs(base: str, tag: str, value: str) -> list[dict]:
+    """Runs carrying a tag, with their steps' status and times (GraphQL)."""
+    query = f"""{{ runsOrError(filter: {{tags: [{{key: "{tag}", value: "{value}"}}]}}) {{
+        ... on Runs {{ results {{
+        runId status stepStats {{ stepKey status startTime endTime }} }} }} }} }}"""
+    return _graphql(base, query)["runsOrError"]["results"]
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +165,7 @@ def test_graph_and_materializing_a_partition_from_the_ui(dagster_ui: str, browse
         seen |= {name for name in ASSETS if name in text}
     assert seen == set(ASSETS)
 
-    before = {r["runId"] for r in _runs(dagster_ui)}
+    before = {r["runId"] for r in _runs(dagster_ui, "dagster/partition", PARTITION)}
     page = _open(browser, f"{dagster_ui}/assets/raw_dataset")
     page.get_by_role("button", name="Materialize…").first.click()
     page.get_by_text("Launch runs to materialize raw_dataset").wait_for()
@@ -180,7 +179,9 @@ def test_graph_and_materializing_a_partition_from_the_ui(dagster_ui: str, browse
     deadline = time.monotonic() + 240
     status = None
     while time.monotonic() < deadline:
-        new = [r for r in _runs(dagster_ui) if r["runId"] not in before]
+        new = [
+            r for r in _runs(dagster_ui, "dagster/partition", PARTITION) if r["runId"] not in before
+        ]
         status = new[0]["status"] if new else None
         if status in ("SUCCESS", "FAILURE", "CANCELED"):
             break
@@ -216,13 +217,6 @@ def _set_pool_limit(home: Path, limit: int) -> None:
     )
 
 
-def _backfill_runs(base: str, backfill_id: str) -> list[dict]:
-    query = f"""{{ runsOrError(filter: {{tags: [{{key: "dagster/backfill",
-        value: "{backfill_id}"}}]}}) {{ ... on Runs {{ results {{
-        runId status stepStats {{ stepKey status startTime endTime }} }} }} }} }}"""
-    return _graphql(base, query)["runsOrError"]["results"]
-
-
 def _wait(condition, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -251,7 +245,7 @@ def test_partitions_backfilled_together_never_extract_hidden_states_at_once(
     backfill = launched["backfillId"]
 
     def statuses() -> list[str]:
-        return sorted(r["status"] for r in _backfill_runs(dagster_ui, backfill))
+        return sorted(r["status"] for r in _runs(dagster_ui, "dagster/backfill", backfill))
 
     _wait(lambda: statuses() == ["QUEUED", "QUEUED"], 300, "the backfill's two runs")
     time.sleep(12)  # the run queue is checked every few seconds: both must stay held
@@ -259,7 +253,7 @@ def test_partitions_backfilled_together_never_extract_hidden_states_at_once(
     _set_pool_limit(home, 1)
 
     def finished() -> list[dict] | None:
-        runs = _backfill_runs(dagster_ui, backfill)
+        runs = _runs(dagster_ui, "dagster/backfill", backfill)
         done = all(r["status"] in ("SUCCESS", "FAILURE", "CANCELED") for r in runs)
         return runs if done else None
 

@@ -299,6 +299,7 @@ def trained_speculator(
         "reused_checkpoint": outcome.reused,
         "loss_curve": loss_curve(result.batch_losses, result.epoch_losses, result.held_out_loss),
     }
+    weights_sha256 = outcome.weights_sha256 or file_hash(out_dir / "model.safetensors")
     vllm_rates = None
     if config.measure_in_vllm and held_out:
         prompts = held_out_prompts(
@@ -307,6 +308,7 @@ def trained_speculator(
         measured = measured_acceptance(
             str(job.target_dir),
             out_dir,
+            weights_sha256,
             prompts,
             spec.resolved_image_root(),
             root / "logs" / f"vllm_spec_{context.run.run_id}.log",
@@ -326,5 +328,4 @@ def trained_speculator(
             }
         )
     metadata["per_position_acceptance"] = acceptance_plot(result.held_out_accuracy, vllm_rates)
-    weights = out_dir / "model.safetensors"
-    return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(file_hash(weights)))
+    return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(weights_sha256))

@@ -11,13 +11,8 @@ from mm_assets.clients.vllm_server import (
     ManagedVllmServer,
     speculative_decoding_args,
 )
-from mm_assets.clients.vllm_speculative import (
-    SpecDecodeCounters,
-    generate_greedy,
-    spec_decode_counters,
-)
+from mm_assets.clients.vllm_speculative import generate_greedy, spec_decode_counters
 from mm_assets.domain.reuse import inputs_key, load_record, save_record
-from mm_assets.storage.tables import file_hash
 
 MEASUREMENT_RECORD = "mm_assets_vllm_measurement.json"
 
@@ -30,29 +25,10 @@ class Measurement:
     reused: bool = False
 
 
-def measure_in_vllm(
-    target: str,
-    draft_dir: Path,
-    prompts: list[list[dict[str, Any]]],
-    image_root: Path | None,
-    log_path: Path,
-    options: EngineOptions,
-    speculative_tokens: int,
-    max_tokens: int,
-) -> tuple[SpecDecodeCounters, list[list[int]]]:
-    """Serve the target with the draft, generate greedily, return the counters' change
-    over the generations and the generated token ids."""
-    args = speculative_decoding_args(draft_dir, speculative_tokens)
-    with ManagedVllmServer(target, args, image_root, log_path, options) as url:
-        before = spec_decode_counters(url)
-        outputs = generate_greedy(url, prompts, max_tokens)
-        after = spec_decode_counters(url)
-    return after.minus(before), outputs
-
-
 def measured_acceptance(
     target: str,
     draft_dir: Path,
+    weights_sha256: str,
     prompts: list[list[dict[str, Any]]],
     image_root: Path | None,
     log_path: Path,
@@ -61,12 +37,14 @@ def measured_acceptance(
     max_tokens: int,
     reuse: bool = True,
 ) -> Measurement:
-    """Acceptance vLLM counts for this draft; with `reuse`, the figures recorded beside
-    the draft when the same weights were measured on the same prompts and settings
-    (starting a server costs about a minute on CPU and holds the accelerator)."""
+    """Acceptance vLLM counts while serving the target with this draft and generating
+    greedily from `prompts`. With `reuse`, the figures recorded beside the draft when the
+    same weights (`weights_sha256`, of its model.safetensors) were measured on the same
+    prompts and settings: starting a server costs about a minute on CPU and holds the
+    accelerator."""
     record = draft_dir / MEASUREMENT_RECORD
     key = inputs_key(
-        file_hash(draft_dir / "model.safetensors"),
+        weights_sha256,
         target,
         prompts,
         asdict(options),
@@ -75,9 +53,11 @@ def measured_acceptance(
     )
     if reuse and (cached := load_record(record, key)):
         return Measurement(**cached, reused=True)
-    counters, _ = measure_in_vllm(
-        target, draft_dir, prompts, image_root, log_path, options, speculative_tokens, max_tokens
-    )
+    args = speculative_decoding_args(draft_dir, speculative_tokens)
+    with ManagedVllmServer(target, args, image_root, log_path, options) as url:
+        before = spec_decode_counters(url)
+        generate_greedy(url, prompts, max_tokens)
+        counters = spec_decode_counters(url).minus(before)
     measured = Measurement(
         counters.acceptance_length, counters.per_position_rates, int(counters.drafts)
     )

@@ -64,6 +64,8 @@ class SpeculatorOutcome:
     held_out: list[SampleRef]
     reused: bool = False
     """True when an identical earlier training was found and nothing was trained."""
+    weights_sha256: str | None = None
+    """Hash of the saved `model.safetensors` (None on ranks that do not save)."""
 
 
 def sample_refs(tables: TableStore, partition: str, layer_ids: list[int]) -> list[SampleRef]:
@@ -106,7 +108,8 @@ def _reused_outcome(job: SpeculatorJob, tables: TableStore, key: str) -> Specula
     weights = job.checkpoint_dir / "model.safetensors"
     if record is None or not weights.is_file():
         return None
-    if file_hash(weights) != record.get("weights_sha256"):  # replaced since: train again
+    weights_sha256 = file_hash(weights)
+    if weights_sha256 != record.get("weights_sha256"):  # replaced since: train again
         return None
     refs = sample_refs(tables, job.partition, job.layer_ids)
     _, held_out = split(refs, job.held_out_fraction, job.settings.seed)
@@ -118,6 +121,7 @@ def _reused_outcome(job: SpeculatorJob, tables: TableStore, key: str) -> Specula
         record["train_rows"],
         held_out,
         reused=True,
+        weights_sha256=weights_sha256,
     )
 
 
@@ -176,8 +180,9 @@ def train_speculator(
     )
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         save_checkpoint(model.cpu(), config, job.checkpoint_dir)
+        outcome.weights_sha256 = file_hash(job.checkpoint_dir / "model.safetensors")
         record = {
-            "weights_sha256": file_hash(job.checkpoint_dir / "model.safetensors"),
+            "weights_sha256": outcome.weights_sha256,
             "result": asdict(result),
             "untrained_acceptance": outcome.untrained_acceptance,
             "train_rows": outcome.train_rows,
