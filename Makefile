@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export MM_ASSETS_HOME ?= $(CURDIR)/.mm_assets
 export DAGSTER_HOME ?= $(MM_ASSETS_HOME)/dagster_home
 
-.PHONY: setup demo test lint format bench dev clean
+.PHONY: setup demo test test-fast lint format bench dev clean
 
 setup:
 	@bash scripts/setup_env.sh
@@ -17,6 +17,10 @@ demo: setup
 test: setup lint
 	$(PY) -m pytest -q
 
+# What needs no vLLM server, no Dagster subprocess and no browser (a few minutes at most).
+test-fast: setup lint
+	$(PY) -m pytest -q -m "not slow"
+
 # The Dagster UI on 127.0.0.1:3000 with run history in $(DAGSTER_HOME).
 dev: setup
 	@mkdir -p "$(DAGSTER_HOME)"
@@ -26,6 +30,7 @@ dev: setup
 lint: setup
 	$(VENV)/bin/ruff check mm_assets tests bench scripts
 	$(VENV)/bin/ruff format --check mm_assets tests bench scripts
+	$(VENV)/bin/lint-imports
 
 format: setup
 	$(VENV)/bin/ruff check --fix mm_assets tests bench scripts

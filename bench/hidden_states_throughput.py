@@ -64,8 +64,8 @@ async def _bare_loop(base_url: str, rows: list[dict]) -> float:
 def _asset_run(home: Path, base_url: str, attempt: int) -> tuple[float, dict]:
     import dagster as dg
 
+    from mm_assets.assets.resources import StorageResource, VllmResource
     from mm_assets.definitions import defs
-    from mm_assets.resources import StorageResource, VllmResource
 
     storage_root = home / f"asset_run_{attempt}"
     for partition in PARTITIONS:  # fresh blob store, same tokenized tables
@@ -111,7 +111,7 @@ def run(home: Path) -> dict:
     from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
     from mm_assets.definitions import defs
     from mm_assets.demo.__main__ import build
-    from mm_assets.domain.hidden_states import default_layer_ids
+    from mm_assets.domain.model.hidden_states import default_layer_ids
 
     demo = build()
     prep = [

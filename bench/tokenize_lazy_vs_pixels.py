@@ -17,9 +17,9 @@ from transformers import AutoProcessor
 
 from bench.synthetic import write_dataset
 from mm_assets.demo.target import build_demo_target
-from mm_assets.domain.conversations import image_references, normalize
-from mm_assets.domain.images import probe_reference
-from mm_assets.domain.tokenization import ChatTokenizer, tokenize_with_pixels
+from mm_assets.domain.ingest.images import probe_reference
+from mm_assets.domain.prep.conversations import image_references, normalize
+from mm_assets.domain.prep.tokenization import ChatTokenizer, tokenize_with_pixels
 
 QWEN25_VL_MIN_PIXELS = 3136
 QWEN25_VL_MAX_PIXELS = 12845056

@@ -8,67 +8,63 @@ the same checkpoint the `trained_speculator` asset writes; like the asset, it re
 checkpoint trained from identical inputs and settings unless `--retrain`. Under torchrun
 each rank trains on its share of the batches with DistributedDataParallel (NCCL on GPUs,
 gloo on CPU); rank 0 saves. Resumes from the last epoch checkpoint like the asset does.
+The options are the fields of `SpeculatorSettings`, with the asset's names and defaults.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mm_assets.domain.speculator_training import train_speculator
-from mm_assets.domain.trainer import TrainSettings
-from mm_assets.resources import StorageResource, TargetModelResource
+from mm_assets.common import paths
+from mm_assets.domain.model.settings import SpeculatorSettings
+from mm_assets.services.target import TargetModel
+from mm_assets.services.training import SpeculatorJob, train_speculator
+from mm_assets.storage import TableStore
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m mm_assets.train")
-    parser.add_argument("--partition", required=True)
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=1e-3)
-    parser.add_argument("--batch-tokens", type=int, default=4096)
-    parser.add_argument("--ttt-steps", type=int, default=3)
-    parser.add_argument("--draft-vocab-size", type=int, default=32000)
-    parser.add_argument("--held-out-fraction", type=float, default=0.1)
-    parser.add_argument("--speculative-tokens", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
+def parser() -> argparse.ArgumentParser:
+    """One option per settings field (`--learning-rate` for `learning_rate`)."""
+    out = argparse.ArgumentParser(prog="python -m mm_assets.train")
+    out.add_argument("--partition", required=True, help="Dataset name (registry entry).")
+    for name, info in SpeculatorSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind: Any = json.loads if info.annotation not in (int, float, str) else info.annotation
+        help_text = f"{info.description} (default: {info.default})"
+        out.add_argument(flag, dest=name, type=kind, default=info.default, help=help_text)
+    out.add_argument(
         "--retrain",
         action="store_true",
         help="train even when the checkpoint already came from identical inputs and settings",
     )
-    args = parser.parse_args()
+    return out
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = "cpu"
+
+def _device(world: int) -> str:
+    """Initialise the process group under torchrun; the device this rank trains on."""
     if world > 1:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            device = "cuda"
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    elif torch.cuda.is_available():
-        device = "cuda"
-    storage, target = StorageResource(), TargetModelResource()
-    job = target.speculator_job(
-        args.partition,
-        storage.tables().root,
-        TrainSettings(
-            epochs=args.epochs,
-            learning_rate=args.learning_rate,
-            batch_tokens=args.batch_tokens,
-            ttt_steps=args.ttt_steps,
-            seed=args.seed,
-            device=device,
-        ),
-        draft_vocab_size=args.draft_vocab_size,
-        held_out_fraction=args.held_out_fraction,
-        speculative_tokens=args.speculative_tokens,
-    )
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def main() -> None:
+    args = vars(parser().parse_args())
+    partition, retrain = args.pop("partition"), args.pop("retrain")
+    settings = SpeculatorSettings(**args)
+    device = _device(int(os.environ.get("WORLD_SIZE", "1")))
+    target = TargetModel(paths.default_target_model())
+    root = paths.home()
+    job = SpeculatorJob.for_target(partition, root, target, settings)
     rank = dist.get_rank() if dist.is_initialized() else 0
     outcome = train_speculator(
-        job, storage.tables(), lambda m: print(f"[rank {rank}] {m}"), reuse=not args.retrain
+        job, TableStore(root), lambda m: print(f"[rank {rank}] {m}"), not retrain, device
     )
     if rank == 0:
         trained, untrained = outcome.result.held_out_acceptance, outcome.untrained_acceptance

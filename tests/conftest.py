@@ -103,7 +103,7 @@ def prepared_demo(demo_dir: Path) -> dict:
 def vllm_server(demo_dir: Path):
     """One real vLLM server (CPU engine) for the demo target, shared by the test run."""
     from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
-    from mm_assets.domain.hidden_states import default_layer_ids
+    from mm_assets.domain.model.hidden_states import default_layer_ids
 
     incoming = SESSION_HOME / "blobs" / "incoming" / "session_server"
     server = ManagedVllmServer(
@@ -120,7 +120,7 @@ def vllm_server(demo_dir: Path):
 @pytest.fixture(scope="session")
 def demo_hidden_states(prepared_demo, vllm_server) -> dict:
     """hidden_states materialized for both demo partitions against the session server."""
-    from mm_assets.resources import VllmResource
+    from mm_assets.assets.resources import VllmResource
 
     external = {"vllm": VllmResource(base_urls=[vllm_server.base_url])}
     return {

@@ -11,7 +11,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from mm_assets.resources import StorageResource, VllmResource
+from mm_assets.assets.resources import StorageResource, VllmResource
 from tests.conftest import SESSION_HOME
 
 pytestmark = pytest.mark.slow
@@ -123,7 +123,7 @@ def test_identical_then_changed_data(chain) -> None:
 def test_schedule_refreshes_only_loaded_datasets(chain) -> None:
     import datetime
 
-    from mm_assets.schedules import refresh_raw_datasets
+    from mm_assets.assets.schedules import refresh_raw_datasets
 
     tick = datetime.datetime(2026, 12, 3, 3, 0, tzinfo=datetime.UTC)
     context = dg.build_schedule_context(instance=chain["instance"], scheduled_execution_time=tick)

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from mm_assets.domain.conversations import (
+from mm_assets.domain.ingest.images import ImageProbe, ImageStatus
+from mm_assets.domain.prep.conversations import (
     DropReason,
     Rejected,
     image_references,
@@ -14,7 +15,6 @@ from mm_assets.domain.conversations import (
     parse_record,
     to_vllm_messages,
 )
-from mm_assets.domain.images import ImageProbe, ImageStatus
 
 
 def _ok(ref: str, digest: str = "h1") -> ImageProbe:

@@ -9,22 +9,23 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mm_assets.domain.draft_vocab import build_draft_vocab, draft_vocab_from_mapping
-from mm_assets.domain.eagle3 import (
+from mm_assets.domain.model.checkpoint import (
+    checkpoint_config,
+    load_checkpoint,
+    save_checkpoint,
+)
+from mm_assets.domain.model.draft_vocab import build_draft_vocab, draft_vocab_from_mapping
+from mm_assets.domain.model.eagle3 import (
     Eagle3Config,
     Eagle3Draft,
     acceptance_length,
     conditional_accuracies,
     ttt_mask,
 )
-from mm_assets.domain.hidden_states import LAYER_CONVENTION
-from mm_assets.domain.speculator_checkpoint import (
-    checkpoint_config,
-    load_checkpoint,
-    save_checkpoint,
-)
-from mm_assets.domain.trainer import TrainSettings, train
-from mm_assets.domain.training_data import (
+from mm_assets.domain.model.hidden_states import LAYER_CONVENTION
+from mm_assets.domain.model.settings import SpeculatorSettings
+from mm_assets.domain.model.trainer import train
+from mm_assets.domain.model.training_data import (
     LayerMismatch,
     SampleRef,
     check_layer_ids,
@@ -138,7 +139,7 @@ def test_draft_vocab_mapping_round_trip() -> None:
 
 def test_conditional_accuracy_and_acceptance() -> None:
     assert acceptance_length([0.5, 0.5, 0.5]) == pytest.approx(1.875)
-    from mm_assets.domain.eagle3 import StepStats
+    from mm_assets.domain.model.eagle3 import StepStats
 
     t, f = True, False
     stats = [[
@@ -223,7 +224,7 @@ def test_checkpoint_has_the_speculators_fields_and_round_trips(tmp_path: Path) -
 
 def test_interrupted_training_resumes_to_the_same_result(tmp_path: Path) -> None:
     refs = _write_refs(tmp_path, [9, 14, 7, 11, 13, 8, 10, 12])
-    settings = TrainSettings(epochs=3, learning_rate=2e-3, batch_tokens=30, ttt_steps=2)
+    settings = SpeculatorSettings(epochs=3, learning_rate=2e-3, batch_tokens=30, ttt_steps=2)
 
     straight = _model(seed=5)
     train(straight, refs[:6], refs[6:], settings, tmp_path / "straight", log=lambda m: None)

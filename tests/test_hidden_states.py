@@ -3,6 +3,7 @@ transformers, token-id mismatches, resume after a crash, and the content-address
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -12,24 +13,19 @@ import time
 from pathlib import Path
 
 import dagster as dg
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from mm_assets.assets.resources import StorageResource, VllmResource
 from mm_assets.clients.vllm_client import ExtractionRequest, HiddenStatesClient
-from mm_assets.clients.vllm_server import (
-    EngineOptions,
-    ManagedVllmServer,
-    ServerStartupError,
-    extraction_args,
+from mm_assets.domain.model.hidden_states import (
+    HiddenStatesLayout,
+    default_layer_ids,
+    target_fingerprint,
 )
-from mm_assets.domain.extraction import (
-    ExtractionSettings,
-    plan_extraction,
-    run_extraction,
-)
-from mm_assets.domain.hidden_states import default_layer_ids, target_fingerprint
-from mm_assets.resources import StorageResource, VllmResource
+from mm_assets.services.extraction import plan_extraction, run_extraction
 from mm_assets.storage.blobs import BlobStore
 from tests.conftest import PREP_ASSETS, SESSION_HOME, materialize
 
@@ -141,8 +137,8 @@ def test_parity_with_transformers(extracted, demo_dir: Path, multimodal: bool) -
     print(f"parity {partition}: max abs diff {error:.2e}")
 
 
-def _settings(demo_dir: Path) -> ExtractionSettings:
-    return ExtractionSettings(
+def _settings(demo_dir: Path) -> HiddenStatesLayout:
+    return HiddenStatesLayout(
         target_fingerprint(demo_dir / "target"), default_layer_ids(8), 64, "float32"
     )
 
@@ -206,16 +202,12 @@ def _kill_server_after(blob_dir: Path, count: int, marker: str) -> threading.Thr
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if len(list(blob_dir.rglob("*.safetensors"))) >= count:
-                for proc in Path("/proc").iterdir():
-                    if not proc.name.isdigit():
-                        continue
-                    try:
-                        cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
-                    except OSError:
-                        continue
+                for proc in psutil.process_iter(["cmdline"]):
+                    cmdline = " ".join(proc.info["cmdline"] or ())
                     if "api_server" in cmdline and marker in cmdline:
-                        os.killpg(os.getpgid(int(proc.name)), signal.SIGKILL)
-                        return
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
+                            return
             time.sleep(0.05)
 
     thread = threading.Thread(target=watch, daemon=True)
@@ -223,9 +215,12 @@ def _kill_server_after(blob_dir: Path, count: int, marker: str) -> threading.Thr
     return thread
 
 
-def test_kill_mid_run_then_resume_matches_uninterrupted_run(extracted, tmp_path: Path) -> None:
-    """Managed mode: the server dies mid-run, the step fails cleanly, the rerun stores the
-    rest; no sample is lost or duplicated and every file matches the uninterrupted run's."""
+def test_kill_mid_run_then_resume_matches_uninterrupted_run(
+    extracted, vllm_server, tmp_path: Path
+) -> None:
+    """Managed mode: the server dies mid-run, the step fails cleanly, the rerun (on the
+    session's server, to spare a start) stores the rest; no sample is lost or duplicated
+    and every file matches the uninterrupted run's."""
     partition = "demo_sharegpt4v_coco"
     root = tmp_path / "home"
     _copy_prep_tables(SESSION_HOME, root, partition)
@@ -264,7 +259,11 @@ def test_kill_mid_run_then_resume_matches_uninterrupted_run(extracted, tmp_path:
     second = dg.materialize(
         [defs.get_assets_def("hidden_states")],
         partition_key=partition,
-        resources={**defs.resources, **resources},
+        resources={
+            **defs.resources,
+            **resources,
+            "vllm": VllmResource(base_urls=[vllm_server.base_url]),
+        },
         instance=dg.DagsterInstance.get(),
         run_config=config,
     )
@@ -313,18 +312,3 @@ def test_kill_mid_run_then_resume_matches_uninterrupted_run(extracted, tmp_path:
         )
     )
     assert fourth["requests_sent"] == 0 and fourth["cache_hits"] == total
-
-
-def test_managed_startup_failure_reports_the_server_log(demo_dir: Path, tmp_path: Path) -> None:
-    server = ManagedVllmServer(
-        str(demo_dir / "target"),
-        extraction_args(default_layer_ids(8), tmp_path / "incoming", "auto"),
-        None,
-        tmp_path / "vllm.log",
-        EngineOptions(dtype="float32", extra_args=("--no-such-flag",)),
-        startup_timeout_s=120,
-    )
-    with pytest.raises(ServerStartupError) as info:
-        server.start()
-    assert "exited with code" in str(info.value) and "no-such-flag" in str(info.value)
-    assert server.process is not None and server.process.poll() is not None

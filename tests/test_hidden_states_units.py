@@ -14,23 +14,25 @@ import torch
 
 from mm_assets.clients.vllm_client import RequestRefused, parse_response
 from mm_assets.clients.vllm_server import extraction_configs
-from mm_assets.domain.extraction import (
-    DiskBudgetError,
-    ExtractionSettings,
-    check_disk_budget,
-    plan_extraction,
-    wait_for_writer,
-)
-from mm_assets.domain.hidden_states import (
+from mm_assets.domain.model.hidden_state_checks import (
     HiddenStatesProblem,
     HiddenStatesRejected,
+    validate_tensors,
+)
+from mm_assets.domain.model.hidden_states import (
+    HiddenStatesLayout,
     cache_key,
     default_layer_ids,
     estimate_bytes,
     target_fingerprint,
     text_config_facts,
     validate_layer_ids,
-    validate_tensors,
+)
+from mm_assets.services.extraction import (
+    DiskBudgetError,
+    check_disk_budget,
+    plan_extraction,
+    wait_for_writer,
 )
 from mm_assets.storage.blobs import BlobStore
 
@@ -111,7 +113,7 @@ def test_validate_tensors_rejects_non_finite_values() -> None:
 
 def test_plan_skips_cached_and_duplicate_rows(tmp_path: Path) -> None:
     blobs = BlobStore(tmp_path)
-    settings = ExtractionSettings("t", [2, 4, 5, 8], 8, "float32")
+    settings = HiddenStatesLayout("t", [2, 4, 5, 8], 8, "float32")
     rows = [
         {"row_id": "a", "sample_id": "a", "input_ids": [1, 2], "image_hashes": []},
         {"row_id": "b", "sample_id": "b", "input_ids": [3, 4, 5], "image_hashes": []},
@@ -124,7 +126,7 @@ def test_plan_skips_cached_and_duplicate_rows(tmp_path: Path) -> None:
 
 def test_disk_budget_refuses_what_cannot_fit(tmp_path: Path, monkeypatch) -> None:
     blobs = BlobStore(tmp_path)
-    settings = ExtractionSettings("t", [2, 16, 29, 32], 4096, "bfloat16")
+    settings = HiddenStatesLayout("t", [2, 16, 29, 32], 4096, "bfloat16")
     rows = [
         {"row_id": str(i), "sample_id": str(i), "input_ids": [i] * 8192, "image_hashes": []}
         for i in range(10)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from mm_assets.domain.images import ImageStatus, probe_reference, resolve_reference
+from mm_assets.domain.ingest.images import ImageStatus, probe_reference, resolve_reference
 from tests.bad_inputs import png_declaring
 
 

@@ -48,7 +48,7 @@ def test_counts_table_lists_largest_first() -> None:
 
 
 def test_progress_logs_at_most_every_interval_with_an_eta() -> None:
-    from mm_assets.domain.progress import Progress
+    from mm_assets.common.progress import Progress
 
     now = [0.0]
     lines: list[str] = []

@@ -30,7 +30,7 @@ def demo_results(prepared_demo) -> dict[str, dg.ExecuteInProcessResult]:
 
 
 def test_demo_partitions_materialize_and_are_queryable(demo_results) -> None:
-    from mm_assets.resources import StorageResource
+    from mm_assets.assets.resources import StorageResource
 
     assert all(r.success for r in demo_results.values())
     tables = StorageResource().tables()
@@ -78,7 +78,7 @@ def test_demo_partitions_materialize_and_are_queryable(demo_results) -> None:
 
 
 def test_multimodal_rows_carry_vllm_messages_with_file_urls(demo_results) -> None:
-    from mm_assets.resources import StorageResource
+    from mm_assets.assets.resources import StorageResource
 
     rows = list(StorageResource().tables().iter_rows("tokenized_samples", "demo_sharegpt4v_coco"))
     multimodal = [r for r in rows if r["multimodal"]]
@@ -122,7 +122,7 @@ def test_metadata_a_user_reads(demo_results) -> None:
 
 
 def test_bad_inputs_are_quarantined_with_reasons_and_good_rows_kept() -> None:
-    from mm_assets.resources import StorageResource
+    from mm_assets.assets.resources import StorageResource
 
     expected = write_bad_inputs()
     result = _materialize("bad_inputs")

@@ -6,21 +6,24 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from mm_assets.domain.reuse import inputs_key, load_record, save_record
-from mm_assets.domain.speculator_training import TRAINING_TABLES, SpeculatorJob, training_key
-from mm_assets.domain.trainer import TrainSettings
+from mm_assets.common.hashing import json_sha256
+from mm_assets.domain.model.settings import SpeculatorSettings
+from mm_assets.services.training import TRAINING_TABLES, SpeculatorJob, training_key
 from mm_assets.storage import TableStore
+from mm_assets.storage.records import load_record, save_record
 
 SCHEMA = pa.schema([("value", pa.int64())])
 
 
 def test_records_round_trip_and_miss_on_another_key_or_a_broken_file(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "record.json"
-    key = inputs_key("weights", [1, 2], {"dtype": "float32"}, tmp_path)
+    key = json_sha256(["weights", [1, 2], {"dtype": "float32"}, tmp_path])
     assert load_record(path, key) is None
     save_record(path, key, {"acceptance": 1.5})
     assert load_record(path, key) == {"acceptance": 1.5}
-    assert load_record(path, inputs_key("weights", [1, 2], {"dtype": "bfloat16"}, tmp_path)) is None
+    assert (
+        load_record(path, json_sha256(["weights", [1, 2], {"dtype": "bfloat16"}, tmp_path])) is None
+    )
     path.write_text("{truncated")
     assert load_record(path, key) is None
     assert not list(path.parent.glob(".*.tmp"))
@@ -34,26 +37,22 @@ def _job(tmp_path: Path, **changes) -> SpeculatorJob:
         "target_config": {},
         "target_fingerprint": "abc",
         "layer_ids": [2, 4, 5, 8],
-        "draft_vocab_size": 512,
-        "held_out_fraction": 0.1,
-        "speculative_tokens": 3,
-        "settings": TrainSettings(epochs=2),
+        "settings": SpeculatorSettings(epochs=2, draft_vocab_size=512),
         **changes,
     }
     return SpeculatorJob(**fields)
 
 
-def test_training_key_follows_data_and_settings_but_not_the_device(tmp_path: Path) -> None:
+def test_training_key_follows_data_and_settings(tmp_path: Path) -> None:
     tables = TableStore(tmp_path)
     for table in TRAINING_TABLES:
         tables.write(table, "p", [{"value": 1}], SCHEMA)
     base = training_key(_job(tmp_path), tables)
     tables.write("token_frequencies", "p", [{"value": 1}], SCHEMA)  # same content rewritten
     assert training_key(_job(tmp_path), tables) == base
-    assert training_key(_job(tmp_path, settings=TrainSettings(epochs=2, device="cpu")), tables) == (
-        base
-    )
-    assert training_key(_job(tmp_path, settings=TrainSettings(epochs=3)), tables) != base
+    assert training_key(_job(tmp_path, settings=SpeculatorSettings(epochs=2)), tables) != base
+    changed = SpeculatorSettings(epochs=2, draft_vocab_size=512, held_out_fraction=0.2)
+    assert training_key(_job(tmp_path, settings=changed), tables) != base
     assert training_key(_job(tmp_path, target_fingerprint="other"), tables) != base
     tables.write("hidden_states_manifest", "p", [{"value": 2}], SCHEMA)
     assert training_key(_job(tmp_path), tables) != base

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mm_assets.domain.sources import build_filter, load_rows, read_hub, read_local, subsample
+from mm_assets.domain.ingest.sources import build_filter, load_rows, read_hub, read_local, subsample
 from mm_assets.registry import DatasetSpec
 
 

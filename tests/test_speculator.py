@@ -3,19 +3,16 @@ loads it, measures it, and speculative decoding with it stays lossless."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import dagster as dg
 import pytest
 
-from mm_assets.clients.vllm_server import (
-    EngineOptions,
-    ManagedVllmServer,
-    speculative_decoding_args,
-)
-from mm_assets.clients.vllm_speculative import generate_greedy, spec_decode_counters
-from mm_assets.resources import StorageResource
+from mm_assets.clients.vllm_generation import generate_greedy
+from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
+from mm_assets.services.measurement import MEASUREMENT_RECORD
 from tests.conftest import SESSION_HOME
 from tests.plots import PLOT_SIZE, decode_plot
 
@@ -28,7 +25,10 @@ REQUIRED_FIELDS = (
 )  # fmt: skip
 
 
-CONFIG = {"draft_vocab_size": 512, "epochs": 3, "vllm_prompts": 12, "vllm_max_tokens": 24}
+CONFIG = {
+    "draft_vocab_size": 512, "epochs": 3, "vllm_prompts": 12, "vllm_max_tokens": 24,
+    "speculative_tokens": 3,
+}  # fmt: skip
 
 
 def _train(**overrides) -> dict:
@@ -70,32 +70,39 @@ def test_checkpoint_fields_and_held_out_acceptance(trained: dict) -> None:
     assert trained["reused_checkpoint"] is False
 
 
-def test_vllm_served_the_draft_and_counted_acceptance(trained: dict) -> None:
-    assert trained["vllm_drafts"] > 0 and trained["vllm_prompts"] > 0
-    assert trained["vllm_acceptance_length"] >= 1.0
-    assert len(trained["vllm_per_position_acceptance"]) == 3
+def _measurement(trained: dict) -> dict:
+    """What the measurement recorded beside the checkpoint: prompts, generations, figures."""
+    record = Path(trained["checkpoint"]) / MEASUREMENT_RECORD
+    return json.loads(record.read_text())["payload"]
 
 
-def test_speculative_decoding_with_the_draft_is_lossless(
-    trained: dict, demo_dir: Path, tmp_path
-) -> None:
-    """Greedy output with the draft equals greedy output of the target alone."""
-    from mm_assets.assets.model import held_out_prompts
+def test_vllm_counters_agree_with_what_it_generated(trained: dict) -> None:
+    """The spec-decode counters read from /metrics describe these generations: every
+    verified draft yields its accepted tokens plus one, so the tokens generated after each
+    prompt's first equal drafts + accepted, up to the last step's overshoot."""
+    measured = _measurement(trained)
+    generations, k = measured["generations"], CONFIG["speculative_tokens"]
+    drafts, rates = trained["vllm_drafts"], trained["vllm_per_position_acceptance"]
+    assert trained["vllm_prompts"] == len(generations) == len(measured["prompts"]) > 0
+    assert all(0 < len(g) <= CONFIG["vllm_max_tokens"] for g in generations)
+    assert len(rates) == k and all(a >= b for a, b in itertools.pairwise(rates))
+    accepted = (trained["vllm_acceptance_length"] - 1) * drafts
+    assert accepted == pytest.approx(sum(rates) * drafts, abs=0.5)
+    produced = sum(len(g) - 1 for g in generations)
+    assert produced - len(generations) <= drafts + accepted <= produced + len(generations) * k
 
-    tables = StorageResource().tables()
-    rows = {r["row_id"] for r in tables.iter_rows("tokenized_samples", PARTITION)}
-    prompts = held_out_prompts(tables, PARTITION, rows, 12)
-    assert any(isinstance(m["content"], list) for p in prompts for m in p)  # images included
+
+def test_speculative_decoding_with_the_draft_is_lossless(trained: dict, demo_dir: Path) -> None:
+    """The measurement's greedy output with the draft equals the target's own greedy
+    output, served without a draft, on the same held-out prompts (images included)."""
+    measured = _measurement(trained)
+    prompts = measured["prompts"]
+    assert any(isinstance(m["content"], list) for p in prompts for m in p)
     options = EngineOptions(dtype="float32", kv_cache_gib=1.0)
-    target = str(demo_dir / "target")
-    args = speculative_decoding_args(Path(trained["checkpoint"]), 3)
-    with ManagedVllmServer(target, args, demo_dir / "coco", tmp_path / "spec.log", options) as url:
-        with_draft = generate_greedy(url, prompts, max_tokens=24)
-        counters = spec_decode_counters(url)
-    with ManagedVllmServer(target, [], demo_dir / "coco", tmp_path / "plain.log", options) as url:
-        plain = generate_greedy(url, prompts, max_tokens=24)
-    assert counters.drafts > 0
-    same = sum(a == b for a, b in zip(with_draft, plain, strict=True))
+    target, log = str(demo_dir / "target"), SESSION_HOME / "logs" / "plain_target.log"
+    with ManagedVllmServer(target, [], demo_dir / "coco", log, options) as url:
+        plain = generate_greedy(url, prompts, max_tokens=CONFIG["vllm_max_tokens"])
+    same = sum(a == b for a, b in zip(measured["generations"], plain, strict=True))
     assert same == len(prompts), f"{same}/{len(prompts)} identical"
 
 

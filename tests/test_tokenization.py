@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from mm_assets.domain.conversations import Rejected, image_references, normalize
-from mm_assets.domain.images import probe_reference
-from mm_assets.domain.tokenization import (
+from mm_assets.domain.ingest.images import probe_reference
+from mm_assets.domain.prep.conversations import Rejected, image_references, normalize
+from mm_assets.domain.prep.tokenization import (
     GENERATION_MARKER,
     ChatTokenizer,
     TokenizeDropReason,

@@ -46,8 +46,8 @@ def ui_homes(prepared_demo, tmp_path_factory) -> tuple[Path, Path]:
     instance config in which `tokenized_samples` was materialized for PARTITION."""
     import dagster as dg
 
+    from mm_assets.assets.resources import StorageResource
     from mm_assets.definitions import defs
-    from mm_assets.resources import StorageResource
 
     store, home = tmp_path_factory.mktemp("ui_store"), tmp_path_factory.mktemp("dagster_home")
     (store / "demo").symlink_to(SESSION_HOME / "demo")

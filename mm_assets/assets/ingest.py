@@ -1,26 +1,23 @@
 """Ingest stage: the dataset's rows as loaded, and which of its images are usable."""
 
-from collections import Counter
+from typing import TYPE_CHECKING
 
 import dagster as dg
 
+from mm_assets.assets.automation import materialize_on_change
 from mm_assets.assets.metadata import counts_table, table_links
-from mm_assets.automation import materialize_on_change
-from mm_assets.domain.conversations import Rejected, image_references, parse_record
-from mm_assets.domain.images import DEFAULT_MAX_PIXELS, probe_reference
-from mm_assets.domain.sources import load_rows
-from mm_assets.partitions import dataset_partitions, dataset_spec
-from mm_assets.resources import StorageResource
-from mm_assets.storage import schemas
+from mm_assets.assets.partitions import dataset_partitions, dataset_spec
+from mm_assets.assets.resources import StorageResource
+from mm_assets.domain.ingest.images import DEFAULT_MAX_PIXELS
+
+if TYPE_CHECKING:
+    from mm_assets.services.ingest import ImageAvailabilityReport
 
 AVAILABILITY_CHECK = "image_availability_ratio"
 
 
 @dg.asset(
-    partitions_def=dataset_partitions,
-    group_name="ingest",
-    code_version="1",
-    kinds={"parquet"},
+    partitions_def=dataset_partitions, group_name="ingest", code_version="1", kinds={"parquet"}
 )
 def raw_dataset(
     context: dg.AssetExecutionContext, storage: StorageResource
@@ -28,24 +25,20 @@ def raw_dataset(
     """The dataset's rows as loaded (local file or hub), filtered and deterministically
     subsampled (`max_samples`, `seed`) before any normalization; keeps each row's source
     index and its original JSON."""
-    spec = dataset_spec(context)
-    loaded = load_rows(spec)
-    rows = (
-        {"source_index": r.source_index, "record": r.record_json(), "parse_error": r.parse_error}
-        for r in loaded.rows
-    )
+    from mm_assets.services.ingest import load_raw_dataset
+
     tables = storage.tables()
-    written = tables.write("raw_dataset", spec.name, rows, schemas.RAW_DATASET)
+    report = load_raw_dataset(dataset_spec(context), tables)
     return dg.MaterializeResult(
         metadata={
-            "rows": written.num_rows,
-            "source_rows": loaded.total,
-            "rows_after_filter": loaded.after_filter,
-            "unparseable_rows": sum(r.parse_error is not None for r in loaded.rows),
-            "source": spec.hub or str(spec.resolved_path()),
-            **table_links(tables, "raw_dataset", spec.name),
+            "rows": report.written.num_rows,
+            "source_rows": report.source_rows,
+            "rows_after_filter": report.rows_after_filter,
+            "unparseable_rows": report.unparseable_rows,
+            "source": report.source,
+            **table_links(tables, "raw_dataset", context.partition_key),
         },
-        data_version=dg.DataVersion(written.content_hash),
+        data_version=dg.DataVersion(report.written.content_hash),
     )
 
 
@@ -71,57 +64,42 @@ def coco_image_availability(
     """One row per referenced image: resolved path under the dataset's image root
     (default `$COCO_DIR`), status, width, height, format, bytes and content hash. Reads
     headers only and refuses anything resolving outside the root without opening it."""
-    spec = dataset_spec(context)
-    tables = storage.tables()
-    referenced_by: Counter[str] = Counter()
-    for row in tables.iter_rows("raw_dataset", spec.name, columns=["record", "parse_error"]):
-        try:
-            record = parse_record(row["record"], row["parse_error"])
-        except Rejected:
-            continue  # normalization quarantines it with the reason
-        referenced_by.update(str(ref) for ref in image_references(record, spec.format))
+    from mm_assets.services.ingest import probe_dataset_images
 
-    root = spec.resolved_image_root()
-    probes = [
-        probe_reference(root, ref, spec.image_path_strip_prefix, config.max_image_pixels)
-        for ref in referenced_by
-    ]
-    rows = ({**p.as_row(), "referenced_by": referenced_by[p.reference]} for p in probes)
-    written = tables.write("coco_image_availability", spec.name, rows, schemas.IMAGE_AVAILABILITY)
-
-    by_status = Counter(p.status.value for p in probes)
-    ok = by_status.get("ok", 0)
-    ratio = ok / len(probes) if probes else 1.0
-    unavailable = [p for p in probes if not p.ok]
-    first = ", ".join(f"{p.reference} ({p.status.value})" for p in unavailable[:5])
-    passed = ratio >= spec.min_image_availability
-    description = (
-        f"{ok}/{len(probes)} images usable ({ratio:.1%}); needs ≥ "
-        f"{spec.min_image_availability:.0%}."
-        + (
-            ""
-            if passed
-            else f" First unavailable: {first}. Check that COCO_DIR (now {root}) holds the "
-            f"images the dataset references (e.g. {root}/train2017/…), or lower "
-            "min_image_availability for this dataset in the registry."
-        )
-    )
+    spec, tables = dataset_spec(context), storage.tables()
+    report = probe_dataset_images(spec, tables, config.max_image_pixels)
     return dg.MaterializeResult(
         metadata={
-            "images": len(probes),
-            "images_ok": ok,
-            "availability_ratio": ratio,
-            "images_by_status": counts_table(by_status, "status", "images"),
-            "image_root": dg.MetadataValue.path(str(root)),
+            "images": len(report.probes),
+            "images_ok": report.usable,
+            "availability_ratio": report.ratio,
+            "images_by_status": counts_table(report.by_status, "status", "images"),
+            "image_root": dg.MetadataValue.path(str(report.image_root)),
             **table_links(tables, "coco_image_availability", spec.name),
         },
-        data_version=dg.DataVersion(written.content_hash),
-        check_results=[
-            dg.AssetCheckResult(
-                check_name=AVAILABILITY_CHECK,
-                passed=passed,
-                description=description,
-                metadata={"availability_ratio": ratio, "first_unavailable": first or "-"},
-            )
-        ],
+        data_version=dg.DataVersion(report.written.content_hash),
+        check_results=[availability_check(report, spec.min_image_availability)],
+    )
+
+
+def availability_check(report: "ImageAvailabilityReport", minimum: float) -> dg.AssetCheckResult:
+    """Passes when enough images are usable; says where the images were looked for."""
+    first = ", ".join(f"{p.reference} ({p.status.value})" for p in report.first_unavailable())
+    passed = report.ratio >= minimum
+    root = report.image_root
+    description = (
+        f"{report.usable}/{len(report.probes)} images usable ({report.ratio:.1%}); needs ≥ "
+        f"{minimum:.0%}."
+    )
+    if not passed:
+        description += (
+            f" First unavailable: {first}. Check that COCO_DIR (now {root}) holds the images "
+            f"the dataset references (e.g. {root}/train2017/…), or lower "
+            "min_image_availability for this dataset in the registry."
+        )
+    return dg.AssetCheckResult(
+        check_name=AVAILABILITY_CHECK,
+        passed=passed,
+        description=description,
+        metadata={"availability_ratio": report.ratio, "first_unavailable": first or "-"},
     )

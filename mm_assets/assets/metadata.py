@@ -7,13 +7,16 @@ import base64
 import io
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import dagster as dg
 import numpy as np
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
 
-from mm_assets.storage import TableStore
+from mm_assets.storage import TableStore, WrittenTable
+
+if TYPE_CHECKING:  # matplotlib loads inside the steps that plot, not with the definitions
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def counts_table(counts: Mapping[str, int], key: str, value: str = "rows") -> dg.MetadataValue:
@@ -25,6 +28,8 @@ def counts_table(counts: Mapping[str, int], key: str, value: str = "rows") -> dg
 
 def _figure() -> tuple[Figure, Axes]:
     # a bare Figure (no pyplot): no global state, safe in threads and without a display
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(6.0, 3.2), dpi=90, layout="constrained")
     return fig, fig.add_subplot()
 
@@ -106,9 +111,7 @@ def acceptance_plot(
 
 
 def table_links(tables: TableStore, table: str, partition: str) -> dict[str, dg.MetadataValue]:
-    """Where the partition's table lies, and how to query it in the DuckDB catalog (whose
-    views are refreshed here, so a table's first write is queryable at once)."""
-    tables.refresh_catalog()
+    """Where the partition's table lies, and how to query it in the DuckDB catalog."""
     sql = f"SELECT * FROM {table} WHERE dataset = '{partition}' LIMIT 20;"
     return {
         "path": dg.MetadataValue.path(str(tables.path(table, partition))),
@@ -119,4 +122,17 @@ def table_links(tables: TableStore, table: str, partition: str) -> dict[str, dg.
             f"or `duckdb -readonly {tables.catalog_path}` with the DuckDB CLI.\n\n"
             f"```sql\n{sql}\n```"
         ),
+    }
+
+
+def quarantine_metadata(
+    kept: WrittenTable | None, quarantine: WrittenTable | None, reasons: Mapping[str, int]
+) -> dict[str, dg.MetadataValue | int]:
+    """Rows kept and quarantined, why, and where the quarantine table lies."""
+    assert kept is not None and quarantine is not None
+    return {
+        "rows": kept.num_rows,
+        "quarantined": quarantine.num_rows,
+        "drop_reasons": counts_table(reasons, "reason"),
+        "quarantine_path": dg.MetadataValue.path(str(quarantine.path)),
     }

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import openai
 
 TRANSIENT = (
@@ -70,9 +71,19 @@ def parse_response(payload: dict[str, Any]) -> ExtractionResponse:
 
 
 class _Server:
-    def __init__(self, base_url: str, api_key: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        timeout_s: float,
+        http_client: httpx.AsyncClient | None,
+    ) -> None:
         self.client = openai.AsyncOpenAI(
-            base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0
+            base_url=base_url,
+            api_key=api_key,
+            timeout=timeout_s,
+            max_retries=0,
+            http_client=http_client,
         )
         self.in_flight = 0
         self.model: str | None = None
@@ -85,7 +96,9 @@ class _Server:
 
 
 class HiddenStatesClient:
-    """Spreads extraction requests over one or more vLLM servers."""
+    """Spreads extraction requests over one or more vLLM servers. `http_client` replaces
+    the `openai` client's own (tests inject an `httpx.MockTransport`); `backoff_s` is the
+    first retry's mean wait, doubling with each further try."""
 
     def __init__(
         self,
@@ -95,12 +108,15 @@ class HiddenStatesClient:
         max_retries: int = 4,
         breaker_failures: int = 8,
         api_key: str = "EMPTY",
+        http_client: httpx.AsyncClient | None = None,
+        backoff_s: float = 0.5,
     ) -> None:
         if not base_urls:
             raise ValueError("no vLLM base URL to send requests to")
-        self.servers = [_Server(url, api_key, timeout_s) for url in base_urls]
+        self.servers = [_Server(url, api_key, timeout_s, http_client) for url in base_urls]
         self.concurrency = concurrency
         self.max_retries = max_retries
+        self.backoff_s = backoff_s
         self.breaker_failures = breaker_failures
         self.requests_sent = 0
         self._consecutive_failures = 0
@@ -149,7 +165,9 @@ class HiddenStatesClient:
                             f"{type(exc).__name__}: {exc}. Is the vLLM server running?"
                         ) from exc
                     raise RequestRefused(f"gave up after {attempt + 1} tries: {exc}") from exc
-                await asyncio.sleep(min(30.0, 0.5 * 2**attempt) * (0.5 + random.random()))
+                await asyncio.sleep(
+                    min(30.0, self.backoff_s * 2**attempt) * (0.5 + random.random())
+                )
                 continue
             except openai.APIStatusError as exc:
                 raise RequestRefused(f"HTTP {exc.status_code}: {exc.message}") from exc

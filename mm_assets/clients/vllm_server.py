@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 CPU_CONNECTOR = ("CpuHiddenStatesConnector", "mm_assets.clients.cpu_hidden_states_connector")
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 
@@ -137,6 +139,8 @@ class ManagedVllmServer:
         return not cuda_available()
 
     def command(self) -> list[str]:
+        if self.port is None:
+            raise RuntimeError("no port yet: start() picks one; set `port` to see the command")
         on_cpu = self._on_cpu()
         opts = self.options
         cmd = [
@@ -232,21 +236,19 @@ class ManagedVllmServer:
         self.process.wait()
 
     def rss_bytes(self) -> int:
-        """Resident memory of the server and its workers (its process group)."""
+        """Resident memory of the server and its workers (its process tree); a process
+        that exits while being counted is left out."""
         if self.process is None:
             return 0
+        try:
+            root = psutil.Process(self.process.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0
         total = 0
-        pgid = os.getpgid(self.process.pid)
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                if os.getpgid(int(entry.name)) != pgid:
-                    continue
-                fields = (entry / "statm").read_text().split()
-                total += int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
-            except (OSError, ValueError, ProcessLookupError):
-                continue
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                total += proc.memory_info().rss
         return total
 
     def __enter__(self) -> str:

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from mm_assets import settings
+from mm_assets.common import paths
 
 BUILD_VERSION = "1"
 DEMO_PARTITIONS = ("demo_sharegpt4v_coco", "demo_sharegpt")
@@ -28,7 +28,7 @@ def build(demo_dir: Path | None = None, force: bool = False) -> Path:
     from mm_assets.demo.data import build_demo_datasets, demo_corpus
     from mm_assets.demo.target import build_demo_target
 
-    demo_dir = demo_dir or settings.demo_dir()
+    demo_dir = demo_dir or paths.demo_dir()
     stamp = demo_dir / "BUILD"
     if not force and stamp.is_file() and stamp.read_text().strip() == BUILD_VERSION:
         return demo_dir
@@ -43,7 +43,7 @@ def build(demo_dir: Path | None = None, force: bool = False) -> Path:
 def run(partitions: tuple[str, ...] = DEMO_PARTITIONS) -> None:
     import dagster as dg
 
-    settings.ensure_dagster_home()
+    paths.ensure_dagster_home()
     from mm_assets.definitions import defs
 
     build()
@@ -70,7 +70,7 @@ def run(partitions: tuple[str, ...] = DEMO_PARTITIONS) -> None:
 
 
 def _print_summary(partitions: tuple[str, ...]) -> None:
-    from mm_assets.resources import StorageResource
+    from mm_assets.assets.resources import StorageResource
 
     tables = StorageResource().tables()
     with tables.connect() as con:

@@ -1,55 +1,89 @@
-"""Dataset entries read from the built-in YAML and an optional user YAML file."""
+"""Dataset entries read from the built-in YAML and an optional user YAML file.
+
+Each entry is validated against a typed model (`DatasetSpec`) that forbids unknown keys:
+a typo in a key (`max_sample:`) must not silently fall back to a default and process the
+whole dataset, and a wrong type or an unknown `format` must be refused when the registry
+loads, not discovered hours later as a run that found no images. Problems are reported
+one per line, naming the file, the dataset entry and the field, with what is allowed.
+"""
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mm_assets import settings
+from mm_assets.common import paths
 
 BUILTIN_FILE = "datasets.yaml"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-_KNOWN_KEYS = {
-    "hub",
-    "path",
-    "subset",
-    "split",
-    "format",
-    "filter",
-    "image_root",
-    "image_path_strip_prefix",
-    "max_samples",
-    "seed",
-    "min_image_availability",
-}
+
+DatasetFormat = Literal["sharegpt4v", "sharegpt", "messages"]
 
 
-@dataclass(frozen=True)
-class DatasetSpec:
+class DatasetSpec(BaseModel):
     """One registered dataset: where its rows come from and how to read them."""
 
-    name: str
-    format: str
-    hub: str | None = None
-    path: str | None = None
-    subset: str | None = None
-    split: str = "train"
-    filter: dict[str, Any] = field(default_factory=dict)
-    image_root: str | None = None
-    image_path_strip_prefix: str = ""
-    max_samples: int | None = None
-    seed: int = 0
-    min_image_availability: float = 0.95
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(description="letters, digits, '_', '-' and '.'")
+    hub: str | None = Field(default=None, description="a Hugging Face dataset id")
+    path: str | None = Field(
+        default=None, description="a local json/jsonl/parquet file or a directory of them"
+    )
+    subset: str | None = Field(default=None, description="the hub dataset's subset (config)")
+    split: str = Field(default="train", description="a split name, e.g. train")
+    format: DatasetFormat = Field(description="sharegpt4v, sharegpt or messages")
+    filter: dict[str, Any] = Field(
+        default_factory=dict, description="a mapping {filter name: argument}"
+    )
+    image_root: str | None = Field(
+        default=None, description="a directory image references resolve under"
+    )
+    image_path_strip_prefix: str = Field(
+        default="", description="a prefix removed from image references"
+    )
+    max_samples: int | None = Field(
+        default=None,
+        gt=0,
+        strict=True,
+        description="a positive whole number of rows to keep; leave it out to keep all",
+    )
+    seed: int = Field(default=0, strict=True, description="a whole number")
+    min_image_availability: float = Field(
+        default=0.95, ge=0.0, le=1.0, strict=True, description="a fraction from 0 to 1"
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError(
+                "a dataset name may hold only letters, digits, '_', '-' and '.', "
+                "and may not start with '-' or '.'"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetSpec:
+        if (self.hub is None) == (self.path is None):
+            given = "both are given" if self.hub is not None else "neither is given"
+            raise ValueError(
+                f"give exactly one of 'hub' (a hub dataset id) or 'path' (a local file or "
+                f"directory); {given}"
+            )
+        return self
 
     def resolved_image_root(self) -> Path:
         """The directory image references resolve under: the entry's, else `$COCO_DIR`."""
-        root = self.image_root or os.environ.get("COCO_DIR") or str(settings.home() / "coco")
+        root = self.image_root or os.environ.get("COCO_DIR") or str(paths.home() / "coco")
         return Path(_expand(root)).expanduser().resolve()
 
     def resolved_path(self) -> Path:
@@ -60,45 +94,104 @@ class DatasetSpec:
 
 def _expand(value: str) -> str:
     env = dict(os.environ)
-    env.setdefault("MM_ASSETS_HOME", str(settings.home()))
+    env.setdefault("MM_ASSETS_HOME", str(paths.home()))
     return re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), m.group(0)), value)
 
 
-def parse_entries(entries: dict[str, Any], origin: str) -> dict[str, DatasetSpec]:
-    """Validate raw YAML entries; errors name the file and the entry to fix."""
+def _known_keys() -> list[str]:
+    """The keys an entry may hold, in declaration order (the name is the entry's key)."""
+    return [key for key in DatasetSpec.model_fields if key != "name"]
+
+
+def _unknown_key(key: Any) -> str:
+    known = _known_keys()
+    close = difflib.get_close_matches(str(key), known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown key {key!r} ({hint}known: {', '.join(known)})"
+
+
+def _got(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    """One pydantic error as `'field': what is wrong, got X (allowed: ...)`."""
+    loc = error["loc"]
+    kind = error["type"]
+    message = error["msg"]
+    if kind == "value_error":
+        message = str(error.get("ctx", {}).get("error", message))
+    message = message[:1].lower() + message[1:]
+    if not loc:  # a check across fields
+        return message
+    field = loc[0]
+    if kind == "extra_forbidden" and len(loc) == 1:
+        return _unknown_key(field)
+    info = DatasetSpec.model_fields.get(str(field))
+    allowed = info.description if info is not None else None
+    where = ".".join(str(part) for part in loc)
+    if kind == "missing":
+        return f"{where!r} is required" + (f" ({allowed})" if allowed else "")
+    text = f"{where!r}: {message}, got {_got(error.get('input'))}"
+    if allowed and kind != "literal_error":
+        text += f" (allowed: {allowed})"
+    return text
+
+
+def parse_entries(entries: Any, origin: str) -> dict[str, DatasetSpec]:
+    """Validate raw YAML entries; each problem is one line naming the file and the entry.
+
+    All entries are checked before raising, so one pass shows everything to fix.
+    """
     if not isinstance(entries, dict):
         raise ValueError(f"{origin}: expected a mapping of dataset name -> entry")
     specs: dict[str, DatasetSpec] = {}
+    problems: list[str] = []
     for name, entry in entries.items():
         where = f"{origin}: dataset {name!r}"
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise ValueError(f"{where}: names may hold letters, digits, '_', '-' and '.'")
         if not isinstance(entry, dict):
-            raise ValueError(f"{where}: expected a mapping of keys, got {type(entry).__name__}")
-        unknown = set(entry) - _KNOWN_KEYS
-        if unknown:
-            raise ValueError(
-                f"{where}: unknown keys {sorted(unknown)}; known: {sorted(_KNOWN_KEYS)}"
+            problems.append(f"{where}: expected a mapping of keys, got {type(entry).__name__}")
+            continue
+        lines = []
+        if "name" in entry:
+            lines.append(
+                f"unknown key 'name' (the dataset's name is its key in the file; "
+                f"known: {', '.join(_known_keys())})"
             )
-        if ("hub" in entry) == ("path" in entry):
-            raise ValueError(f"{where}: give exactly one of 'hub' (a hub id) or 'path'")
-        if "format" not in entry:
-            raise ValueError(f"{where}: 'format' is required (sharegpt4v, sharegpt, messages)")
-        specs[name] = DatasetSpec(name=name, **entry)
+        data = {key: value for key, value in entry.items() if key != "name"}
+        try:
+            spec = DatasetSpec.model_validate({"name": name, **data})
+        except ValidationError as exc:
+            lines.extend(_describe(error) for error in exc.errors())
+        else:
+            if not lines:
+                specs[name] = spec
+        problems.extend(f"{where}: {line}" for line in lines)
+    if problems:
+        raise ValueError("\n".join(problems))
     return specs
 
 
 def user_registry_file() -> Path:
     return Path(
-        os.environ.get("MM_ASSETS_DATASETS", str(settings.home() / "datasets.yaml"))
+        os.environ.get("MM_ASSETS_DATASETS", str(paths.home() / "datasets.yaml"))
     ).expanduser()
+
+
+def _read_yaml(text: str, origin: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{origin}: not valid YAML: {exc}") from exc
 
 
 def load_registry() -> dict[str, DatasetSpec]:
     """Built-in entries, then the user's file (when present) adding or replacing entries."""
     text = resources.files("mm_assets.registry").joinpath(BUILTIN_FILE).read_text()
-    specs = parse_entries(yaml.safe_load(text), f"built-in {BUILTIN_FILE}")
+    specs = parse_entries(_read_yaml(text, f"built-in {BUILTIN_FILE}"), f"built-in {BUILTIN_FILE}")
     user_file = user_registry_file()
     if user_file.is_file():
-        specs.update(parse_entries(yaml.safe_load(user_file.read_text()) or {}, str(user_file)))
+        origin = str(user_file)
+        specs.update(parse_entries(_read_yaml(user_file.read_text(), origin) or {}, origin))
     return specs

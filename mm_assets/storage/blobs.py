@@ -7,13 +7,15 @@ on the same filesystem (`incoming_dir`), so a blob is either complete or absent.
 
 from __future__ import annotations
 
-import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
+from mm_assets.common.files import atomic_path, move_into_place
+
+if TYPE_CHECKING:
+    import torch
 
 
 class BlobStore:
@@ -36,22 +38,15 @@ class BlobStore:
     def put_file(self, src: Path, key: str) -> Path:
         """Move a finished file in (rename on the same filesystem, else copy + rename)."""
         dest = self.path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.replace(src, dest)
-        except OSError:
-            tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, dest)
-            src.unlink(missing_ok=True)
+        move_into_place(src, dest)
         return dest
 
     def put_tensors(self, tensors: dict[str, torch.Tensor], key: str) -> Path:
+        from safetensors.torch import save_file
+
         dest = self.path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        os.replace(tmp, dest)
+        with atomic_path(dest) as tmp:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
         return dest
 
     def free_bytes(self) -> int:

@@ -2,15 +2,14 @@
 
 Writes go to a temporary name in the same directory and are renamed into place, so a
 crash never leaves a half-written file that looks valid. DuckDB allows one writer
-process, so the catalog is not on the write path: views read the Parquet files by glob
-and are (re)created only when a table first appears.
+process, so the catalog is not on the write path: a table's view reads its Parquet files
+by glob (every partition, present and future) and is created after the table's first
+write; when another process holds the catalog at that moment, the next write or
+`connect()` creates it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +19,9 @@ from typing import Any
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from mm_assets.common.files import atomic_path
+from mm_assets.common.hashing import file_sha256
 
 PARTITION_COLUMN = "dataset"
 
@@ -33,7 +35,7 @@ class WrittenTable:
     content_hash: str
 
 
-class _BatchWriter:
+class BatchWriter:
     """Appends rows (dicts) in batches to an open Parquet writer."""
 
     def __init__(self, writer: pq.ParquetWriter, schema: pa.Schema, batch_size: int) -> None:
@@ -79,25 +81,19 @@ class TableStore:
     @contextmanager
     def writer(
         self, table: str, partition: str, schema: pa.Schema, batch_size: int = 1024
-    ) -> Iterator[_BatchWriter]:
+    ) -> Iterator[BatchWriter]:
         """Stream rows into a new version of the table; it replaces the old one on success."""
         final = self.path(table, partition)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex}.tmp")
-        pq_writer = pq.ParquetWriter(tmp, schema, compression="zstd")
-        batch_writer = _BatchWriter(pq_writer, schema, batch_size)
-        try:
-            yield batch_writer
-            batch_writer.flush()
-            pq_writer.close()
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            pq_writer.close()
-            tmp.unlink(missing_ok=True)
-            raise
-        batch_writer.result = WrittenTable(final, batch_writer.num_rows, file_hash(final))
+        with atomic_path(final) as tmp:
+            pq_writer = pq.ParquetWriter(tmp, schema, compression="zstd")
+            batch_writer = BatchWriter(pq_writer, schema, batch_size)
+            try:
+                yield batch_writer
+                batch_writer.flush()
+            finally:
+                pq_writer.close()
+        batch_writer.result = WrittenTable(final, batch_writer.num_rows, file_sha256(final))
+        self.add_to_catalog([table])
 
     def write(
         self, table: str, partition: str, rows: Iterable[Mapping[str, Any]], schema: pa.Schema
@@ -146,29 +142,29 @@ class TableStore:
     def _view_sql(self, table: str) -> str:
         glob = (self.tables_dir / table / "*" / "data.parquet").as_posix().replace("'", "''")
         return (
-            f'CREATE OR REPLACE VIEW "{table}" AS SELECT * FROM read_parquet('
+            f'CREATE VIEW IF NOT EXISTS "{table}" AS SELECT * FROM read_parquet('
             f"'{glob}', hive_partitioning = true, union_by_name = true)"
         )
 
-    def refresh_catalog(self) -> bool:
-        """Create a view for every table present. False when another process holds the
-        catalog (DuckDB's single-writer lock); views are globs, so a later call catches up."""
+    def add_to_catalog(self, tables: Sequence[str]) -> bool:
+        """Create the views these tables lack. False when another process holds the
+        catalog (DuckDB's single-writer lock): a later write or `connect()` catches up."""
         try:
             with duckdb.connect(str(self.catalog_path)) as con:
-                for table in self.table_names():
-                    con.execute(self._view_sql(table))
+                views = con.execute(
+                    "SELECT view_name FROM duckdb_views() WHERE NOT internal"
+                ).fetchall()
+                present = {name for (name,) in views}
+                for table in tables:
+                    if table not in present:
+                        con.execute(self._view_sql(table))
         except duckdb.IOException:
             return False
         return True
 
     def connect(self) -> duckdb.DuckDBPyConnection:
         """A read-only SQL connection with every table as a view (`SELECT * FROM <table>`)."""
-        self.refresh_catalog()
+        self.add_to_catalog(self.table_names())
         if not self.catalog_path.exists():
             raise FileNotFoundError(f"no tables under {self.tables_dir} yet")
         return duckdb.connect(str(self.catalog_path), read_only=True)
-
-
-def file_hash(path: Path) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from mm_assets.domain.conversations import Turn
+from mm_assets.domain.prep.conversations import Turn
 from mm_assets.domain.rejection import RowRejected
 
 if TYPE_CHECKING:  # transformers is imported where it is used: it takes seconds

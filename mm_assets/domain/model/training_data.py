@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file
 
-from mm_assets.domain.hidden_states import LAYER_CONVENTION
+from mm_assets.domain.model.hidden_states import LAYER_CONVENTION
 
 
 class LayerMismatch(ValueError):

@@ -1,4 +1,4 @@
-"""Hidden states for EAGLE-3 training: layer ids, cache keys, size estimates, validation.
+"""Hidden states for EAGLE-3 training: layer ids, the stored layout, cache keys, sizes.
 
 Layer id convention (recorded in every artifact): id k is the residual stream after k
 decoder layers (HF `hidden_states[k]`); id L (the last layer) is that layer's output
@@ -10,20 +10,16 @@ mismatch between generation and training silently collapses acceptance, so it is
 from __future__ import annotations
 
 import hashlib
-import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
-import torch
+from pydantic import BaseModel, ConfigDict, Field
 
-from mm_assets.domain.rejection import RowRejected
+from mm_assets.common.hashing import json_sha256
 
 LAYER_CONVENTION = "residual_after_k_layers;L=pre_final_norm"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SAMPLE_CHUNK = 1 << 16
 _SMALL_FILE = 64 << 20
 
@@ -85,11 +81,9 @@ def cache_key(
     image_hashes: Sequence[str],
 ) -> str:
     """Content address of one sample's hidden states: anything that changes them is in it."""
-    payload = json.dumps(
-        [target, list(layer_ids), LAYER_CONVENTION, dtype, list(input_ids), list(image_hashes)],
-        separators=(",", ":"),
+    return json_sha256(
+        [target, list(layer_ids), LAYER_CONVENTION, dtype, list(input_ids), list(image_hashes)]
     )
-    return hashlib.sha256(payload.encode()).hexdigest()
 
 
 def estimate_bytes(num_tokens: int, num_layers: int, hidden_size: int, dtype: str) -> int:
@@ -106,70 +100,49 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
-class HiddenStatesProblem(StrEnum):
-    TOKEN_MISMATCH = "token_mismatch"
-    BAD_FILE = "bad_file"
-    BAD_SHAPE = "bad_shape"
-    BAD_DTYPE = "bad_dtype"
-    NON_FINITE = "non_finite"
+def resolve_dtype(requested: str, facts: TextConfigFacts) -> str:
+    """`auto` means the target config's dtype; only dtypes the store knows are allowed."""
+    dtype = facts.dtype if requested == "auto" else requested
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} unsupported for hidden states; use {list(DTYPE_BYTES)}")
+    return dtype
 
 
-class HiddenStatesRejected(RowRejected):
-    """A row this stage cannot use, with its reason."""
+@dataclass(frozen=True)
+class HiddenStatesLayout:
+    """What one stored sample holds: `[T, len(layer_ids), hidden_size]` in `dtype`, from
+    the target with this fingerprint. Part of every cache key and manifest row."""
 
+    target_fingerprint: str
+    layer_ids: list[int]
+    hidden_size: int
+    dtype: str
 
-def first_difference(a: Sequence[int], b: Sequence[int]) -> str:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return f"first difference at position {i}: vLLM {x} vs stored {y}"
-    return f"lengths differ: vLLM {len(a)} vs stored {len(b)}"
-
-
-def check_prompt_ids(prompt_ids: Sequence[int], input_ids: Sequence[int]) -> None:
-    """vLLM's rendering must equal ours; a truncated row must be a prefix of it."""
-    if list(prompt_ids[: len(input_ids)]) != list(input_ids):
-        raise HiddenStatesRejected(
-            HiddenStatesProblem.TOKEN_MISMATCH, first_difference(prompt_ids, input_ids)
+    def key(self, input_ids: Sequence[int], image_hashes: Sequence[str]) -> str:
+        return cache_key(
+            self.target_fingerprint, self.layer_ids, self.dtype, input_ids, image_hashes
         )
 
-
-def validate_tensors(
-    tensors: Mapping[str, torch.Tensor],
-    input_ids: Sequence[int],
-    num_layers: int,
-    hidden_size: int,
-    dtype: str,
-) -> torch.Tensor:
-    """The `[T, n_layers, H]` hidden states for `input_ids`, or the reason they are unusable.
-    Files covering a longer (untruncated) prompt are cut to the row's length."""
-    if set(tensors) != {"hidden_states", "token_ids"}:
-        raise HiddenStatesRejected(HiddenStatesProblem.BAD_FILE, f"keys {sorted(tensors)}")
-    hidden, token_ids = tensors["hidden_states"], tensors["token_ids"]
-    n = len(input_ids)
-    if token_ids.ndim != 1 or token_ids.shape[0] < n:
-        raise HiddenStatesRejected(
-            HiddenStatesProblem.BAD_SHAPE, f"token_ids {tuple(token_ids.shape)} for {n} tokens"
-        )
-    check_prompt_ids(token_ids.tolist(), input_ids)
-    expected = (token_ids.shape[0], num_layers, hidden_size)
-    if tuple(hidden.shape) != expected:
-        raise HiddenStatesRejected(
-            HiddenStatesProblem.BAD_SHAPE, f"hidden_states {tuple(hidden.shape)} != {expected}"
-        )
-    if hidden.dtype != TORCH_DTYPES[dtype]:
-        raise HiddenStatesRejected(
-            HiddenStatesProblem.BAD_DTYPE, f"{hidden.dtype}, expected {dtype}"
-        )
-    hidden = hidden[:n]
-    if not torch.isfinite(hidden).all():
-        bad = int((~torch.isfinite(hidden)).any(dim=(1, 2)).nonzero()[0])
-        raise HiddenStatesRejected(
-            HiddenStatesProblem.NON_FINITE, f"non-finite values from token {bad}"
-        )
-    return hidden
+    def estimate(self, tokens: int) -> int:
+        return estimate_bytes(tokens, len(self.layer_ids), self.hidden_size, self.dtype)
 
 
-def eta_seconds(done: int, total: int, elapsed: float) -> float:
-    if done == 0:
-        return math.inf
-    return elapsed / done * (total - done)
+class ExtractionSettings(BaseModel):
+    """Knobs of a hidden-states run (the `hidden_states` asset's config)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    layer_ids: list[int] | None = Field(
+        default=None, description="Three auxiliary layers and the last; default [2, L//2, L-3, L]."
+    )
+    concurrency: int = Field(default=8, ge=1, description="Requests in flight across all servers.")
+    max_rejection_ratio: float = Field(
+        default=0.01, ge=0, le=1, description="The blocking check fails above this share."
+    )
+    max_retries: int = Field(default=4, ge=0, description="Retries of a transient failure.")
+    breaker_failures: int = Field(
+        default=8,
+        ge=1,
+        description="Consecutive failed requests (after retries) that stop the step.",
+    )
+    request_timeout_s: float = Field(default=600.0, gt=0, description="Per request.")

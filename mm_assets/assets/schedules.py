@@ -3,7 +3,7 @@
 Only datasets that were materialized before are refreshed (a registry preset nobody has
 loaded is never downloaded behind the user's back). A refresh that reads the same rows
 writes the same data version, so nothing downstream runs; a changed dataset flows through
-its own partition's chain only (see `mm_assets.automation`).
+its own partition's chain only (see `mm_assets.assets.automation`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 import dagster as dg
 
 from mm_assets.assets.ingest import raw_dataset
-from mm_assets.partitions import dataset_partitions
+from mm_assets.assets.partitions import dataset_partitions
 
 refresh_raw_datasets_job = dg.define_asset_job("refresh_raw_datasets", selection=[raw_dataset])
 

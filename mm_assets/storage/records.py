@@ -9,18 +9,11 @@ recomputing. A missing, unreadable or differently keyed record is simply a miss.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import uuid
 from pathlib import Path
 from typing import Any
 
-
-def inputs_key(*parts: Any) -> str:
-    """A stable hash of JSON-serializable parts (paths and other objects by `str`)."""
-    text = json.dumps(parts, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
+from mm_assets.common.files import atomic_write_text
 
 
 def load_record(path: Path, key: str) -> dict[str, Any] | None:
@@ -36,8 +29,6 @@ def load_record(path: Path, key: str) -> dict[str, Any] | None:
 
 
 def save_record(path: Path, key: str, payload: dict[str, Any]) -> None:
-    """Write atomically, so a crash never leaves a record that reads as valid."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps({"key": key, "payload": payload}, indent=1))
-    os.replace(tmp, path)
+    """Write atomically, so a crash never leaves a record that reads as valid. `key` is
+    the `json_sha256` of everything the payload was computed from."""
+    atomic_write_text(path, json.dumps({"key": key, "payload": payload}, indent=1))

@@ -14,36 +14,43 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mm_assets.domain.draft_vocab import build_draft_vocab
-from mm_assets.domain.eagle3 import Eagle3Config, Eagle3Draft, acceptance_length
-from mm_assets.domain.hidden_states import LAYER_CONVENTION
-from mm_assets.domain.reuse import inputs_key, load_record, save_record
-from mm_assets.domain.speculator_checkpoint import checkpoint_config, save_checkpoint
-from mm_assets.domain.target_weights import load_target_head
-from mm_assets.domain.trainer import TrainResult, TrainSettings, evaluate, train
-from mm_assets.domain.training_data import SampleRef, check_layer_ids, split
+from mm_assets.common.hashing import file_sha256, json_sha256
+from mm_assets.domain.model.checkpoint import checkpoint_config, save_checkpoint
+from mm_assets.domain.model.draft_vocab import build_draft_vocab
+from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft, acceptance_length
+from mm_assets.domain.model.hidden_states import LAYER_CONVENTION
+from mm_assets.domain.model.settings import TRAINING_VERSION, SpeculatorSettings
+from mm_assets.domain.model.target_weights import load_target_head
+from mm_assets.domain.model.trainer import TrainResult, evaluate, train
+from mm_assets.domain.model.training_data import SampleRef, check_layer_ids, split
+from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore
-from mm_assets.storage.tables import file_hash
+from mm_assets.storage.records import load_record, save_record
 
-# Bump when a change makes training produce something else from the same inputs: it is
-# the `trained_speculator` code version and part of the reuse key, so both notice.
-TRAINING_VERSION = "1"
 OUTCOME_RECORD = "mm_assets_outcome.json"
 TRAINING_TABLES = ("tokenized_samples", "token_frequencies", "hidden_states_manifest")
 
 
 @dataclass(frozen=True)
 class SpeculatorJob:
+    """One training: a partition's stored data, the target, and the settings."""
+
     partition: str
     storage_root: Path
     target_dir: Path
     target_config: dict[str, Any]
     target_fingerprint: str
     layer_ids: list[int]
-    draft_vocab_size: int
-    held_out_fraction: float
-    speculative_tokens: int
-    settings: TrainSettings
+    settings: SpeculatorSettings
+
+    @classmethod
+    def for_target(
+        cls, partition: str, storage_root: Path, target: TargetModel, settings: SpeculatorSettings
+    ) -> SpeculatorJob:
+        return cls(
+            partition, storage_root, target.local_dir, target.config, target.fingerprint,
+            target.layer_ids(settings.layer_ids), settings,
+        )  # fmt: skip
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -88,18 +95,16 @@ def sample_refs(tables: TableStore, partition: str, layer_ids: list[int]) -> lis
 
 def training_key(job: SpeculatorJob, tables: TableStore) -> str:
     """What the checkpoint depends on: the partition's tables (by content), the target,
-    the draft's shape and every training setting except the device."""
-    settings = {k: v for k, v in asdict(job.settings).items() if k != "device"}
-    return inputs_key(
-        TRAINING_VERSION,
-        [file_hash(tables.path(table, job.partition)) for table in TRAINING_TABLES],
-        str(job.target_dir),
-        job.target_fingerprint,
-        job.layer_ids,
-        job.draft_vocab_size,
-        job.held_out_fraction,
-        job.speculative_tokens,
-        settings,
+    the layer ids and every setting (the device is not one: it changes nothing learned)."""
+    return json_sha256(
+        [
+            TRAINING_VERSION,
+            [file_sha256(tables.path(table, job.partition)) for table in TRAINING_TABLES],
+            str(job.target_dir),
+            job.target_fingerprint,
+            job.layer_ids,
+            job.settings.model_dump(),
+        ]
     )
 
 
@@ -108,14 +113,14 @@ def _reused_outcome(job: SpeculatorJob, tables: TableStore, key: str) -> Specula
     weights = job.checkpoint_dir / "model.safetensors"
     if record is None or not weights.is_file():
         return None
-    weights_sha256 = file_hash(weights)
+    weights_sha256 = file_sha256(weights)
     if weights_sha256 != record.get("weights_sha256"):  # replaced since: train again
         return None
     refs = sample_refs(tables, job.partition, job.layer_ids)
-    _, held_out = split(refs, job.held_out_fraction, job.settings.seed)
+    _, held_out = split(refs, job.settings.held_out_fraction, job.settings.seed)
     return SpeculatorOutcome(
         job.checkpoint_dir,
-        Eagle3Config.from_target(job.target_config, job.draft_vocab_size),
+        Eagle3Config.from_target(job.target_config, job.settings.draft_vocab_size),
         TrainResult(**record["result"]),
         record["untrained_acceptance"],
         record["train_rows"],
@@ -130,6 +135,7 @@ def train_speculator(
     tables: TableStore,
     log: Callable[[str], None] = print,
     reuse: bool = True,
+    device: str = "auto",
 ) -> SpeculatorOutcome:
     """Train and save the draft, or, with `reuse`, return the checkpoint an identical
     earlier job left (its weights verified by hash) without training."""
@@ -137,22 +143,36 @@ def train_speculator(
     if reuse and (outcome := _reused_outcome(job, tables, key)):
         log(f"reusing {job.checkpoint_dir}: trained from identical inputs and settings")
         return outcome
+    settings = job.settings
     refs = sample_refs(tables, job.partition, job.layer_ids)
     frequencies = {
         r["token_id"]: r["count"] for r in tables.iter_rows("token_frequencies", job.partition)
     }
-    torch.manual_seed(job.settings.seed)
-    cfg = Eagle3Config.from_target(job.target_config, job.draft_vocab_size)
+    torch.manual_seed(settings.seed)
+    cfg = Eagle3Config.from_target(job.target_config, settings.draft_vocab_size)
     vocab = build_draft_vocab(frequencies, cfg.vocab_size, cfg.draft_vocab_size)
     model = Eagle3Draft(cfg)
     head = load_target_head(job.target_dir)
     model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
-    train_refs, held_out = split(refs, job.held_out_fraction, job.settings.seed)
+    train_refs, held_out = split(refs, settings.held_out_fraction, settings.seed)
     # acceptance needs the target's own greedy token, over its whole vocabulary
-    _, untrained_accuracy = evaluate(model, held_out, job.settings, head.lm_head)
+    _, untrained_accuracy = evaluate(model, held_out, settings, head.lm_head, device)
     result = train(
-        model, train_refs, held_out, job.settings, job.state_dir, log, full_lm_head=head.lm_head
-    )
+        model, train_refs, held_out, settings, job.state_dir, log,
+        full_lm_head=head.lm_head, device=device,
+    )  # fmt: skip
+    outcome = SpeculatorOutcome(
+        job.checkpoint_dir, cfg, result, acceptance_length(untrained_accuracy),
+        len(train_refs), held_out,
+    )  # fmt: skip
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        _save(job, model, outcome, key)
+    return outcome
+
+
+def _save(job: SpeculatorJob, model: Eagle3Draft, outcome: SpeculatorOutcome, key: str) -> None:
+    """The checkpoint in the speculators format, and the record that lets an identical
+    job reuse it."""
     provenance = {
         "dataset": job.partition,
         "layer_ids": job.layer_ids,
@@ -160,32 +180,19 @@ def train_speculator(
         "target_fingerprint": job.target_fingerprint,
         "ttt_steps": job.settings.ttt_steps,
         "epochs": job.settings.epochs,
-        "held_out_acceptance_estimate": result.held_out_acceptance,
+        "held_out_acceptance_estimate": outcome.result.held_out_acceptance,
     }
     config = checkpoint_config(
-        cfg,
-        job.layer_ids[:3],
-        str(job.target_dir),
-        list(job.target_config.get("architectures") or []),
-        job.speculative_tokens,
+        outcome.config, job.layer_ids[:3], str(job.target_dir),
+        list(job.target_config.get("architectures") or []), job.settings.speculative_tokens,
         provenance,
-    )
-    outcome = SpeculatorOutcome(
-        job.checkpoint_dir,
-        cfg,
-        result,
-        acceptance_length(untrained_accuracy),
-        len(train_refs),
-        held_out,
-    )
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-        save_checkpoint(model.cpu(), config, job.checkpoint_dir)
-        outcome.weights_sha256 = file_hash(job.checkpoint_dir / "model.safetensors")
-        record = {
-            "weights_sha256": outcome.weights_sha256,
-            "result": asdict(result),
-            "untrained_acceptance": outcome.untrained_acceptance,
-            "train_rows": outcome.train_rows,
-        }
-        save_record(job.checkpoint_dir / OUTCOME_RECORD, key, record)
-    return outcome
+    )  # fmt: skip
+    save_checkpoint(model.cpu(), config, job.checkpoint_dir)
+    outcome.weights_sha256 = file_sha256(job.checkpoint_dir / "model.safetensors")
+    record = {
+        "weights_sha256": outcome.weights_sha256,
+        "result": asdict(outcome.result),
+        "untrained_acceptance": outcome.untrained_acceptance,
+        "train_rows": outcome.train_rows,
+    }
+    save_record(job.checkpoint_dir / OUTCOME_RECORD, key, record)

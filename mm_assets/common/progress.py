@@ -21,15 +21,19 @@ class Progress:
         self._clock = clock
         self._started = self._last = clock()
 
-    def update(self, done: int) -> None:
+    def update(self, done: int, detail: str = "") -> None:
+        """Count `done` items so far; `detail` (e.g. a token rate) is appended."""
         now = self._clock()
         if now - self._last < self._every:
             return
         self._last = now
         elapsed = now - self._started
         rate = done / elapsed if elapsed > 0 else 0.0
+        extra = f", {detail}" if detail else ""
         if self._total and rate > 0:
             eta = (self._total - done) / rate
-            self._log(f"{self._what} {done:,}/{self._total:,} ({rate:,.1f}/s, ETA {eta:,.0f}s)")
+            self._log(
+                f"{self._what} {done:,}/{self._total:,} ({rate:,.1f}/s{extra}, ETA {eta:,.0f}s)"
+            )
         else:
-            self._log(f"{self._what} {done:,} ({rate:,.1f}/s)")
+            self._log(f"{self._what} {done:,} ({rate:,.1f}/s{extra})")

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mm_assets.domain.draft_vocab import DraftVocab
+from mm_assets.domain.model.draft_vocab import DraftVocab
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,14 @@ vocabulary is the whole target vocabulary), `embed_tokens`, `fc`, `layers.0.*`, 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from mm_assets.domain.eagle3 import Eagle3Config, Eagle3Draft
+from mm_assets.common.files import atomic_directory
+from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 
 FORMAT_VERSION = "0.9.0"  # the speculators release whose format this follows
 _NOT_SAVED = ("verifier_norm.", "verifier_lm_head.")
@@ -97,17 +95,9 @@ def draft_state(model: Eagle3Draft) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(model: Eagle3Draft, config: dict[str, Any], out_dir: Path) -> Path:
     """Write config.json + model.safetensors into `out_dir`, replacing it atomically."""
-    tmp = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex}.tmp")
-    tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    save_file(draft_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.{uuid.uuid4().hex}.old")
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out_dir)
+    with atomic_directory(out_dir) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        save_file(draft_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
 

@@ -11,7 +11,6 @@ never serves, and the row stays visible with its reason for someone to map the r
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -19,7 +18,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from mm_assets.domain.images import ImageProbe
+from mm_assets.common.hashing import json_sha256
+from mm_assets.domain.ingest.images import ImageProbe
 from mm_assets.domain.rejection import RowRejected
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -83,8 +83,7 @@ class Conversation:
             else t
             for t in self.turns
         ]
-        blob = json.dumps(canonical, sort_keys=True, ensure_ascii=False).encode()
-        return hashlib.sha256(blob).hexdigest()[:20]
+        return json_sha256(canonical)[:20]
 
 
 # -- reading records -------------------------------------------------------------

@@ -1,0 +1,94 @@
+"""Dagster resources: where data lives, which target model the pipeline serves, and how
+vLLM is reached. Each is configuration that hands a plain service object to the assets
+(`tables()`, `model()`, `engine()`), so the services never see Dagster."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field
+
+from mm_assets.clients.vllm_server import EngineOptions
+from mm_assets.common import paths
+from mm_assets.services.engine import VllmEngine
+from mm_assets.services.target import TargetModel
+from mm_assets.storage import TableStore
+from mm_assets.storage.blobs import BlobStore
+
+
+class StorageResource(dg.ConfigurableResource):
+    """The embedded store: Parquet tables + a DuckDB catalog + blobs under one root."""
+
+    root: str = Field(
+        default_factory=lambda: str(paths.home()),
+        description="Storage root (default $MM_ASSETS_HOME, else ./.mm_assets).",
+    )
+
+    def tables(self) -> TableStore:
+        return TableStore(Path(self.root))
+
+    def blobs(self) -> BlobStore:
+        return BlobStore(Path(self.root))
+
+    def log_path(self, name: str) -> Path:
+        """Where a step's server log goes (`<root>/logs/<name>.log`)."""
+        return Path(self.root) / "logs" / f"{name}.log"
+
+
+class TargetModelResource(dg.ConfigurableResource):
+    """The model the speculator is trained for: a local directory or a hub id."""
+
+    path: str = Field(
+        default_factory=paths.default_target_model,
+        description="Model directory or hub id (default $MM_ASSETS_TARGET_MODEL, else the demo).",
+    )
+    trust_remote_code: bool = Field(
+        default=False, description="Run the model repository's own Python code (off by default)."
+    )
+
+    def model(self) -> TargetModel:
+        return TargetModel(self.path, self.trust_remote_code)
+
+
+def _env_list(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
+class VllmResource(dg.ConfigurableResource):
+    """The vLLM engine: started per step (managed, default) or already running elsewhere
+    (external, when `base_urls` is set)."""
+
+    base_urls: list[str] = Field(
+        default_factory=lambda: _env_list("MM_ASSETS_VLLM_URLS"),
+        description="External servers (…/v1), started with the extraction config; "
+        "empty = start a managed server. Default $MM_ASSETS_VLLM_URLS (comma-separated).",
+    )
+    dtype: str = Field(default="auto", description="auto = the target config's dtype.")
+    max_model_len: int | None = Field(default=None, description="--max-model-len")
+    kv_cache_gib: float | None = Field(default=2.0, description="KV cache size in GiB.")
+    enforce_eager: bool | None = Field(default=None, description="None: eager on CPU only.")
+    extra_args: list[str] = Field(default_factory=list, description="More `vllm` CLI args.")
+    connector: str = Field(
+        default="auto", description="auto | cpu | stock hidden-states connector."
+    )
+    startup_timeout_s: float = 600.0
+    api_key: str = Field(default_factory=lambda: os.environ.get("MM_ASSETS_VLLM_API_KEY", "EMPTY"))
+    server_path_prefix: str = Field(
+        default="", description="External mode: prefix of the paths the servers report…"
+    )
+    local_path_prefix: str = Field(default="", description="…and what it is mounted as here.")
+
+    def engine(self) -> VllmEngine:
+        options = EngineOptions(
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            kv_cache_gib=self.kv_cache_gib,
+            enforce_eager=self.enforce_eager,
+            extra_args=tuple(self.extra_args),
+        )
+        return VllmEngine(
+            tuple(self.base_urls), options, self.connector, self.startup_timeout_s,
+            self.api_key, self.server_path_prefix, self.local_path_prefix,
+        )  # fmt: skip

@@ -1,0 +1,27 @@
+"""Content hashes: what every cache key, sample id and reuse record is made of.
+
+A JSON-able value is hashed through one canonical serialization (sorted keys, no
+spaces, UTF-8, other objects by `str`), so the same content gives the same key in every
+module and on every machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def json_sha256(value: Any) -> str:
+    """SHA-256 (hex) of a JSON-able value's canonical serialization."""
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()

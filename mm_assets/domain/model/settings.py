@@ -1,0 +1,45 @@
+"""Settings of a speculator training run, declared once.
+
+The `trained_speculator` asset's config and the `python -m mm_assets.train` (torchrun)
+arguments are both generated from these fields, so a knob has one name, one default and
+one description wherever a user sets it. The device is not a setting: it is where the
+run happens (auto: CUDA when present), and it does not change what is learned.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Bump when a change makes training produce something else from the same inputs: it is
+# the `trained_speculator` code version and part of the reuse key, so both notice.
+TRAINING_VERSION = "1"
+
+
+class SpeculatorSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    epochs: int = Field(default=4, ge=1, description="Passes over the training rows.")
+    learning_rate: float = Field(default=1e-3, gt=0, description="AdamW learning rate.")
+    batch_tokens: int = Field(default=4096, ge=1, description="Tokens per packed batch.")
+    ttt_steps: int = Field(
+        default=3, ge=1, description="Test-time-training unroll: draft positions trained per root."
+    )
+    step_loss_decay: float = Field(
+        default=1.0, gt=0, description="Weight of draft step k's loss is decay**k."
+    )
+    grad_clip: float = Field(default=1.0, gt=0, description="Gradient norm clipping.")
+    seed: int = Field(default=0, description="Initialisation, batch order and held-out split.")
+    draft_vocab_size: int = Field(
+        default=32000, ge=1, description="Target tokens the draft can propose (most supervised)."
+    )
+    held_out_fraction: float = Field(
+        default=0.1, ge=0, lt=1, description="Share of rows kept out of training for evaluation."
+    )
+    layer_ids: list[int] | None = Field(
+        default=None,
+        description="Three auxiliary layers and the last (default [2, L//2, L-3, L]); must "
+        "equal the ids the hidden states were generated with (checked).",
+    )
+    speculative_tokens: int = Field(
+        default=3, ge=1, description="Draft tokens per step when vLLM serves the checkpoint."
+    )

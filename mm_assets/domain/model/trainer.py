@@ -1,0 +1,231 @@
+"""Training loop for the EAGLE-3 draft: epochs over packed batches, a checkpoint of the
+training state after every epoch, resume from it, and held-out evaluation.
+
+Deterministic for a seed: the model is initialised under the seed, the batch order of
+epoch e is a seeded shuffle, and nothing else draws random numbers, so a run resumed from
+an epoch checkpoint ends with the same weights as an uninterrupted one.
+
+Devices: CPU in fp32 (sdpa attention); on CUDA, bf16 autocast. Several GPUs: run the same
+code under `torchrun`; when a process group is initialised, each rank takes every
+world_size-th batch and gradients are averaged by DistributedDataParallel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mm_assets.common.files import atomic_path
+from mm_assets.common.hashing import json_sha256
+from mm_assets.common.progress import Progress
+from mm_assets.domain.model.eagle3 import (
+    Eagle3Draft,
+    StepStats,
+    acceptance_length,
+    conditional_accuracies,
+)
+from mm_assets.domain.model.settings import SpeculatorSettings
+from mm_assets.domain.model.training_data import Batch, SampleRef, load_batch, pack
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """`auto`: CUDA when present, else the CPU; or a torch device name."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+@dataclass
+class TrainResult:
+    epoch_losses: list[float] = field(default_factory=list)
+    batch_losses: list[float] = field(default_factory=list)
+    held_out_accuracy: list[float] = field(default_factory=list)
+    held_out_acceptance: float = 1.0
+    held_out_loss: float = float("nan")
+    tokens_per_s: float = 0.0
+    trained_tokens: int = 0
+    resumed_from_epoch: int = 0
+
+
+def _fingerprint(
+    settings: SpeculatorSettings, refs: Sequence[SampleRef], model: Eagle3Draft
+) -> str:
+    """What a saved training state belongs to: settings, model shape and rows."""
+    rows = [[ref.row_id, ref.path] for ref in refs]
+    return json_sha256([settings.model_dump(), model.cfg.as_dict(), rows])
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _batch_to(batch, device: torch.device):
+    return {
+        "input_ids": batch.input_ids.to(device),
+        "aux_hidden": batch.aux_hidden.to(device),
+        "last_hidden": batch.last_hidden.to(device),
+        "loss_mask": batch.loss_mask.to(device),
+        "position_ids": batch.position_ids.to(device),
+        "segment": batch.segment.to(device),
+    }
+
+
+def evaluate(
+    model: Eagle3Draft,
+    refs: Sequence[SampleRef],
+    settings: SpeculatorSettings,
+    full_lm_head: torch.Tensor | None = None,
+    device: str = "auto",
+) -> tuple[float, list[float]]:
+    """Held-out loss and per-step conditional accuracy. With the target's full lm_head,
+    a step is right only when the draft proposes the target's own greedy token."""
+    torch_device = resolve_device(device)
+    model.eval()
+    losses, stats = [], []
+    head = full_lm_head.to(torch_device) if full_lm_head is not None else None
+    with torch.no_grad():
+        for group in pack(refs, settings.batch_tokens):
+            batch = _batch_to(load_batch(group), torch_device)
+            greedy = (
+                None if head is None else model.target_greedy_tokens(batch["last_hidden"], head)
+            )
+            with _autocast(torch_device):
+                loss, step_stats = model(
+                    **batch,
+                    ttt_steps=settings.ttt_steps,
+                    decay=settings.step_loss_decay,
+                    target_greedy=greedy,
+                )
+            losses.append(float(loss))
+            stats.append(
+                [StepStats(s.loss.cpu(), s.correct.cpu(), s.valid.cpu()) for s in step_stats]
+            )
+    model.train()
+    if not stats:
+        return float("nan"), [0.0] * settings.ttt_steps
+    return sum(losses) / len(losses), conditional_accuracies(stats)
+
+
+def _save_state(path: Path, state: dict) -> None:
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+
+
+def _resume(
+    state_path: Path,
+    fingerprint: str,
+    model: Eagle3Draft,
+    optimizer: torch.optim.Optimizer,
+    result: TrainResult,
+    device: torch.device,
+    log: Callable[[str], None],
+) -> int:
+    """Load the saved state when it belongs to this run; the epoch to start from."""
+    if not state_path.is_file():
+        return 0
+    state = torch.load(state_path, map_location=device, weights_only=False)
+    if state["fingerprint"] != fingerprint:
+        log(f"ignoring {state_path}: it belongs to other data or settings")
+        return 0
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    result.epoch_losses, result.batch_losses = state["epoch_losses"], state["batch_losses"]
+    result.resumed_from_epoch = state["epoch"]
+    log(f"resuming after epoch {state['epoch']} from {state_path}")
+    return state["epoch"]
+
+
+@dataclass
+class _Steps:
+    """Optimizer steps over packed batches on this rank (every world-th batch)."""
+
+    runner: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    settings: SpeculatorSettings
+    device: torch.device
+    rank: int
+    world: int
+
+    def epoch(self, batches: list[list[SampleRef]], epoch: int, result: TrainResult, log) -> None:
+        settings = self.settings
+        order = list(range(len(batches)))
+        random.Random(settings.seed * 1_000_003 + epoch).shuffle(order)
+        if self.world > 1:  # every rank takes the same number of steps, or all-reduce hangs
+            order = order[: len(order) - len(order) % self.world] or order[:1] * self.world
+        losses = []
+        progress = Progress(log, f"epoch {epoch + 1}/{settings.epochs}: batch", len(order), 60.0)
+        for position, index in enumerate(order):
+            progress.update(position)
+            if position % self.world == self.rank:
+                losses.append(self.step(load_batch(batches[index]), result))
+        result.batch_losses.extend(losses)
+        result.epoch_losses.append(sum(losses) / max(len(losses), 1))
+        log(f"epoch {epoch + 1}/{settings.epochs}: loss {result.epoch_losses[-1]:.4f}")
+
+    def step(self, batch: Batch, result: TrainResult) -> float:
+        with _autocast(self.device):
+            loss, _ = self.runner(
+                **_batch_to(batch, self.device),
+                ttt_steps=self.settings.ttt_steps,
+                decay=self.settings.step_loss_decay,
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        params = [p for p in self.runner.parameters() if p.requires_grad]
+        torch.nn.utils.clip_grad_norm_(params, self.settings.grad_clip)
+        self.optimizer.step()
+        result.trained_tokens += batch.num_tokens
+        return loss.item()
+
+
+def train(
+    model: Eagle3Draft,
+    train_refs: Sequence[SampleRef],
+    held_out_refs: Sequence[SampleRef],
+    settings: SpeculatorSettings,
+    state_dir: Path,
+    log: Callable[[str], None] = print,
+    after_epoch: Callable[[int], None] = lambda epoch: None,
+    full_lm_head: torch.Tensor | None = None,
+    device: str = "auto",
+) -> TrainResult:
+    """Train `model` in place; resumes from `state_dir` when it holds a matching state."""
+    torch_device = resolve_device(device)
+    model.to(torch_device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    runner = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
+    steps = _Steps(runner, optimizer, settings, torch_device, rank, world)
+
+    result = TrainResult()
+    fingerprint = _fingerprint(settings, train_refs, model)
+    state_path = state_dir / "train_state.pt"
+    start = _resume(state_path, fingerprint, model, optimizer, result, torch_device, log)
+    batches = pack(train_refs, settings.batch_tokens)
+    started = time.perf_counter()
+    for epoch in range(start, settings.epochs):
+        steps.epoch(batches, epoch, result, log)
+        if rank == 0:
+            state = {"fingerprint": fingerprint, "epoch": epoch + 1, "model": model.state_dict(),
+                     "optimizer": optimizer.state_dict(), "epoch_losses": result.epoch_losses,
+                     "batch_losses": result.batch_losses}  # fmt: skip
+            _save_state(state_path, state)
+        after_epoch(epoch + 1)
+    elapsed = time.perf_counter() - started
+    result.tokens_per_s = result.trained_tokens / elapsed if elapsed > 0 else 0.0
+    result.held_out_loss, result.held_out_accuracy = evaluate(
+        model, held_out_refs, settings, full_lm_head, device
+    )
+    result.held_out_acceptance = acceptance_length(result.held_out_accuracy)
+    return result

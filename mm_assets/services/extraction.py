@@ -1,0 +1,372 @@
+"""Hidden states for a partition's tokenized rows: plan against the cache, request from
+vLLM, verify, store, and write the manifest.
+
+Planning streams the rows once to compute each row's content key; rows whose blob exists
+are cache hits and cost no request (so a rerun, a reordering or an edit of other rows
+sends nothing for unchanged samples, and an interrupted run resumes where it stopped).
+Every response is checked — vLLM's prompt token ids must equal the stored `input_ids` —
+and every file is validated before it is renamed into the blob store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mm_assets.clients.vllm_client import (
+    CircuitOpen,
+    ExtractionRequest,
+    ExtractionResponse,
+    HiddenStatesClient,
+)
+from mm_assets.common.progress import Progress
+from mm_assets.domain.model.hidden_state_checks import (
+    HiddenStatesRejected,
+    check_prompt_ids,
+    validate_tensors,
+)
+from mm_assets.domain.model.hidden_states import (
+    LAYER_CONVENTION,
+    ExtractionSettings,
+    HiddenStatesLayout,
+    human_bytes,
+    resolve_dtype,
+)
+from mm_assets.services.engine import VllmEngine
+from mm_assets.services.target import TargetModel
+from mm_assets.storage import TableStore, WrittenTable, schemas
+from mm_assets.storage.blobs import BlobStore
+
+TOKENIZED = "tokenized_samples"
+LOCK_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class PlannedRow:
+    row_id: str
+    sample_id: str
+    key: str
+    num_tokens: int
+
+
+@dataclass
+class Plan:
+    rows: list[PlannedRow]
+    missing: set[str]  # row ids without a blob
+
+    @property
+    def missing_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows if r.row_id in self.missing)
+
+    @property
+    def cache_hits(self) -> int:
+        return len(self.rows) - len(self.missing)
+
+
+def plan_extraction(rows: Iterable[dict], layout: HiddenStatesLayout, blobs: BlobStore) -> Plan:
+    """Each row's key, and which rows have no stored hidden states yet."""
+    planned, missing = [], set()
+    seen_keys: set[str] = set()
+    for row in rows:
+        key = layout.key(row["input_ids"], row["image_hashes"] or [])
+        planned.append(PlannedRow(row["row_id"], row["sample_id"], key, len(row["input_ids"])))
+        if not blobs.has(key) and key not in seen_keys:
+            missing.add(row["row_id"])
+        seen_keys.add(key)  # identical rows share one blob and one request
+    return Plan(planned, missing)
+
+
+def manifest_rows(
+    plan: Plan, rejected: set[str], layout: HiddenStatesLayout, blobs: BlobStore
+) -> Iterator[dict]:
+    """One row per stored sample: its blob and how it was made (checked by training)."""
+    for row in plan.rows:
+        path = blobs.path(row.key)
+        if row.row_id in rejected or not path.is_file():
+            continue
+        yield {
+            "row_id": row.row_id,
+            "sample_id": row.sample_id,
+            "blob_key": row.key,
+            "path": str(path),
+            "num_tokens": row.num_tokens,
+            "bytes": path.stat().st_size,
+            "layer_ids": layout.layer_ids,
+            "layer_convention": LAYER_CONVENTION,
+            "dtype": layout.dtype,
+            "hidden_size": layout.hidden_size,
+            "target_fingerprint": layout.target_fingerprint,
+        }
+
+
+def requests_for(rows: Iterable[dict], missing: set[str]) -> Iterator[ExtractionRequest]:
+    for row in rows:
+        if row["row_id"] in missing:
+            messages = json.loads(row["messages"]) if row["messages"] else None
+            yield ExtractionRequest(row["row_id"], list(row["input_ids"]), messages)
+
+
+class DiskBudgetError(RuntimeError):
+    pass
+
+
+def check_disk_budget(plan: Plan, layout: HiddenStatesLayout, blobs: BlobStore) -> int:
+    """Refuse to start when the missing samples cannot fit on the blob store's disk."""
+    needed = layout.estimate(plan.missing_tokens) if plan.missing else 0
+    free = blobs.free_bytes()
+    if needed > free * 0.95:
+        raise DiskBudgetError(
+            f"hidden states for {len(plan.missing)} samples ({plan.missing_tokens} tokens × "
+            f"{len(layout.layer_ids)} layers × {layout.hidden_size} × {layout.dtype}) "
+            f"need ~{human_bytes(needed)} but {blobs.dir} has {human_bytes(free)} free; "
+            "free space, point MM_ASSETS_HOME at a larger disk, or lower max_samples"
+        )
+    return needed
+
+
+def wait_for_writer(path: Path, timeout_s: float) -> None:
+    """Block until the connector released its exclusive lock on `<path>.lock`."""
+    lock = Path(f"{path}.lock")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with open(lock) as fh:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+        except FileNotFoundError:
+            if path.is_file():
+                break
+        except BlockingIOError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} still locked by the writer after {timeout_s:.0f}s")
+        time.sleep(0.01)
+
+
+def _discard(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    Path(f"{path}.lock").unlink(missing_ok=True)
+
+
+def store_response(
+    request: ExtractionRequest,
+    response: ExtractionResponse,
+    key: str,
+    layout: HiddenStatesLayout,
+    blobs: BlobStore,
+    path_map: Callable[[str], str] = lambda p: p,
+    lock_timeout_s: float = LOCK_TIMEOUT_S,
+) -> Path:
+    """Verify one response and its file, then move the file into the blob store."""
+    from safetensors.torch import load_file
+
+    source = Path(path_map(response.hidden_states_path))
+    try:
+        check_prompt_ids(response.prompt_token_ids, request.input_ids)
+        wait_for_writer(source, lock_timeout_s)
+        tensors = load_file(str(source))
+        hidden = validate_tensors(
+            tensors, request.input_ids, len(layout.layer_ids), layout.hidden_size, layout.dtype
+        )
+        if hidden.shape[0] == tensors["hidden_states"].shape[0]:
+            return blobs.put_file(source, key)
+        # an untruncated render: keep the row's prefix only
+        kept = {"hidden_states": hidden, "token_ids": tensors["token_ids"][: hidden.shape[0]]}
+        return blobs.put_tensors(kept, key)
+    finally:
+        _discard(source)
+
+
+@dataclass
+class RunTally:
+    """What the requests of one run produced."""
+
+    stored: int = 0
+    stored_tokens: int = 0
+    stored_bytes: int = 0
+    rejections: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+    requests_sent: int = 0
+
+    def reject(self, row_id: str, reason: str, detail: str) -> None:
+        self.rejections.append({"row_id": row_id, "reason": reason, "detail": detail})
+
+
+def _store_outcome(
+    request: ExtractionRequest,
+    outcome: ExtractionResponse | Exception,
+    store: Callable[[ExtractionRequest, ExtractionResponse], Path],
+    tally: RunTally,
+) -> None:
+    """Store one response, or record why its row is rejected."""
+    if isinstance(outcome, Exception):
+        tally.reject(request.row_id, "request_refused", str(outcome))
+        return
+    try:
+        path = store(request, outcome)
+    except HiddenStatesRejected as exc:
+        tally.reject(request.row_id, exc.reason.value, exc.detail)
+    except (OSError, TimeoutError, ValueError) as exc:
+        tally.reject(request.row_id, "bad_file", str(exc))
+    else:
+        tally.stored += 1
+        tally.stored_tokens += request.num_tokens
+        tally.stored_bytes += os.path.getsize(path)
+
+
+def run_extraction(
+    client: HiddenStatesClient,
+    requests: Iterable[ExtractionRequest],
+    plan: Plan,
+    layout: HiddenStatesLayout,
+    blobs: BlobStore,
+    log: Callable[[str], None] = lambda line: None,
+    path_map: Callable[[str], str] = lambda p: p,
+) -> RunTally:
+    """Send the missing rows and store what comes back; per-sample problems are
+    collected as rejections, a dead server raises `CircuitOpen`."""
+    keys = {r.row_id: r.key for r in plan.rows}
+    tally = RunTally()
+    progress = Progress(log, "hidden states", len(plan.missing), every_s=10.0)
+    started = time.perf_counter()
+
+    def store(request: ExtractionRequest, response: ExtractionResponse) -> Path:
+        return store_response(request, response, keys[request.row_id], layout, blobs, path_map)
+
+    async def handle(request: ExtractionRequest, outcome: ExtractionResponse | Exception) -> None:
+        await asyncio.get_running_loop().run_in_executor(
+            storers, _store_outcome, request, outcome, store, tally
+        )
+        rate = tally.stored_tokens / max(time.perf_counter() - started, 1e-9)
+        progress.update(tally.stored + len(tally.rejections), f"{rate:,.0f} tok/s")
+
+    async def main() -> None:
+        try:
+            await client.run(requests, handle)
+        except* CircuitOpen as group:
+            raise group.exceptions[0] from None
+        finally:
+            await client.close()
+
+    # Storing mostly waits for the server's writer to release its lock: enough threads
+    # that this waiting never holds back the next requests.
+    with ThreadPoolExecutor(max_workers=4 * client.concurrency) as storers:
+        try:
+            asyncio.run(main())
+        finally:
+            tally.requests_sent = client.requests_sent
+            tally.seconds = time.perf_counter() - started
+    return tally
+
+
+class ServerUnavailable(RuntimeError):
+    """vLLM stopped answering mid-run; what was stored is kept for the rerun."""
+
+
+@dataclass
+class ExtractionReport:
+    """What a hidden-states run did for a partition, for the asset to render."""
+
+    layout: HiddenStatesLayout
+    plan: Plan
+    server: str
+    blobs_dir: Path
+    tally: RunTally = field(default_factory=RunTally)
+    manifest: WrittenTable | None = None
+    startup_s: float | None = None
+    server_rss_bytes: int | None = None
+
+    @property
+    def rejection_ratio(self) -> float:
+        return len(self.tally.rejections) / max(len(self.plan.rows), 1)
+
+    @property
+    def rejections_by_reason(self) -> Counter[str]:
+        return Counter(r["reason"] for r in self.tally.rejections)
+
+
+@dataclass(frozen=True)
+class PartitionExtraction:
+    """Hidden states for every tokenized row of a partition that has none stored yet,
+    then its manifest (`hidden_states_manifest`) and rejections tables."""
+
+    partition: str
+    tables: TableStore
+    blobs: BlobStore
+    target: TargetModel
+    engine: VllmEngine
+    settings: ExtractionSettings
+    image_root: Path | None
+    log_path: Path
+    log: Callable[[str], None] = print
+
+    def run(self) -> ExtractionReport:
+        facts = self.target.facts
+        engine = self.engine.with_dtype(resolve_dtype(self.engine.options.dtype, facts))
+        layer_ids = self.target.layer_ids(self.settings.layer_ids)
+        layout = HiddenStatesLayout(
+            self.target.fingerprint, layer_ids, facts.hidden_size, engine.options.dtype
+        )
+        columns = ["row_id", "sample_id", "input_ids", "image_hashes"]
+        rows = self.tables.iter_rows(TOKENIZED, self.partition, columns)
+        plan = plan_extraction(rows, layout, self.blobs)
+        needed = check_disk_budget(plan, layout, self.blobs)
+        self.log(
+            f"{len(plan.rows)} rows: {plan.cache_hits} cached, {len(plan.missing)} to "
+            f"request ({plan.missing_tokens} tokens, ~{human_bytes(needed)})"
+        )
+        report = ExtractionReport(layout, plan, engine.describe(), self.blobs.dir)
+        if plan.missing:
+            self._request_missing(engine, report)
+        rejected = {r["row_id"] for r in report.tally.rejections}
+        manifest = manifest_rows(plan, rejected, layout, self.blobs)
+        report.manifest = self.tables.write(
+            "hidden_states_manifest", self.partition, manifest, schemas.MANIFEST
+        )
+        self.tables.write(
+            "hidden_states_rejections", self.partition, report.tally.rejections,
+            schemas.REJECTIONS,
+        )  # fmt: skip
+        return report
+
+    def _request_missing(self, engine: VllmEngine, report: ExtractionReport) -> None:
+        """Start (or reach) the servers and run the plan's missing rows through them."""
+        incoming = self.blobs.incoming_dir()
+        model = str(self.target.local_dir)
+        layer_ids = report.layout.layer_ids
+        with engine.extraction_session(
+            model, layer_ids, incoming, self.image_root, self.log_path
+        ) as session:
+            if session.managed:
+                report.startup_s = session.managed.startup_seconds
+                self.log(f"vLLM started in {report.startup_s:.1f}s, log {self.log_path}")
+            settings = self.settings
+            client = HiddenStatesClient(
+                session.base_urls, settings.concurrency, settings.request_timeout_s,
+                settings.max_retries, settings.breaker_failures, engine.api_key,
+            )  # fmt: skip
+            columns = ["row_id", "input_ids", "messages"]
+            rows = self.tables.iter_rows(TOKENIZED, self.partition, columns)
+            requests = requests_for(rows, report.plan.missing)
+            try:
+                report.tally = run_extraction(
+                    client, requests, report.plan, report.layout, self.blobs, self.log,
+                    engine.map_path,
+                )  # fmt: skip
+            except CircuitOpen as exc:
+                raise ServerUnavailable(
+                    f"vLLM stopped answering: {exc}. Samples stored so far are kept; "
+                    "rerun to resume."
+                ) from exc
+            if session.managed:
+                report.server_rss_bytes = session.managed.rss_bytes()
+        if not any(incoming.iterdir()):
+            incoming.rmdir()

@@ -1,0 +1,186 @@
+"""Prep: raw rows into normalized conversations (with a quarantine), then into the
+target's token ids and loss masks (with a quarantine and supervised-token counts)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from mm_assets.common.progress import Progress
+from mm_assets.domain.ingest.images import ImageProbe, ImageStatus
+from mm_assets.domain.prep.conversations import (
+    DropReason,
+    Rejected,
+    normalize,
+    parse_record,
+    to_vllm_messages,
+)
+from mm_assets.domain.prep.tokenization import (
+    ChatTokenizer,
+    TokenizedRow,
+    TokenizeRejected,
+    render_supervision,
+)
+from mm_assets.domain.rejection import RowRejected
+from mm_assets.domain.row_ids import make_row_id
+from mm_assets.storage import TableStore, WrittenTable, schemas
+from mm_assets.storage.tables import BatchWriter
+
+
+@dataclass
+class StageReport:
+    """A table of kept rows, its quarantine, and how many rows each reason dropped."""
+
+    kept: WrittenTable | None = None
+    quarantine: WrittenTable | None = None
+    reasons: Counter[str] = field(default_factory=Counter)
+
+
+def _quarantine(
+    out: BatchWriter,
+    report: StageReport,
+    source_index: int,
+    sample_id: str | None,
+    record: str,
+    exc: RowRejected,
+) -> None:
+    report.reasons[exc.reason.value] += 1
+    out.write(
+        {
+            "source_index": source_index,
+            "sample_id": sample_id,
+            "reason": exc.reason.value,
+            "detail": exc.detail,
+            "record": record,
+        }
+    )
+
+
+def load_probes(tables: TableStore, partition: str) -> dict[str, ImageProbe]:
+    """The availability stage's probes, by reference."""
+    probes = {}
+    for row in tables.iter_rows("coco_image_availability", partition):
+        row.pop("referenced_by")
+        probes[row["reference"]] = ImageProbe(**{**row, "status": ImageStatus(row["status"])})
+    return probes
+
+
+def normalize_partition(
+    partition: str, fmt: str, tables: TableStore, log: Callable[[str], None] = print
+) -> StageReport:
+    """One row per usable, distinct sample; every dropped row quarantined with its reason."""
+    probes = load_probes(tables, partition)
+    seen: set[str] = set()
+    report = StageReport()
+    with (
+        tables.writer("normalized_conversations", partition, schemas.NORMALIZED) as kept,
+        tables.writer(
+            "normalized_conversations_quarantine", partition, schemas.QUARANTINE
+        ) as quarantine,
+    ):
+        progress = Progress(log, "rows", tables.num_rows("raw_dataset", partition))
+        for done, row in enumerate(tables.iter_rows("raw_dataset", partition), 1):
+            progress.update(done)
+            sample_id = None
+            try:
+                conv = normalize(parse_record(row["record"], row["parse_error"]), fmt, probes)
+                sample_id = conv.sample_id()
+                if sample_id in seen:
+                    raise Rejected(DropReason.DUPLICATE_SAMPLE, "same conversation seen earlier")
+            except Rejected as exc:
+                _quarantine(quarantine, report, row["source_index"], sample_id, row["record"], exc)
+                continue
+            seen.add(sample_id)
+            kept.write(
+                {
+                    "sample_id": sample_id,
+                    "source_index": row["source_index"],
+                    "turns": json.dumps(conv.turns, ensure_ascii=False),
+                    "multimodal": conv.multimodal,
+                    "image_paths": [p.path for p in conv.images],
+                    "image_hashes": [p.content_hash for p in conv.images],
+                    "image_heights": [p.height for p in conv.images],
+                    "image_widths": [p.width for p in conv.images],
+                }
+            )
+    report.kept, report.quarantine = kept.result, quarantine.result
+    return report
+
+
+@dataclass
+class TokenizeReport(StageReport):
+    frequencies: Counter[int] = field(default_factory=Counter)
+    lengths: list[int] = field(default_factory=list)
+    supervised: int = 0
+    truncated: int = 0
+    mask_method: str = ""
+    example: str | None = None
+    """One row rendered with its supervised tokens marked (a multimodal one if any)."""
+
+    def count(self, row: TokenizedRow) -> None:
+        self.frequencies.update(t for t, m in zip(row.input_ids, row.loss_mask, strict=True) if m)
+        self.lengths.append(len(row.input_ids))
+        self.supervised += row.num_supervised
+        self.truncated += row.truncated
+
+
+def _training_rows(sample: dict, rows: list[TokenizedRow]) -> Iterator[dict[str, Any]]:
+    turns = json.loads(sample["turns"])
+    for row in rows:
+        turn = None if len(rows) == 1 else row.num_turns - 1
+        yield {
+            "row_id": make_row_id(sample["sample_id"], turn),
+            "sample_id": sample["sample_id"],
+            "source_index": sample["source_index"],
+            "input_ids": row.input_ids,
+            "loss_mask": row.loss_mask,
+            "seq_len": len(row.input_ids),
+            "num_supervised": row.num_supervised,
+            "truncated": row.truncated,
+            "multimodal": row.num_images > 0,
+            "messages": (
+                json.dumps(to_vllm_messages(turns[: row.num_turns])) if row.num_images else None
+            ),
+            "image_hashes": sample["image_hashes"][: row.num_images],
+        }
+
+
+def tokenize_partition(
+    partition: str, tables: TableStore, chat: ChatTokenizer, log: Callable[[str], None] = print
+) -> TokenizeReport:
+    """Training rows for every normalized conversation, their supervised-token counts
+    (`token_frequencies`), and a quarantine of conversations that give no usable row."""
+    report = TokenizeReport(mask_method=chat.mask_method)
+    example: TokenizedRow | None = None
+    with (
+        tables.writer("tokenized_samples", partition, schemas.TOKENIZED) as out,
+        tables.writer("tokenized_samples_quarantine", partition, schemas.QUARANTINE) as bad,
+    ):
+        total = tables.num_rows("normalized_conversations", partition)
+        progress = Progress(log, "samples", total)
+        for done, sample in enumerate(tables.iter_rows("normalized_conversations", partition), 1):
+            progress.update(done)
+            sizes = list(zip(sample["image_heights"], sample["image_widths"], strict=True))
+            try:
+                rows = chat.tokenize(json.loads(sample["turns"]), sizes)
+            except TokenizeRejected as exc:
+                _quarantine(
+                    bad, report, sample["source_index"], sample["sample_id"], sample["turns"], exc
+                )
+                continue
+            out.write_many(_training_rows(sample, rows))
+            for row in rows:
+                report.count(row)
+                if example is None or (row.num_images and not example.num_images):
+                    example = row
+    freq_rows = ({"token_id": t, "count": c} for t, c in sorted(report.frequencies.items()))
+    tables.write("token_frequencies", partition, freq_rows, schemas.TOKEN_FREQUENCIES)
+    report.kept, report.quarantine = out.result, bad.result
+    if example is not None:
+        report.example = render_supervision(
+            chat.tokenizer, example.input_ids, example.loss_mask, chat.image_token_id
+        )
+    return report

@@ -1,0 +1,67 @@
+"""The target model: where its files are, its processor, and the facts the stages need
+(layers, width, dtype, a content fingerprint)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from mm_assets.domain.model.hidden_states import (
+    TextConfigFacts,
+    default_layer_ids,
+    target_fingerprint,
+    text_config_facts,
+    validate_layer_ids,
+)
+
+
+@dataclass(frozen=True)
+class TargetModel:
+    """A local model directory or a hub id (resolved through the HF cache)."""
+
+    path: str
+    trust_remote_code: bool = False
+
+    def load_processor(self) -> Any:
+        """`AutoProcessor` for the target: a ProcessorMixin for VLMs, a tokenizer otherwise."""
+        from transformers import AutoProcessor
+
+        local = Path(self.path).expanduser()
+        if self.path.startswith(("/", ".", "~")) and not local.exists():
+            raise FileNotFoundError(
+                f"target model {local} does not exist; build the demo with "
+                "`python -m mm_assets.demo build` or set MM_ASSETS_TARGET_MODEL"
+            )
+        return AutoProcessor.from_pretrained(
+            str(local) if local.exists() else self.path, trust_remote_code=self.trust_remote_code
+        )
+
+    @cached_property
+    def local_dir(self) -> Path:
+        """The model's files on disk."""
+        local = Path(self.path).expanduser()
+        if local.is_dir():
+            return local
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(self.path))
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        return json.loads((self.local_dir / "config.json").read_text())
+
+    @property
+    def facts(self) -> TextConfigFacts:
+        return text_config_facts(self.config)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        return target_fingerprint(self.local_dir)
+
+    def layer_ids(self, requested: list[int] | None = None) -> list[int]:
+        """The requested hidden-state layer ids, checked; default [2, L//2, L-3, L]."""
+        num_layers = self.facts.num_layers
+        return validate_layer_ids(requested or default_layer_ids(num_layers), num_layers)

@@ -1,0 +1,547 @@
+"""The vLLM clients without a vLLM server: the extraction client against a mock
+transport, the Prometheus counters from a recorded exposition, the managed server's
+command line, and its start-up failures with stand-in processes."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from mm_assets.clients import vllm_server
+from mm_assets.clients.vllm_client import (
+    CircuitOpen,
+    ExtractionRequest,
+    ExtractionResponse,
+    HiddenStatesClient,
+    RequestRefused,
+)
+from mm_assets.clients.vllm_metrics import (
+    SpecDecodeCounters,
+    counters_from_metrics_text,
+    spec_decode_counters,
+)
+from mm_assets.clients.vllm_server import (
+    EngineOptions,
+    ManagedVllmServer,
+    ServerStartupError,
+    extraction_args,
+    speculative_decoding_args,
+)
+
+BASE_URL = "http://vllm.test/v1"
+HIDDEN_STATES_PATH = "/tmp/x.safetensors"
+MODELS = {"object": "list", "data": [{"id": "m", "object": "model", "created": 0, "owned_by": "x"}]}
+COMPLETION = {
+    "id": "cmpl-1",
+    "object": "text_completion",
+    "created": 0,
+    "model": "m",
+    "choices": [
+        {"index": 0, "text": "x", "finish_reason": "length", "prompt_token_ids": [1, 2, 3]}
+    ],
+    "kv_transfer_params": {"hidden_states_path": HIDDEN_STATES_PATH},
+}
+CHAT_COMPLETION = {
+    "id": "chat-1",
+    "object": "chat.completion",
+    "created": 0,
+    "model": "m",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "x"},
+            "finish_reason": "length",
+            "token_ids": [9],
+        }
+    ],
+    "prompt_token_ids": [4, 5, 6],
+    "kv_transfer_params": {"hidden_states_path": HIDDEN_STATES_PATH},
+}
+
+Outcome = int | Exception
+
+
+class FakeVllm:
+    """A MockTransport handler: `/models` always answers; each generation request takes
+    the next scripted outcome (a status or an exception to raise), then `default`."""
+
+    def __init__(self, script: Sequence[Outcome] = (), default: Outcome = 200) -> None:
+        self.script = list(script)
+        self.default = default
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json=MODELS)
+        outcome = self.script.pop(0) if self.script else self.default
+        if isinstance(outcome, Exception):
+            raise outcome
+        if outcome != 200:
+            return httpx.Response(outcome, json={"error": {"message": f"status {outcome}"}})
+        chat = request.url.path.endswith("/chat/completions")
+        return httpx.Response(200, json=CHAT_COMPLETION if chat else COMPLETION)
+
+    @property
+    def generation_requests(self) -> list[httpx.Request]:
+        return [r for r in self.requests if not r.url.path.endswith("/models")]
+
+
+def _client(fake: FakeVllm, **kwargs) -> HiddenStatesClient:
+    transport = httpx.MockTransport(fake)
+    return HiddenStatesClient(
+        [BASE_URL], http_client=httpx.AsyncClient(transport=transport), backoff_s=0.001, **kwargs
+    )
+
+
+def _extract(client: HiddenStatesClient, request: ExtractionRequest) -> ExtractionResponse:
+    async def main() -> ExtractionResponse:
+        try:
+            return await client.extract(request)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
+def _run(client: HiddenStatesClient, count: int) -> list[ExtractionResponse | Exception]:
+    """`client.run` over `count` text requests; the outcomes handed to `handle`."""
+    outcomes: list[ExtractionResponse | Exception] = []
+
+    async def handle(_: ExtractionRequest, outcome: ExtractionResponse | Exception) -> None:
+        outcomes.append(outcome)
+
+    async def main() -> None:
+        try:
+            await client.run((ExtractionRequest(f"r{i}", [1, 2, 3]) for i in range(count)), handle)
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+    return outcomes
+
+
+TEXT_REQUEST = ExtractionRequest("r0", [1, 2, 3])
+
+
+@pytest.mark.parametrize(
+    "failures",
+    [[503, 503], [429, httpx.ConnectError("connection refused")]],
+    ids=["503", "429-then-refused"],
+)
+def test_transient_failures_are_retried(failures: list[Outcome]) -> None:
+    fake = FakeVllm(failures)
+    client = _client(fake, max_retries=4)
+    response = _extract(client, TEXT_REQUEST)
+    assert response == ExtractionResponse([1, 2, 3], HIDDEN_STATES_PATH)
+    assert len(fake.generation_requests) == 3
+    assert client.requests_sent == 3
+
+
+def test_retries_give_up_as_a_per_sample_failure() -> None:
+    fake = FakeVllm(default=503)
+    client = _client(fake, max_retries=2)
+    with pytest.raises(RequestRefused, match="gave up after 3 tries"):
+        _extract(client, TEXT_REQUEST)
+    assert len(fake.generation_requests) == 3
+
+
+def test_a_refused_request_is_not_retried() -> None:
+    fake = FakeVllm([400])
+    client = _client(fake, max_retries=4)
+    with pytest.raises(RequestRefused, match="HTTP 400"):
+        _extract(client, TEXT_REQUEST)
+    assert len(fake.generation_requests) == 1
+
+
+def test_a_response_without_hidden_states_is_refused() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json=MODELS)
+        return httpx.Response(200, json={**COMPLETION, "kv_transfer_params": None})
+
+    client = HiddenStatesClient(
+        [BASE_URL], http_client=httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    )
+    with pytest.raises(RequestRefused, match="hidden_states_path"):
+        _extract(client, TEXT_REQUEST)
+
+
+def test_text_request_goes_to_completions_with_the_token_ids() -> None:
+    fake = FakeVllm()
+    _extract(_client(fake), TEXT_REQUEST)
+    (request,) = fake.generation_requests
+    assert request.url.path == "/v1/completions"
+    body = json.loads(request.content)
+    assert body["model"] == "m"
+    assert body["prompt"] == [1, 2, 3]
+    assert body["max_tokens"] == 1
+    assert body["return_token_ids"] is True
+    assert "messages" not in body
+
+
+def test_chat_request_goes_to_chat_completions_without_a_generation_prompt() -> None:
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": "hello"},
+    ]
+    fake = FakeVllm()
+    response = _extract(_client(fake), ExtractionRequest("r0", [4, 5, 6], messages))
+    assert response == ExtractionResponse([4, 5, 6], HIDDEN_STATES_PATH)
+    (request,) = fake.generation_requests
+    assert request.url.path == "/v1/chat/completions"
+    body = json.loads(request.content)
+    assert body["messages"] == messages
+    assert body["add_generation_prompt"] is False
+    assert body["return_token_ids"] is True
+    assert body["max_tokens"] == 1
+
+
+@pytest.mark.parametrize(
+    "failure", [503, httpx.ConnectError("connection refused")], ids=["503", "refused"]
+)
+def test_circuit_opens_after_consecutive_failures_and_stops_the_run(failure: Outcome) -> None:
+    fake = FakeVllm(default=failure)
+    client = _client(fake, concurrency=1, max_retries=0, breaker_failures=3)
+    with pytest.raises(ExceptionGroup) as info:
+        _run(client, 10)
+    # `run` leaves its TaskGroup's ExceptionGroup as it is: callers catch `except* CircuitOpen`
+    opened, rest = info.value.split(CircuitOpen)
+    assert rest is None and opened is not None
+    assert "3 consecutive requests failed" in str(opened.exceptions[0])
+    assert client.requests_sent == 3
+
+
+def test_a_success_resets_the_consecutive_failures() -> None:
+    fake = FakeVllm([503, 503, 200, 503, 503, 200, 503, 503])
+    client = _client(fake, concurrency=1, max_retries=0, breaker_failures=3)
+    outcomes = _run(client, 8)
+    assert len(outcomes) == 8
+    assert sum(isinstance(o, ExtractionResponse) for o in outcomes) == 2
+    assert sum(isinstance(o, RequestRefused) for o in outcomes) == 6
+
+
+METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 0.0
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1234.0
+# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 4.0
+# HELP vllm:spec_decode_num_drafts_created Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7526e+09
+vllm:spec_decode_num_drafts_created{engine="1",model_name="m"} 1.7526e+09
+# HELP vllm:spec_decode_num_draft_tokens_total Number of draft tokens.
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+vllm:spec_decode_num_draft_tokens_total{engine="1",model_name="m"} 12.0
+# HELP vllm:spec_decode_num_accepted_tokens_total Number of accepted tokens.
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 15.0
+vllm:spec_decode_num_accepted_tokens_total{engine="1",model_name="m"} 6.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 8.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 5.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 2.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="2"} 1.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="1"} 2.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="m",position="0"} 3.0
+# HELP vllm:spec_decode_num_accepted_tokens_per_pos_created Accepted tokens per position.
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_created gauge
+vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="m",position="0"} 1.75e9
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 3.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 5.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 5.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.9
+"""
+
+
+def test_spec_decode_counters_sum_over_engines_and_skip_created_samples() -> None:
+    counters = counters_from_metrics_text(METRICS)
+    assert counters == SpecDecodeCounters(14.0, 42.0, 21.0, [11.0, 7.0, 3.0])
+    assert counters.acceptance_length == pytest.approx(1 + 21 / 14)
+    assert counters.per_position_rates == pytest.approx([11 / 14, 7 / 14, 3 / 14])
+
+
+def test_spec_decode_counters_without_a_draft_are_zero() -> None:
+    counters = counters_from_metrics_text(METRICS.split("# HELP vllm:spec_decode")[0])
+    assert counters == SpecDecodeCounters(0.0, 0.0, 0.0, [])
+    assert counters.acceptance_length == 1.0
+    assert counters.per_position_rates == []
+
+
+def test_spec_decode_counters_difference() -> None:
+    before = SpecDecodeCounters(4.0, 12.0, 6.0, [3.0, 2.0, 1.0])
+    delta = counters_from_metrics_text(METRICS).minus(before)
+    assert delta == SpecDecodeCounters(10.0, 30.0, 15.0, [8.0, 5.0, 2.0])
+    assert delta.acceptance_length == pytest.approx(2.5)
+    assert delta.per_position_rates == pytest.approx([0.8, 0.5, 0.2])
+
+
+@pytest.fixture
+def metrics_server() -> Iterator[str]:
+    """A local HTTP server answering `/metrics` with METRICS; yields its `/v1` base URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            found = self.path == "/metrics"
+            body = METRICS.encode() if found else b"not found"
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_spec_decode_counters_read_the_servers_metrics(metrics_server: str) -> None:
+    expected = counters_from_metrics_text(METRICS)
+    assert spec_decode_counters(metrics_server) == expected
+    assert spec_decode_counters(metrics_server + "/") == expected
+
+
+def _managed(
+    monkeypatch: pytest.MonkeyPatch,
+    cuda: bool,
+    image_root: Path | None = None,
+    options: EngineOptions | None = None,
+    serve_args: tuple[str, ...] = ("--seed", "0"),
+) -> ManagedVllmServer:
+    monkeypatch.setattr(vllm_server, "cuda_available", lambda: cuda)
+    server = ManagedVllmServer(
+        "/models/target", serve_args, image_root, Path("unused.log"), options or EngineOptions()
+    )
+    server.port = 8123
+    return server
+
+
+def _value(cmd: list[str], flag: str) -> str:
+    assert flag in cmd, f"{flag} missing from {cmd}"
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_command_on_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    options = EngineOptions(dtype="float32", max_model_len=4096, kv_cache_gib=2.0,
+                            extra_args=("--extra", "1"))  # fmt: skip
+    cmd = _managed(monkeypatch, False, tmp_path, options).command()
+    assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert _value(cmd, "--model") == "/models/target"
+    assert _value(cmd, "--host") == "127.0.0.1"
+    assert _value(cmd, "--port") == "8123"
+    assert _value(cmd, "--dtype") == "float32"
+    assert _value(cmd, "--allowed-local-media-path") == str(tmp_path)
+    assert _value(cmd, "--max-model-len") == "4096"
+    assert "--enforce-eager" in cmd
+    assert "--kv-cache-memory-bytes" not in cmd  # on CPU the environment sizes the cache
+    seed = cmd.index("--seed")
+    assert cmd[seed : seed + 2] == ["--seed", "0"]
+    assert cmd[-2:] == ["--extra", "1"]
+
+
+def test_command_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    cmd = _managed(monkeypatch, True, None, EngineOptions(kv_cache_gib=2.0)).command()
+    assert "--enforce-eager" not in cmd
+    assert "--max-model-len" not in cmd
+    assert "--allowed-local-media-path" not in cmd
+    assert _value(cmd, "--kv-cache-memory-bytes") == str(2 << 30)
+    forced = _managed(monkeypatch, True, options=EngineOptions(enforce_eager=True)).command()
+    assert "--enforce-eager" in forced
+
+
+def test_command_without_eager_on_cpu_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    cmd = _managed(monkeypatch, False, options=EngineOptions(enforce_eager=False)).command()
+    assert "--enforce-eager" not in cmd
+
+
+def test_media_path_only_for_an_existing_image_root(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for root in (None, tmp_path / "missing"):
+        assert "--allowed-local-media-path" not in _managed(monkeypatch, False, root).command()
+
+
+def test_command_needs_a_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    server = _managed(monkeypatch, False)
+    server.port = None
+    with pytest.raises(RuntimeError, match="no port"):
+        server.command()
+
+
+def test_environment_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_server, "cpu_preload", lambda: "/lib/tcmalloc.so:/venv/libiomp5.so")
+    monkeypatch.setenv("LD_PRELOAD", "/lib/mine.so")
+    env = _managed(monkeypatch, False, options=EngineOptions(kv_cache_gib=2.4)).environment()
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["LD_PRELOAD"] == "/lib/tcmalloc.so:/venv/libiomp5.so:/lib/mine.so"
+    small = _managed(monkeypatch, False, options=EngineOptions(kv_cache_gib=0.3)).environment()
+    assert small["VLLM_CPU_KVCACHE_SPACE"] == "1"
+
+
+def test_environment_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    env = _managed(monkeypatch, True, options=EngineOptions(kv_cache_gib=2.0)).environment()
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env and "LD_PRELOAD" not in env
+
+
+@pytest.mark.parametrize(
+    ("connector", "cuda", "cpu_connector"),
+    [("cpu", True, True), ("stock", False, False), ("auto", False, True), ("auto", True, False)],
+)
+def test_extraction_args(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, connector: str, cuda: bool, cpu_connector: bool
+) -> None:
+    monkeypatch.setattr(vllm_server, "cuda_available", lambda: cuda)
+    out = tmp_path / "incoming"
+    args = extraction_args([2, 4, 7], out, connector)
+    assert out.is_dir()
+    assert args[0] == "--speculative-config" and args[2] == "--kv-transfer-config"
+    speculative, transfer = json.loads(args[1]), json.loads(args[3])
+    assert speculative["method"] == "extract_hidden_states"
+    assert speculative["num_speculative_tokens"] == 1
+    layers = speculative["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert layers == [2, 4, 7]
+    assert transfer["kv_role"] == "kv_producer"
+    assert transfer["kv_connector_extra_config"] == {"shared_storage_path": str(out)}
+    if cpu_connector:
+        assert transfer["kv_connector"] == "CpuHiddenStatesConnector"
+        module = transfer["kv_connector_module_path"]
+        assert module == "mm_assets.clients.cpu_hidden_states_connector"
+        assert importlib.util.find_spec(module) is not None
+    else:
+        assert transfer["kv_connector"] == "ExampleHiddenStatesConnector"
+        assert "kv_connector_module_path" not in transfer
+
+
+def test_speculative_decoding_args() -> None:
+    flag, config = speculative_decoding_args(Path("/drafts/d1"), 3)
+    assert flag == "--speculative-config"
+    assert json.loads(config) == {
+        "model": "/drafts/d1",
+        "method": "eagle3",
+        "num_speculative_tokens": 3,
+    }
+
+
+class ScriptedServer(ManagedVllmServer):
+    """A managed server whose process is a Python script standing in for vLLM."""
+
+    def __init__(self, script: str, log_path: Path, startup_timeout_s: float) -> None:
+        super().__init__("m", [], None, log_path, startup_timeout_s=startup_timeout_s)
+        self.script = script
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", self.script]
+
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ)
+
+
+def _gone(pid: int, within_s: float = 5.0) -> bool:
+    """Whether `pid` exits (or is left a zombie) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_startup_failure_reports_the_server_log(tmp_path: Path) -> None:
+    script = "import sys; print('error: unrecognized arguments: --no-such-flag'); sys.exit(2)"
+    server = ScriptedServer(script, tmp_path / "logs" / "vllm.log", startup_timeout_s=30)
+    with pytest.raises(ServerStartupError) as info:
+        server.start()
+    message = str(info.value)
+    assert "exited with code 2" in message
+    assert "error: unrecognized arguments: --no-such-flag" in message
+    assert str(server.log_path) in message
+    assert server.process is not None and server.process.returncode == 2
+
+
+WORKER = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('ready', flush=True); time.sleep(60)"
+)
+HANGING_SERVER = f"""
+import subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", {WORKER!r}], stdout=subprocess.PIPE)
+worker.stdout.readline()
+print(f"worker {{worker.pid}}", flush=True)
+time.sleep(60)
+"""
+
+
+def test_startup_timeout_kills_the_process_group(tmp_path: Path) -> None:
+    """A server that never answers `/health` is stopped with every process it started,
+    a worker that ignores SIGTERM included."""
+    server = ScriptedServer(HANGING_SERVER, tmp_path / "vllm.log", startup_timeout_s=1.5)
+    started = time.monotonic()
+    with pytest.raises(ServerStartupError, match="did not become healthy"):
+        server.start()
+    assert time.monotonic() - started < 15
+    assert server.process is not None and server.process.poll() is not None
+    worker_lines = [ln for ln in server.log_tail().splitlines() if ln.startswith("worker ")]
+    assert worker_lines, f"the stand-in never started its worker; log:\n{server.log_tail()}"
+    assert _gone(int(worker_lines[0].split()[1]))
+
+
+RSS_TREE = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c",
+    "x = b'x' * 60_000_000; print('ready', flush=True); import time; time.sleep(30)"])
+time.sleep(30)
+"""
+
+
+def test_rss_bytes_counts_the_process_tree(tmp_path: Path) -> None:
+    server = ManagedVllmServer("m", [], None, tmp_path / "vllm.log")
+    assert server.rss_bytes() == 0
+    process = subprocess.Popen(
+        [sys.executable, "-c", RSS_TREE], stdout=subprocess.PIPE, start_new_session=True
+    )
+    server.process = process
+    try:
+        assert process.stdout is not None and process.stdout.readline().strip() == b"ready"
+        assert psutil.Process(process.pid).memory_info().rss < 60_000_000
+        assert server.rss_bytes() >= 60_000_000
+    finally:
+        server.stop(grace_s=5)
+        assert process.stdout is not None
+        process.stdout.close()
+    assert server.rss_bytes() == 0

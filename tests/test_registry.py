@@ -1,0 +1,234 @@
+"""The dataset registry: built-in presets, the user's file, and entries refused at load."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from mm_assets.registry import DatasetSpec, load_registry, parse_entries, user_registry_file
+
+PRESETS = {
+    "sharegpt4v_coco": "sharegpt4v",
+    "sharegpt": "sharegpt",
+    "ultrachat": "messages",
+    "demo_sharegpt4v_coco": "sharegpt4v",
+    "demo_sharegpt": "sharegpt",
+}
+
+
+def _user_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "datasets.yaml"
+    path.write_text(text)
+    monkeypatch.setenv("MM_ASSETS_DATASETS", str(path))
+    return path
+
+
+def test_builtin_registry_has_the_presets(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("MM_ASSETS_DATASETS", str(tmp_path / "absent.yaml"))
+    registry = load_registry()
+    assert {name: spec.format for name, spec in registry.items()} == PRESETS
+    coco = registry["sharegpt4v_coco"]
+    assert (coco.hub, coco.subset, coco.path) == ("Lin-Chen/ShareGPT4V", "ShareGPT4V", None)
+    assert coco.filter == {"image_prefix": "coco/"}
+    assert (coco.max_samples, coco.image_path_strip_prefix) == (50000, "coco/")
+    assert registry["ultrachat"].split == "train_sft"
+    assert registry["demo_sharegpt"].hub is None
+    assert all(spec.name == name for name, spec in registry.items())
+
+
+def test_session_user_registry_loads() -> None:
+    """conftest's user file (set for the whole session) parses and adds its entries."""
+    registry = load_registry()
+    assert set(PRESETS) | {"bad_inputs", "demo_tampered", "auto_text", "demo_wrong_root"} <= set(
+        registry
+    )
+    assert registry["bad_inputs"].min_image_availability == 0.0
+
+
+def test_keyword_construction_defaults_and_frozen() -> None:
+    spec = DatasetSpec(name="d", format="sharegpt", path="/data/d.jsonl")
+    assert (spec.hub, spec.subset, spec.split, spec.filter) == (None, None, "train", {})
+    assert (spec.image_root, spec.image_path_strip_prefix) == (None, "")
+    assert (spec.max_samples, spec.seed, spec.min_image_availability) == (None, 0, 0.95)
+    assert spec.resolved_path() == Path("/data/d.jsonl")
+    with pytest.raises(ValidationError):
+        spec.max_samples = 3  # type: ignore[misc]
+    with pytest.raises(ValueError, match="format"):
+        DatasetSpec(name="d", format="llava", path="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no local path"):
+        DatasetSpec(name="h", format="sharegpt", hub="org/ds").resolved_path()
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        pytest.param(
+            "path: x.json\n  format: sharegpt\n  max_sample: 10",
+            ["unknown key 'max_sample'", "did you mean 'max_samples'", "known: hub, path"],
+            id="unknown-key",
+        ),
+        pytest.param(
+            "path: x.json\n  format: sharegpt\n  max_samples: lots",
+            ["'max_samples'", "valid integer", "'lots'", "positive whole number"],
+            id="wrong-type",
+        ),
+        pytest.param(
+            "path: x.json\n  format: sharegpt\n  max_samples: 0",
+            ["'max_samples'", "greater than 0"],
+            id="not-positive",
+        ),
+        pytest.param(
+            "path: x.json\n  format: sharegpt\n  min_image_availability: 1.5",
+            ["'min_image_availability'", "less than or equal to 1", "0 to 1"],
+            id="fraction-out-of-range",
+        ),
+        pytest.param(
+            "path: x.json\n  format: llava",
+            ["'format'", "'sharegpt4v', 'sharegpt' or 'messages'", "'llava'"],
+            id="unknown-format",
+        ),
+        pytest.param(
+            "path: x.json",
+            ["'format' is required", "sharegpt4v, sharegpt or messages"],
+            id="missing-format",
+        ),
+        pytest.param(
+            "path: x.json\n  hub: org/ds\n  format: sharegpt",
+            ["exactly one of 'hub'", "'path'", "both are given"],
+            id="hub-and-path",
+        ),
+        pytest.param(
+            "format: sharegpt",
+            ["exactly one of 'hub'", "'path'", "neither is given"],
+            id="neither-hub-nor-path",
+        ),
+        pytest.param(
+            "path: x.json\n  format: sharegpt\n  filter: [image_prefix]",
+            ["'filter'", "valid dictionary", "{filter name: argument}"],
+            id="filter-not-a-mapping",
+        ),
+        pytest.param(
+            "path: x.json\n  format: sharegpt\n  name: other",
+            ["unknown key 'name'", "its key in the file"],
+            id="name-key",
+        ),
+    ],
+)
+def test_bad_entry_is_refused_naming_file_entry_and_field(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, entry: str, expected: list[str]
+) -> None:
+    path = _user_file(monkeypatch, tmp_path, f"my_vqa:\n  {entry}\n")
+    with pytest.raises(ValueError) as info:
+        load_registry()
+    message = str(info.value)
+    assert message.startswith(f"{path}: dataset 'my_vqa': ")
+    assert "\n" not in message  # one problem, one line
+    for fragment in expected:
+        assert fragment in message
+
+
+def test_bad_name_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = _user_file(monkeypatch, tmp_path, "my vqa:\n  path: x.json\n  format: sharegpt\n")
+    with pytest.raises(ValueError) as info:
+        load_registry()
+    message = str(info.value)
+    assert message.startswith(f"{path}: dataset 'my vqa': 'name': ")
+    assert "letters, digits, '_', '-' and '.'" in message
+
+
+def test_every_problem_is_reported_one_per_line() -> None:
+    entries = {
+        "a": {"path": "x", "format": "sharegpt", "max_sample": 5, "seed": "s"},
+        "b": {"hub": "org/b", "format": "text"},
+        "ok": {"hub": "org/ok", "format": "messages"},
+        "c": ["not", "a", "mapping"],
+    }
+    with pytest.raises(ValueError) as info:
+        parse_entries(entries, "~/datasets.yaml")
+    lines = str(info.value).splitlines()
+    assert len(lines) == 4
+    assert all(line.startswith("~/datasets.yaml: dataset ") for line in lines)
+    assert any("'a': unknown key 'max_sample'" in line for line in lines)
+    assert any("'a': 'seed': input should be a valid integer" in line for line in lines)
+    assert any("'b': 'format': input should be" in line for line in lines)
+    assert any("'c': expected a mapping of keys, got list" in line for line in lines)
+
+
+def test_not_a_mapping_or_not_yaml_names_the_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    path = _user_file(monkeypatch, tmp_path, "- just\n- a list\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: expected a mapping"):
+        load_registry()
+    path.write_text("my_vqa: {path: [unclosed\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: not valid YAML"):
+        load_registry()
+
+
+def test_user_file_replaces_and_adds_entries(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _user_file(
+        monkeypatch,
+        tmp_path,
+        """
+sharegpt:
+  hub: my-org/my_sharegpt
+  format: sharegpt
+  max_samples: 10
+my_vqa:
+  path: /data/vqa.jsonl
+  format: sharegpt4v
+  filter: {image_prefix: "coco/"}
+  seed: 7
+""",
+    )
+    registry = load_registry()
+    assert set(registry) == set(PRESETS) | {"my_vqa"}
+    replaced = registry["sharegpt"]
+    assert (replaced.hub, replaced.max_samples, replaced.seed) == ("my-org/my_sharegpt", 10, 0)
+    added = registry["my_vqa"]
+    assert (added.format, added.seed, added.filter) == ("sharegpt4v", 7, {"image_prefix": "coco/"})
+    assert registry["ultrachat"].hub == "HuggingFaceH4/ultrachat_200k"
+
+
+def test_empty_user_file_keeps_the_builtins(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _user_file(monkeypatch, tmp_path, "# nothing yet\n")
+    assert set(load_registry()) == set(PRESETS)
+
+
+def test_user_file_defaults_under_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("MM_ASSETS_DATASETS")
+    monkeypatch.setenv("MM_ASSETS_HOME", str(tmp_path))
+    assert user_registry_file() == tmp_path.resolve() / "datasets.yaml"
+
+
+def test_vars_are_expanded_in_paths(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    monkeypatch.setenv("MM_ASSETS_HOME", str(home))
+    monkeypatch.setenv("MY_IMAGES", str(tmp_path / "images"))
+    monkeypatch.delenv("COCO_DIR", raising=False)
+    _user_file(
+        monkeypatch,
+        tmp_path,
+        """
+mine:
+  path: ${MM_ASSETS_HOME}/data/mine.jsonl
+  format: sharegpt4v
+  image_root: ${MY_IMAGES}/coco
+""",
+    )
+    registry = load_registry()
+    assert registry["mine"].path == "${MM_ASSETS_HOME}/data/mine.jsonl"  # expanded on use
+    assert registry["mine"].resolved_path() == home / "data" / "mine.jsonl"
+    assert registry["mine"].resolved_image_root() == (tmp_path / "images" / "coco").resolve()
+    demo = registry["demo_sharegpt4v_coco"]
+    assert demo.resolved_path() == home / "demo" / "data" / "sharegpt4v_coco.json"
+    assert demo.resolved_image_root() == (home / "demo" / "coco").resolve()
+    text_only = DatasetSpec(name="t", format="sharegpt", path="x")
+    assert text_only.resolved_image_root() == (home / "coco").resolve()
