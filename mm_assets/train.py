@@ -34,8 +34,9 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--partition", required=True, help="Dataset name (registry entry).")
     for name, info in SpeculatorSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        kind: Any = json.loads if info.annotation not in (int, float, str) else info.annotation
-        help_text = f"{info.description} (default: {info.default})"
+        scalar = info.annotation in (int, float, str)
+        kind: Any = info.annotation if scalar else json.loads
+        help_text = f"{info.description} ({'' if scalar else 'JSON; '}default: {info.default})"
         out.add_argument(flag, dest=name, type=kind, default=info.default, help=help_text)
     out.add_argument(
         "--retrain",

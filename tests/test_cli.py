@@ -1,4 +1,6 @@
-"""The `dagster` CLI against the code location, in a subprocess with its own homes."""
+"""The command lines a user runs, in subprocesses with their own homes: `dagster` and
+`dg` check the code location, `dagster asset materialize` (the README's command) runs
+the whole chain to the checkpoint, and `dg launch` reruns it from the caches."""
 
 from __future__ import annotations
 
@@ -11,60 +13,81 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from tests.conftest import SESSION_HOME
+
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
+PARTITION = "demo_sharegpt4v_coco"
 
 
 def _run(args: list[str], env: dict[str, str], timeout: int = 600) -> str:
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout + proc.stderr
 
 
-def test_validate_and_materialize_the_whole_chain_through_the_cli(tmp_path: Path) -> None:
-    """The README's command, in a fresh DAGSTER_HOME / MM_ASSETS_HOME: down to the checkpoint."""
+def _latest_metadata(env: dict[str, str], asset: str) -> dict:
+    """The newest materialization's metadata of `asset`, read from the CLI's instance."""
+    code = (
+        "import json, sys, dagster as dg\n"
+        "key = dg.AssetKey(sys.argv[1])\n"
+        "event = dg.DagsterInstance.get().get_latest_materialization_event(key)\n"
+        "meta = event.asset_materialization.metadata\n"
+        "print(json.dumps({k: v.value for k, v in meta.items()}, default=str))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, asset], env=env, capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_the_whole_chain_through_both_clis(tmp_path: Path, vllm_server) -> None:
+    """In a fresh DAGSTER_HOME / MM_ASSETS_HOME: the README's `dagster asset materialize`
+    down to the checkpoint (hidden states from the session's vLLM server, the way
+    `MM_ASSETS_VLLM_URLS` points at a fleet; the measurement starts its own), then the
+    same selection with `dg launch`, which finds everything cached."""
     env = {
         **os.environ,
         "MM_ASSETS_HOME": str(tmp_path / "home"),
         "DAGSTER_HOME": str(tmp_path / "dagster_home"),
         "MM_ASSETS_DATASETS": str(tmp_path / "no_user_datasets.yaml"),
+        "MM_ASSETS_VLLM_URLS": vllm_server.base_url,
     }
     (tmp_path / "dagster_home").mkdir()
+    # the session's demo: its server reads images only under the session's image root
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "demo").symlink_to(SESSION_HOME / "demo")
     _run([str(BIN / "dagster"), "definitions", "validate", "-m", "mm_assets.definitions"], env)
-    _run([sys.executable, "-m", "mm_assets.demo", "build"], env)
+    assert "All definitions loaded successfully" in _run([str(BIN / "dg"), "check", "defs"], env)
+    assert "demo: built" in _run([sys.executable, "-m", "mm_assets.demo", "build"], env)
+    select = ["--select", "*trained_speculator", "--partition", PARTITION]
     out = _run(
-        [
-            str(BIN / "dagster"),
-            "asset",
-            "materialize",
-            "-m",
-            "mm_assets.definitions",
-            "--select",
-            "*trained_speculator",
-            "--partition",
-            "demo_sharegpt4v_coco",
-        ],
-        env,
+        [str(BIN / "dagster"), "asset", "materialize", "-m", "mm_assets.definitions", *select], env
     )
     assert "RUN_SUCCESS" in out
     tables = tmp_path / "home" / "tables"
-    landed = sorted(
-        p.parent.parent.name for p in tables.glob("*/dataset=demo_sharegpt4v_coco/data.parquet")
-    )
-    assert {
-        "raw_dataset",
-        "coco_image_availability",
-        "normalized_conversations",
-        "tokenized_samples",
-    } <= set(landed)
+    landed = {p.parent.parent.name for p in tables.glob(f"*/dataset={PARTITION}/data.parquet")}
+    assert {"raw_dataset", "normalized_conversations", "tokenized_samples"} <= landed
     glob = tables / "tokenized_samples" / "*" / "data.parquet"
-    rows = duckdb.sql(
-        f"SELECT count(*), min(num_supervised) FROM read_parquet('{glob}')"
-    ).fetchall()[0]
-    assert rows[0] > 150 and rows[1] > 0
-    checkpoint = tmp_path / "home" / "speculators" / "demo_sharegpt4v_coco"
+    rows = duckdb.sql(f"SELECT count(*), min(num_supervised) FROM read_parquet('{glob}')")
+    count, least = rows.fetchall()[0]
+    assert count > 150 and least > 0
+    checkpoint = tmp_path / "home" / "speculators" / PARTITION
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
-    assert (checkpoint / "model.safetensors").stat().st_size > 0
-    # the run was recorded in the persistent instance, not an in-memory one
+    weights = checkpoint / "model.safetensors"
+    written = weights.stat().st_mtime_ns
+    assert _latest_metadata(env, "hidden_states")["requests_sent"] > 0
+
+    out = _run(
+        [str(BIN / "dg"), "launch", "--assets", "*trained_speculator", "--partition", PARTITION],
+        env,
+    )
+    assert "RUN_SUCCESS" in out
+    hidden = _latest_metadata(env, "hidden_states")
+    assert hidden["requests_sent"] == 0 and hidden["cache_hits"] == count
+    trained = _latest_metadata(env, "trained_speculator")
+    assert trained["reused_checkpoint"] is True and trained["vllm_measurement_reused"] is True
+    assert weights.stat().st_mtime_ns == written
+    # both runs were recorded in the persistent instance, not an in-memory one
     assert any((tmp_path / "dagster_home").rglob("*.db"))

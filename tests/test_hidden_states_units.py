@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mm_assets.clients.vllm_client import RequestRefused, parse_response
+from mm_assets.clients.vllm_client import (
+    ExtractionRequest,
+    ExtractionResponse,
+    RequestRefused,
+    parse_response,
+)
 from mm_assets.clients.vllm_server import extraction_configs
 from mm_assets.domain.model.hidden_state_checks import (
     HiddenStatesProblem,
@@ -32,6 +37,7 @@ from mm_assets.services.extraction import (
     DiskBudgetError,
     check_disk_budget,
     plan_extraction,
+    store_response,
     wait_for_writer,
 )
 from mm_assets.storage.blobs import BlobStore
@@ -187,3 +193,66 @@ def test_extraction_configs_name_the_cpu_connector(tmp_path: Path) -> None:
         stock["kv_connector"] == "ExampleHiddenStatesConnector"
         and "kv_connector_module_path" not in stock
     )
+
+
+def _response_file(tmp_path: Path, tensors: dict, name: str = "req.safetensors") -> Path:
+    """A file as the connector leaves it: written, its `.lock` beside it, released."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "incoming" / name
+    path.parent.mkdir(exist_ok=True)
+    save_file(tensors, str(path))
+    Path(f"{path}.lock").touch()
+    return path
+
+
+def test_store_response_moves_a_valid_file_into_the_blob_store(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    blobs, layout = BlobStore(tmp_path), HiddenStatesLayout("t", [2, 4, 5, 8], 8, "float32")
+    tensors = _tensors(5)
+    source = _response_file(tmp_path, tensors)
+    request = ExtractionRequest("r", [0, 1, 2, 3, 4])
+    key = layout.key(request.input_ids, [])
+    stored = store_response(request, ExtractionResponse(list(range(5)), str(source)), key,
+                            layout, blobs)  # fmt: skip
+    assert stored == blobs.path(key) and blobs.has(key)
+    assert torch.equal(load_file(str(stored))["hidden_states"], tensors["hidden_states"])
+    assert not source.exists() and not Path(f"{source}.lock").exists()
+
+
+def test_store_response_keeps_the_rows_prefix_of_an_untruncated_render(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    blobs, layout = BlobStore(tmp_path), HiddenStatesLayout("t", [2, 4, 5, 8], 8, "float32")
+    tensors = _tensors(7)
+    source = _response_file(tmp_path, tensors)
+    request = ExtractionRequest("r", [0, 1, 2, 3])  # the row was truncated to 4 tokens
+    stored = store_response(
+        request, ExtractionResponse(list(range(7)), str(source)), "k" * 64, layout, blobs
+    )
+    kept = load_file(str(stored))
+    assert kept["hidden_states"].shape == (4, 4, 8) and kept["token_ids"].tolist() == [0, 1, 2, 3]
+    assert torch.equal(kept["hidden_states"], tensors["hidden_states"][:4])
+
+
+@pytest.mark.parametrize(
+    ("prompt_ids", "tensors", "problem"),
+    [
+        ([0, 1, 9], _tensors(3), HiddenStatesProblem.TOKEN_MISMATCH),
+        ([0, 1, 2], _tensors(3, layers=3), HiddenStatesProblem.BAD_SHAPE),
+        ([0, 1, 2], _tensors(3, dtype=torch.bfloat16), HiddenStatesProblem.BAD_DTYPE),
+    ],
+    ids=["vllm-rendered-other-ids", "wrong-layer-count", "wrong-dtype"],
+)
+def test_store_response_rejects_and_discards_what_it_cannot_use(
+    tmp_path: Path, prompt_ids, tensors, problem
+) -> None:
+    blobs, layout = BlobStore(tmp_path), HiddenStatesLayout("t", [2, 4, 5, 8], 8, "float32")
+    source = _response_file(tmp_path, tensors)
+    request = ExtractionRequest("r", [0, 1, 2])
+    with pytest.raises(HiddenStatesRejected) as info:
+        store_response(request, ExtractionResponse(prompt_ids, str(source)), "k" * 64, layout,
+                       blobs)  # fmt: skip
+    assert info.value.reason == problem
+    assert not source.exists() and not any(blobs.dir.rglob("*.safetensors"))

@@ -4,9 +4,8 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 
-from mm_assets.assets.automation import materialize_on_change
 from mm_assets.assets.metadata import counts_table, table_links
-from mm_assets.assets.partitions import dataset_partitions, dataset_spec
+from mm_assets.assets.partitions import dataset_asset, dataset_spec
 from mm_assets.assets.resources import StorageResource
 from mm_assets.domain.ingest.images import DEFAULT_MAX_PIXELS
 
@@ -16,9 +15,7 @@ if TYPE_CHECKING:
 AVAILABILITY_CHECK = "image_availability_ratio"
 
 
-@dg.asset(
-    partitions_def=dataset_partitions, group_name="ingest", code_version="1", kinds={"parquet"}
-)
+@dataset_asset("ingest", code_version="1")
 def raw_dataset(
     context: dg.AssetExecutionContext, storage: StorageResource
 ) -> dg.MaterializeResult:
@@ -47,12 +44,9 @@ class ImageAvailabilityConfig(dg.Config):
     """Images declaring more pixels are refused as `too_large` (decompression bombs)."""
 
 
-@dg.asset(
-    partitions_def=dataset_partitions,
-    automation_condition=materialize_on_change(),
-    group_name="ingest",
+@dataset_asset(
+    "ingest",
     code_version="1",
-    kinds={"parquet"},
     deps=[raw_dataset],
     check_specs=[
         dg.AssetCheckSpec(AVAILABILITY_CHECK, asset="coco_image_availability", blocking=True)

@@ -6,10 +6,9 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 from pydantic import Field
 
-from mm_assets.assets.automation import materialize_on_change
 from mm_assets.assets.config import config_class, settings_from
 from mm_assets.assets.metadata import acceptance_plot, loss_curve, table_links
-from mm_assets.assets.partitions import dataset_partitions, dataset_spec
+from mm_assets.assets.partitions import dataset_asset, dataset_spec
 from mm_assets.assets.prep import tokenized_samples
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION, ExtractionSettings
@@ -28,14 +27,12 @@ ACCELERATOR_POOL = "accelerator"
 HiddenStatesConfig = config_class("HiddenStatesConfig", ExtractionSettings)
 
 
-@dg.asset(
-    partitions_def=dataset_partitions,
-    automation_condition=materialize_on_change(),
-    group_name="model",
-    pool=ACCELERATOR_POOL,
+@dataset_asset(
+    "model",
     code_version="1",
-    kinds={"vllm", "safetensors"},
     deps=[tokenized_samples],
+    kinds={"vllm", "safetensors"},
+    pool=ACCELERATOR_POOL,
     check_specs=[dg.AssetCheckSpec(REJECTION_CHECK, asset="hidden_states", blocking=True)],
 )
 def hidden_states(
@@ -133,14 +130,12 @@ SpeculatorConfig = config_class(
 )
 
 
-@dg.asset(
-    partitions_def=dataset_partitions,
-    automation_condition=materialize_on_change(),
-    group_name="model",
-    pool=ACCELERATOR_POOL,
+@dataset_asset(
+    "model",
     code_version=TRAINING_VERSION,
-    kinds={"pytorch", "safetensors"},
     deps=[hidden_states],
+    kinds={"pytorch", "safetensors"},
+    pool=ACCELERATOR_POOL,
 )
 def trained_speculator(
     context: dg.AssetExecutionContext,

@@ -1,9 +1,13 @@
-"""One partition per registered dataset."""
+"""One partition per registered dataset, and the decorator every asset here uses."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import dagster as dg
 
+from mm_assets.assets.automation import materialize_on_change
 from mm_assets.registry import DatasetSpec, load_registry
 
 REGISTRY = load_registry()
@@ -12,3 +16,24 @@ dataset_partitions = dg.StaticPartitionsDefinition(sorted(REGISTRY))
 
 def dataset_spec(context: dg.AssetExecutionContext) -> DatasetSpec:
     return REGISTRY[context.partition_key]
+
+
+def dataset_asset(
+    group: str,
+    code_version: str,
+    deps: Sequence[Any] = (),
+    kinds: set[str] | None = None,
+    **extra: Any,
+) -> Callable[..., dg.AssetsDefinition]:
+    """`@dg.asset` partitioned by dataset; an asset with upstream assets materializes
+    when they really change (`materialize_on_change`), the first one on request or by
+    the refresh schedule."""
+    return dg.asset(
+        partitions_def=dataset_partitions,
+        automation_condition=materialize_on_change() if deps else None,
+        group_name=group,
+        code_version=code_version,
+        kinds=kinds or {"parquet"},
+        deps=list(deps),
+        **extra,
+    )

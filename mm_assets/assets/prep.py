@@ -2,7 +2,6 @@
 
 import dagster as dg
 
-from mm_assets.assets.automation import materialize_on_change
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
 from mm_assets.assets.metadata import (
     length_histogram,
@@ -10,18 +9,11 @@ from mm_assets.assets.metadata import (
     quarantine_metadata,
     table_links,
 )
-from mm_assets.assets.partitions import dataset_partitions, dataset_spec
+from mm_assets.assets.partitions import dataset_asset, dataset_spec
 from mm_assets.assets.resources import StorageResource, TargetModelResource
 
 
-@dg.asset(
-    partitions_def=dataset_partitions,
-    automation_condition=materialize_on_change(),
-    group_name="prep",
-    code_version="2",
-    kinds={"parquet"},
-    deps=[raw_dataset, coco_image_availability],
-)
+@dataset_asset("prep", code_version="2", deps=[raw_dataset, coco_image_availability])
 def normalized_conversations(
     context: dg.AssetExecutionContext, storage: StorageResource
 ) -> dg.MaterializeResult:
@@ -47,14 +39,7 @@ class TokenizationConfig(dg.Config):
     """Rows are cut to this many tokens, never inside an image-token block."""
 
 
-@dg.asset(
-    partitions_def=dataset_partitions,
-    automation_condition=materialize_on_change(),
-    group_name="prep",
-    code_version="1",
-    kinds={"parquet"},
-    deps=[normalized_conversations],
-)
+@dataset_asset("prep", code_version="1", deps=[normalized_conversations])
 def tokenized_samples(
     context: dg.AssetExecutionContext,
     config: TokenizationConfig,

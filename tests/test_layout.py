@@ -1,0 +1,67 @@
+"""The house rules a reader relies on (README, "Layout"), checked on the source: the
+domain stays pure where import-linter cannot see (the standard library), assets stay
+thin, functions stay short, and loading the code location stays cheap."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mm_assets"
+NOT_IN_DOMAIN = {"subprocess", "asyncio", "fcntl", "threading", "socket", "multiprocessing"}
+
+
+def _modules(folder: Path) -> list[tuple[Path, ast.Module]]:
+    return [(p, ast.parse(p.read_text())) for p in sorted(folder.rglob("*.py"))]
+
+
+def _functions(tree: ast.Module) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
+    return [node for node in ast.walk(tree) if isinstance(node, kinds)]
+
+
+def _body_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of the body, without the docstring."""
+    body = function.body
+    first = body[0]
+    has_docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+    start = (body[1] if has_docstring and len(body) > 1 else first).lineno
+    return (function.end_lineno or start) - start + 1
+
+
+def test_the_domain_starts_no_process_thread_or_event_loop() -> None:
+    found = []
+    for path, tree in _modules(PACKAGE / "domain"):
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[0] in NOT_IN_DOMAIN]
+    assert not found
+
+
+def test_asset_bodies_are_short_and_no_function_is_long() -> None:
+    long_assets, long_functions = [], []
+    for path, tree in _modules(PACKAGE):
+        for function in _functions(tree):
+            where = f"{path.relative_to(PACKAGE)}:{function.lineno} {function.name}"
+            if path.parent.name == "assets" and _body_lines(function) > 40:
+                long_assets.append(where)
+            if (function.end_lineno or 0) - function.lineno + 1 > 60:
+                long_functions.append(where)
+    assert not long_assets and not long_functions
+
+
+def test_loading_the_code_location_imports_no_heavy_library() -> None:
+    code = (
+        "import json, sys, mm_assets.definitions\n"
+        "print(json.dumps([m for m in ('torch', 'transformers', 'matplotlib', 'vllm') "
+        "if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.splitlines()[-1]) == []
