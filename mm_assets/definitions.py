@@ -14,6 +14,7 @@ from mm_assets.assets.ingest import coco_image_availability, raw_dataset
 from mm_assets.assets.model import hidden_states, trained_speculator
 from mm_assets.assets.prep import normalized_conversations, tokenized_samples
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
+from mm_assets.assets.responses import target_responses
 from mm_assets.assets.schedules import refresh_raw_datasets, refresh_raw_datasets_job
 from mm_assets.common import paths
 
@@ -24,6 +25,7 @@ defs = dg.Definitions(
         raw_dataset,
         coco_image_availability,
         normalized_conversations,
+        target_responses,
         tokenized_samples,
         hidden_states,
         trained_speculator,

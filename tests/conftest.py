@@ -41,6 +41,14 @@ auto_text:
   path: {SESSION_HOME}/auto/sharegpt.jsonl
   format: sharegpt
 
+demo_regen:
+  path: {SESSION_HOME}/demo/data/sharegpt4v_coco.json
+  format: sharegpt4v
+  image_root: {SESSION_HOME}/demo/coco
+  image_path_strip_prefix: "coco/"
+  max_samples: 24
+  responses: target
+
 demo_wrong_root:
   path: {SESSION_HOME}/demo/data/sharegpt4v_coco.json
   format: sharegpt4v
@@ -69,6 +77,7 @@ PREP_ASSETS = [
     "raw_dataset",
     "coco_image_availability",
     "normalized_conversations",
+    "target_responses",
     "tokenized_samples",
 ]
 
@@ -78,6 +87,7 @@ def materialize(
     assets: list[str],
     resources: dict | None = None,
     raise_on_error: bool = True,
+    run_config: dict | None = None,
 ):
     """Materialize some assets of the real definitions for one partition, in process."""
     import dagster as dg
@@ -90,6 +100,7 @@ def materialize(
         resources={**defs.resources, **(resources or {})},
         instance=dg.DagsterInstance.get(),
         raise_on_error=raise_on_error,
+        run_config=run_config,
     )
 
 
@@ -111,6 +122,23 @@ def vllm_server(demo_dir: Path):
         extraction_args(default_layer_ids(8), incoming, "auto"),
         demo_dir / "coco",
         SESSION_HOME / "logs" / "session_vllm.log",
+        EngineOptions(dtype="float32", kv_cache_gib=1.0),
+    )
+    with server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def plain_vllm_server(demo_dir: Path):
+    """A real vLLM server serving the demo target plainly (no extraction, no draft):
+    target responses, and the reference for lossless speculative decoding."""
+    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
+
+    server = ManagedVllmServer(
+        str(demo_dir / "target"),
+        [],
+        demo_dir / "coco",
+        SESSION_HOME / "logs" / "session_plain_vllm.log",
         EngineOptions(dtype="float32", kv_cache_gib=1.0),
     )
     with server:

@@ -17,7 +17,8 @@ from tests.conftest import SESSION_HOME
 pytestmark = pytest.mark.slow
 PARTITION = "auto_text"
 CHAIN = [
-    "raw_dataset", "coco_image_availability", "normalized_conversations", "tokenized_samples",
+    "raw_dataset", "coco_image_availability", "normalized_conversations", "target_responses",
+    "tokenized_samples",
     "hidden_states", "trained_speculator",
 ]  # fmt: skip
 

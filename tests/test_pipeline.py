@@ -115,7 +115,12 @@ def test_metadata_a_user_reads(demo_results) -> None:
         rows = con.execute(sql.replace("LIMIT 20", "")).fetchall()
     assert len(rows) == tokenized["rows"]
     checks = result.get_asset_check_evaluations()
-    assert [(c.check_name, c.passed) for c in checks] == [("image_availability_ratio", True)]
+    assert {(c.check_name, c.passed) for c in checks} == {
+        ("image_availability_ratio", True),
+        ("response_quarantine_ratio", True),
+    }
+    responses = _metadata(result, "target_responses")
+    assert responses["responses"] == "dataset" and responses["rows"] == normalized["rows"]
 
 
 # -- bad input -----------------------------------------------------------------------

@@ -11,7 +11,6 @@ import dagster as dg
 import pytest
 
 from mm_assets.clients.vllm_generation import generate_greedy
-from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
 from mm_assets.services.measurement import MEASUREMENT_RECORD
 from tests.conftest import SESSION_HOME
 from tests.plots import PLOT_SIZE, decode_plot
@@ -92,16 +91,14 @@ def test_vllm_counters_agree_with_what_it_generated(trained: dict) -> None:
     assert produced - len(generations) <= drafts + accepted <= produced + len(generations) * k
 
 
-def test_speculative_decoding_with_the_draft_is_lossless(trained: dict, demo_dir: Path) -> None:
+def test_speculative_decoding_with_the_draft_is_lossless(trained: dict, plain_vllm_server) -> None:
     """The measurement's greedy output with the draft equals the target's own greedy
     output, served without a draft, on the same held-out prompts (images included)."""
     measured = _measurement(trained)
     prompts = measured["prompts"]
     assert any(isinstance(m["content"], list) for p in prompts for m in p)
-    options = EngineOptions(dtype="float32", kv_cache_gib=1.0)
-    target, log = str(demo_dir / "target"), SESSION_HOME / "logs" / "plain_target.log"
-    with ManagedVllmServer(target, [], demo_dir / "coco", log, options) as url:
-        plain = generate_greedy(url, prompts, max_tokens=CONFIG["vllm_max_tokens"])
+    url = plain_vllm_server.base_url
+    plain = generate_greedy(url, prompts, max_tokens=CONFIG["vllm_max_tokens"])
     same = sum(a == b for a, b in zip(measured["generations"], plain, strict=True))
     assert same == len(prompts), f"{same}/{len(prompts)} identical"
 

@@ -15,8 +15,10 @@ from mm_assets.domain.prep.tokenization import (
     ChatTokenizer,
     TokenizeDropReason,
     TokenizeRejected,
+    check_generated_ids,
     expand_image_tokens,
     mask_from_spans,
+    supervised_runs,
     tokenize_with_pixels,
     truncate,
 )
@@ -134,6 +136,37 @@ def test_supervised_tokens_are_exactly_the_assistant_replies(demo_processor) -> 
     (row,) = chat.tokenize(turns)
     supervised = [t for t, m in zip(row.input_ids, row.loss_mask, strict=True) if m]
     assert chat.tokenizer.decode(supervised) == "Red.<|im_end|>Blue.<|im_end|>"
+
+
+def test_supervised_runs_are_the_consecutive_spans() -> None:
+    assert supervised_runs([0, 1, 1, 0, 0, 1, 0, 1]) == [(1, 3), (5, 6), (7, 8)]
+    assert supervised_runs([0, 0]) == []
+
+
+def test_generated_ids_are_what_the_row_supervises(demo_processor) -> None:
+    """The target's ids (ending with its stop token) are exactly the supervised tokens
+    when the template re-tokenizes the decoded text the same way; a sequence the
+    tokenizer would never produce for that text (a split word) is refused."""
+    chat = ChatTokenizer(demo_processor)
+    tok = chat.tokenizer
+    turns = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Red is warm."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Blue."},
+    ]
+    (row,) = chat.tokenize(turns)
+    stop, special = tok.convert_tokens_to_ids("<|im_end|>"), set(tok.all_special_ids)
+    replies = [(1, [*tok.encode("Red is warm."), stop]), (3, [*tok.encode("Blue."), stop])]
+    assert check_generated_ids(row, replies, special) == 2
+    canonical = tok.encode("Red is warm.")
+    split = [i for piece in tok.convert_ids_to_tokens(canonical) for i in
+             tok.convert_tokens_to_ids(list(piece))]  # fmt: skip
+    assert tok.decode(split) == "Red is warm." and split != canonical
+    with pytest.raises(TokenizeRejected) as info:
+        check_generated_ids(row, [(1, [*split, stop]), replies[1]], special)
+    assert info.value.reason == TokenizeDropReason.RETOKENIZATION_MISMATCH
+    assert "reply 0: token" in info.value.detail
 
 
 def test_history_rewriting_template_gives_one_row_per_assistant_turn(demo_processor) -> None:

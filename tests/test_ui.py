@@ -1,5 +1,5 @@
 """The Dagster UI in a real headless Chromium (Debian's, driven by Playwright), against
-`dagster dev` with the repo's instance config: the graph shows the six assets, a partition
+`dagster dev` with the repo's instance config: the graph shows the seven assets, a partition
 materialized from the UI reaches SUCCESS, a plot in the metadata renders, and two
 partitions backfilled together never extract hidden states at the same time."""
 
@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = REPO / "test-artifacts"
 ASSETS = [
-    "raw_dataset", "coco_image_availability", "normalized_conversations", "tokenized_samples",
-    "hidden_states", "trained_speculator",
+    "raw_dataset", "coco_image_availability", "normalized_conversations", "target_responses",
+    "tokenized_samples", "hidden_states", "trained_speculator",
 ]  # fmt: skip
 PARTITION = "demo_sharegpt4v_coco"
 PARTITIONS = ["demo_sharegpt4v_coco", "demo_sharegpt"]

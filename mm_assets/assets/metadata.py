@@ -41,17 +41,19 @@ def png_markdown(fig: Figure, alt: str) -> dg.MetadataValue:
     return dg.MetadataValue.md(f"![{alt}](data:image/png;base64,{encoded})")
 
 
-def length_histogram(lengths: Sequence[int], bins: int = 30) -> dg.MetadataValue:
-    """Rows per token length, with the median and 95th percentile marked."""
+def length_histogram(
+    lengths: Sequence[int], xlabel: str = "tokens per row", unit: str = "rows", bins: int = 30
+) -> dg.MetadataValue:
+    """Counts per token length, with the median and 95th percentile marked."""
     if not lengths:
-        return dg.MetadataValue.md("(no rows)")
+        return dg.MetadataValue.md(f"(no {unit})")
     arr = np.asarray(lengths)
     fig, ax = _figure()
     ax.hist(arr, bins=min(bins, max(1, len(set(lengths)))), color="#4c72b0")
     for q, style in ((50, "--"), (95, ":")):
         value = np.percentile(arr, q)
         ax.axvline(value, color="black", linestyle=style, label=f"p{q} = {value:,.0f}")
-    ax.set(xlabel="tokens per row", ylabel="rows", title=f"{len(arr):,} rows")
+    ax.set(xlabel=xlabel, ylabel=unit, title=f"{len(arr):,} {unit}")
     ax.legend()
     return png_markdown(fig, "token length histogram")
 

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from mm_assets.assets.config import config_class, settings_from
 from mm_assets.assets.metadata import acceptance_plot, loss_curve, table_links
-from mm_assets.assets.partitions import dataset_asset, dataset_spec
+from mm_assets.assets.partitions import ACCELERATOR_POOL, dataset_asset, dataset_spec
 from mm_assets.assets.prep import tokenized_samples
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION, ExtractionSettings
@@ -20,9 +20,6 @@ if TYPE_CHECKING:
     from mm_assets.services.training import SpeculatorOutcome
 
 REJECTION_CHECK = "token_id_rejections"
-# Steps that hold the accelerator (a vLLM server, training) share one pool; its limit is
-# the instance's `concurrency.pools` setting (dagster.yaml: one at a time by default).
-ACCELERATOR_POOL = "accelerator"
 
 HiddenStatesConfig = config_class("HiddenStatesConfig", ExtractionSettings)
 

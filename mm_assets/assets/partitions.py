@@ -10,6 +10,10 @@ import dagster as dg
 from mm_assets.assets.automation import materialize_on_change
 from mm_assets.registry import DatasetSpec, load_registry
 
+# Steps that hold the accelerator (a vLLM server, training) share one pool; its limit is
+# the instance's `concurrency.pools` setting (dagster.yaml: one at a time by default).
+ACCELERATOR_POOL = "accelerator"
+
 REGISTRY = load_registry()
 dataset_partitions = dg.StaticPartitionsDefinition(sorted(REGISTRY))
 

@@ -39,7 +39,7 @@ class TokenizationConfig(dg.Config):
     """Rows are cut to this many tokens, never inside an image-token block."""
 
 
-@dataset_asset("prep", code_version="1", deps=[normalized_conversations])
+@dataset_asset("prep", code_version="2", deps=["target_responses"])
 def tokenized_samples(
     context: dg.AssetExecutionContext,
     config: TokenizationConfig,
@@ -66,6 +66,7 @@ def tokenized_samples(
         "truncated_rows": report.truncated,
         "distinct_supervised_tokens": len(report.frequencies),
         "mask_method": report.mask_method,
+        "token_exact_replies": report.exact_replies,
         "target_model": target.path,
         "token_lengths": length_histogram(report.lengths),
         **length_stats(report.lengths),

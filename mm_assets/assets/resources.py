@@ -29,8 +29,10 @@ class StorageResource(dg.ConfigurableResource):
     def tables(self) -> TableStore:
         return TableStore(Path(self.root))
 
-    def blobs(self) -> BlobStore:
-        return BlobStore(Path(self.root))
+    def blobs(self, kind: str = "hidden_states") -> BlobStore:
+        """Hidden-state files (safetensors) or target responses (JSON)."""
+        suffix = ".json" if kind == "responses" else ".safetensors"
+        return BlobStore(Path(self.root), kind, suffix)
 
     def log_path(self, name: str) -> Path:
         """Where a step's server log goes (`<root>/logs/<name>.log`)."""
@@ -65,6 +67,12 @@ class VllmResource(dg.ConfigurableResource):
         description="External servers (…/v1), started with the extraction config; "
         "empty = start a managed server. Default $MM_ASSETS_VLLM_URLS (comma-separated).",
     )
+    response_urls: list[str] = Field(
+        default_factory=lambda: _env_list("MM_ASSETS_VLLM_RESPONSE_URLS"),
+        description="External servers (…/v1) that generate `target_responses` (plain "
+        "serving, no extraction config); empty = start a managed server. Default "
+        "$MM_ASSETS_VLLM_RESPONSE_URLS (comma-separated).",
+    )
     dtype: str = Field(default="auto", description="auto = the target config's dtype.")
     max_model_len: int | None = Field(default=None, description="--max-model-len")
     kv_cache_gib: float | None = Field(default=2.0, description="KV cache size in GiB.")
@@ -80,7 +88,9 @@ class VllmResource(dg.ConfigurableResource):
     )
     local_path_prefix: str = Field(default="", description="…and what it is mounted as here.")
 
-    def engine(self) -> VllmEngine:
+    def engine(self, fleet: str = "extraction") -> VllmEngine:
+        """The engine of one fleet: `extraction` (hidden states) or `responses`."""
+        urls = self.base_urls if fleet == "extraction" else self.response_urls
         options = EngineOptions(
             dtype=self.dtype,
             max_model_len=self.max_model_len,
@@ -89,6 +99,6 @@ class VllmResource(dg.ConfigurableResource):
             extra_args=tuple(self.extra_args),
         )
         return VllmEngine(
-            tuple(self.base_urls), options, self.connector, self.startup_timeout_s,
+            tuple(urls), options, self.connector, self.startup_timeout_s,
             self.api_key, self.server_path_prefix, self.local_path_prefix,
         )  # fmt: skip

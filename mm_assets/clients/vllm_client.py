@@ -1,9 +1,12 @@
-"""Requests that make vLLM write a sample's hidden states, through the `openai` client.
+"""Requests to vLLM servers through the `openai` client: hidden-state extraction and
+chat generation, spread over one or more servers.
 
-Text rows go to Completions with their token ids as the prompt; multimodal rows go to
-Chat Completions with their messages (images as `file://` URLs, rendered by vLLM with the
-same chat template), without a generation prompt. Both ask for one token and for the
-prompt token ids, which the caller compares with the stored ones.
+Extraction: text rows go to Completions with their token ids as the prompt; multimodal
+rows go to Chat Completions with their messages (images as `file://` URLs, rendered by
+vLLM with the same chat template), without a generation prompt. Both ask for one token
+and for the prompt token ids, which the caller compares with the stored ones.
+Generation: Chat Completions with the sampling settings, asking for the generated token
+ids (`return_token_ids`), so the trainer can see exactly what the target produced.
 
 Transient failures (connection, timeout, 5xx, 429) are retried with backoff; a request
 the server refuses (4xx) is a per-sample failure. After too many consecutive transient
@@ -17,7 +20,7 @@ import asyncio
 import random
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import openai
@@ -47,8 +50,24 @@ class ExtractionResponse:
     hidden_states_path: str
 
 
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
 class RequestRefused(Exception):
-    """The server refused this sample (4xx) or answered without hidden states."""
+    """The server refused this request (4xx, with `status`) or answered without what was
+    asked for."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ChatReply:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
 
 
 class CircuitOpen(RuntimeError):
@@ -95,10 +114,11 @@ class _Server:
         return self.model
 
 
-class HiddenStatesClient:
-    """Spreads extraction requests over one or more vLLM servers. `http_client` replaces
-    the `openai` client's own (tests inject an `httpx.MockTransport`); `backoff_s` is the
-    first retry's mean wait, doubling with each further try."""
+class VllmClient:
+    """Requests spread over one or more vLLM servers (the least busy first), retried on
+    transient errors, with a circuit breaker. `http_client` replaces the `openai`
+    client's own (tests inject an `httpx.MockTransport`); `backoff_s` is the first
+    retry's mean wait, doubling with each further try."""
 
     def __init__(
         self,
@@ -124,38 +144,15 @@ class HiddenStatesClient:
     def _pick(self) -> _Server:
         return min(self.servers, key=lambda s: s.in_flight)
 
-    async def _send_once(self, server: _Server, request: ExtractionRequest) -> ExtractionResponse:
-        model = await server.model_name()
-        self.requests_sent += 1
-        if request.messages is None:
-            response = await server.client.completions.create(
-                model=model,
-                prompt=request.input_ids,
-                max_tokens=1,
-                temperature=0.0,
-                extra_body={"return_token_ids": True},
-            )
-        else:
-            response = await server.client.chat.completions.create(
-                model=model,
-                messages=request.messages,  # type: ignore[arg-type]
-                max_tokens=1,
-                temperature=0.0,
-                extra_body={
-                    "add_generation_prompt": False,
-                    "continue_final_message": False,
-                    "return_token_ids": True,
-                },
-            )
-        return parse_response(response.model_dump())
-
-    async def extract(self, request: ExtractionRequest) -> ExtractionResponse:
-        """One sample, with retries on transient errors."""
+    async def call(self, send: Callable[[Any, str], Awaitable[Result]]) -> Result:
+        """`send(openai_client, model)` on the least busy server, with retries."""
         for attempt in range(self.max_retries + 1):
             server = self._pick()
             server.in_flight += 1
             try:
-                result = await self._send_once(server, request)
+                model = await server.model_name()
+                self.requests_sent += 1
+                result = await send(server.client, model)
             except TRANSIENT as exc:
                 if attempt == self.max_retries:
                     self._consecutive_failures += 1
@@ -170,53 +167,120 @@ class HiddenStatesClient:
                 )
                 continue
             except openai.APIStatusError as exc:
-                raise RequestRefused(f"HTTP {exc.status_code}: {exc.message}") from exc
+                raise RequestRefused(
+                    f"HTTP {exc.status_code}: {exc.message}", exc.status_code
+                ) from exc
             finally:
                 server.in_flight -= 1
             self._consecutive_failures = 0
             return result
         raise AssertionError("unreachable")
 
+    async def map(
+        self,
+        items: Iterable[Item],
+        work: Callable[[Item], Awaitable[Result]],
+        handle: Callable[[Item, Result | Exception], Awaitable[None]],
+    ) -> None:
+        """`work` on every item with at most `concurrency` in flight; `handle` gets each
+        result or per-item `RequestRefused`. Handling (e.g. storing a file) runs beside
+        the next requests instead of holding a slot. A `CircuitOpen` stops everything
+        and propagates."""
+        queue: asyncio.Queue[Item | None] = asyncio.Queue(self.concurrency * 2)
+        handling = asyncio.Semaphore(self.concurrency * 4)
+
+        async def produce() -> None:
+            for item in items:
+                await queue.put(item)
+            for _ in range(self.concurrency):
+                await queue.put(None)
+
+        async def handle_and_release(item: Item, outcome: Result | Exception) -> None:
+            try:
+                await handle(item, outcome)
+            finally:
+                handling.release()
+
+        async def worker(group: asyncio.TaskGroup) -> None:
+            while (item := await queue.get()) is not None:
+                try:
+                    outcome: Result | Exception = await work(item)
+                except RequestRefused as exc:
+                    outcome = exc
+                await handling.acquire()
+                group.create_task(handle_and_release(item, outcome))
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(produce())
+            for _ in range(self.concurrency):
+                group.create_task(worker(group))
+
+    async def close(self) -> None:
+        for server in self.servers:
+            await server.client.close()
+
+
+class HiddenStatesClient(VllmClient):
+    """Extraction requests: one token each, the prompt token ids and the hidden-states
+    file path back."""
+
+    async def extract(self, request: ExtractionRequest) -> ExtractionResponse:
+        """One sample, with retries on transient errors."""
+
+        async def send(client: openai.AsyncOpenAI, model: str) -> ExtractionResponse:
+            if request.messages is None:
+                response: Any = await client.completions.create(
+                    model=model,
+                    prompt=request.input_ids,
+                    max_tokens=1,
+                    temperature=0.0,
+                    extra_body={"return_token_ids": True},
+                )
+            else:
+                response = await client.chat.completions.create(
+                    model=model,
+                    messages=request.messages,  # type: ignore[arg-type]
+                    max_tokens=1,
+                    temperature=0.0,
+                    extra_body={
+                        "add_generation_prompt": False,
+                        "continue_final_message": False,
+                        "return_token_ids": True,
+                    },
+                )
+            return parse_response(response.model_dump())
+
+        return await self.call(send)
+
     async def run(
         self,
         requests: Iterable[ExtractionRequest],
         handle: Callable[[ExtractionRequest, ExtractionResponse | Exception], Awaitable[None]],
     ) -> None:
-        """Send every request with at most `concurrency` in flight; `handle` gets each
-        response or per-sample failure. Handling (reading and storing a file) runs beside
-        the next requests instead of holding a request slot. A `CircuitOpen` stops
-        everything and propagates."""
-        queue: asyncio.Queue[ExtractionRequest | None] = asyncio.Queue(self.concurrency * 2)
-        handling = asyncio.Semaphore(self.concurrency * 4)
+        """Extract every request (see `VllmClient.map`)."""
+        await self.map(requests, self.extract, handle)
 
-        async def produce() -> None:
-            for request in requests:
-                await queue.put(request)
-            for _ in range(self.concurrency):
-                await queue.put(None)
 
-        async def handle_and_release(
-            request: ExtractionRequest, outcome: ExtractionResponse | Exception
-        ) -> None:
-            try:
-                await handle(request, outcome)
-            finally:
-                handling.release()
+class ChatClient(VllmClient):
+    """Chat generation that returns the generated token ids."""
 
-        async def work(group: asyncio.TaskGroup) -> None:
-            while (request := await queue.get()) is not None:
-                try:
-                    outcome: ExtractionResponse | Exception = await self.extract(request)
-                except RequestRefused as exc:
-                    outcome = exc
-                await handling.acquire()
-                group.create_task(handle_and_release(request, outcome))
+    async def reply(self, messages: list[dict[str, Any]], sampling: dict[str, Any]) -> ChatReply:
+        """The assistant's next message for `messages`; `sampling` holds the Chat
+        Completions sampling fields (temperature, top_p, seed, max_tokens)."""
 
-        async with asyncio.TaskGroup() as group:
-            group.create_task(produce())
-            for _ in range(self.concurrency):
-                group.create_task(work(group))
+        async def send(client: openai.AsyncOpenAI, model: str) -> ChatReply:
+            response = await client.chat.completions.create(
+                model=model,
+                messages=messages,  # type: ignore[arg-type]
+                extra_body={"return_token_ids": True},
+                **sampling,
+            )
+            choice = response.model_dump()["choices"][0]
+            if choice.get("token_ids") is None:
+                raise RequestRefused(
+                    "the reply lacks token_ids; the server must be vLLM (return_token_ids)"
+                )
+            text = choice["message"]["content"] or ""
+            return ChatReply(text, list(choice["token_ids"]), choice["finish_reason"])
 
-    async def close(self) -> None:
-        for server in self.servers:
-            await server.client.close()
+        return await self.call(send)

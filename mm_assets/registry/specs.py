@@ -60,6 +60,11 @@ class DatasetSpec(BaseModel):
     min_image_availability: float = Field(
         default=0.95, ge=0.0, le=1.0, strict=True, description="a fraction from 0 to 1"
     )
+    responses: Literal["dataset", "target"] = Field(
+        default="dataset",
+        description="'target' (the target rewrites every assistant turn: on-policy "
+        "training data) or 'dataset' (train on the dataset's own answers)",
+    )
 
     @field_validator("name")
     @classmethod

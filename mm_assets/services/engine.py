@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +61,18 @@ class VllmEngine:
         )
 
     @contextmanager
+    def session(
+        self, model: str, serve_args: list[str], image_root: Path | None, log_path: Path
+    ) -> Iterator[ServerSession]:
+        """Servers to send a step's requests to: the external ones, or one started here
+        with `serve_args` and stopped when the block ends."""
+        if not self.managed:
+            yield ServerSession(list(self.base_urls))
+            return
+        server = self.server(model, serve_args, image_root, log_path)
+        with server as url:
+            yield ServerSession([url], server)
+
     def extraction_session(
         self,
         model: str,
@@ -68,12 +80,7 @@ class VllmEngine:
         hidden_states_dir: Path,
         image_root: Path | None,
         log_path: Path,
-    ) -> Iterator[ServerSession]:
+    ) -> AbstractContextManager[ServerSession]:
         """Servers that write hidden states of `layer_ids`, for the duration of a step."""
-        if not self.managed:
-            yield ServerSession(list(self.base_urls))
-            return
-        args = extraction_args(layer_ids, hidden_states_dir, self.connector)
-        server = self.server(model, args, image_root, log_path)
-        with server as url:
-            yield ServerSession([url], server)
+        args = extraction_args(layer_ids, hidden_states_dir, self.connector) if self.managed else []
+        return self.session(model, args, image_root, log_path)

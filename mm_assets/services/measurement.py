@@ -47,7 +47,7 @@ def held_out_prompts(
     """Chat prompts (up to the first assistant turn) of held-out samples, images included."""
     sample_ids = {sample_id_of(row_id) for row_id in row_ids}
     prompts = []
-    for row in tables.iter_rows("normalized_conversations", partition, ["sample_id", "turns"]):
+    for row in tables.iter_rows("target_responses", partition, ["sample_id", "turns"]):
         if row["sample_id"] in sample_ids and (turns := first_prompt(json.loads(row["turns"]))):
             prompts.append(to_vllm_messages(turns))
             if len(prompts) >= limit:

@@ -8,4 +8,5 @@ import mm_assets.services.extraction
 import mm_assets.services.ingest
 import mm_assets.services.measurement
 import mm_assets.services.prep
+import mm_assets.services.regeneration
 import mm_assets.services.training  # noqa: F401

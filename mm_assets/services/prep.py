@@ -22,12 +22,15 @@ from mm_assets.domain.prep.tokenization import (
     ChatTokenizer,
     TokenizedRow,
     TokenizeRejected,
+    check_generated_ids,
     render_supervision,
 )
 from mm_assets.domain.rejection import RowRejected
 from mm_assets.domain.row_ids import make_row_id
 from mm_assets.storage import TableStore, WrittenTable, schemas
 from mm_assets.storage.tables import BatchWriter
+
+CONVERSATIONS = "target_responses"  # what tokenization reads (see `services/regeneration.py`)
 
 
 @dataclass
@@ -117,6 +120,8 @@ class TokenizeReport(StageReport):
     supervised: int = 0
     truncated: int = 0
     mask_method: str = ""
+    exact_replies: int = 0
+    """Regenerated replies whose supervised tokens are exactly what the target generated."""
     example: str | None = None
     """One row rendered with its supervised tokens marked (a multimodal one if any)."""
 
@@ -148,6 +153,16 @@ def _training_rows(sample: dict, rows: list[TokenizedRow]) -> Iterator[dict[str,
         }
 
 
+def _check_replies(sample: dict, rows: list[TokenizedRow], chat: ChatTokenizer) -> int:
+    """For conversations the target rewrote: every row's supervised tokens are the ids
+    it generated (see `check_generated_ids`)."""
+    if sample.get("responses") != "target":
+        return 0
+    replies = list(zip(sample["reply_turns"], sample["reply_token_ids"], strict=True))
+    special = set(chat.tokenizer.all_special_ids)
+    return sum(check_generated_ids(row, replies, special) for row in rows)
+
+
 def tokenize_partition(
     partition: str, tables: TableStore, chat: ChatTokenizer, log: Callable[[str], None] = print
 ) -> TokenizeReport:
@@ -159,13 +174,14 @@ def tokenize_partition(
         tables.writer("tokenized_samples", partition, schemas.TOKENIZED) as out,
         tables.writer("tokenized_samples_quarantine", partition, schemas.QUARANTINE) as bad,
     ):
-        total = tables.num_rows("normalized_conversations", partition)
+        total = tables.num_rows(CONVERSATIONS, partition)
         progress = Progress(log, "samples", total)
-        for done, sample in enumerate(tables.iter_rows("normalized_conversations", partition), 1):
+        for done, sample in enumerate(tables.iter_rows(CONVERSATIONS, partition), 1):
             progress.update(done)
             sizes = list(zip(sample["image_heights"], sample["image_widths"], strict=True))
             try:
                 rows = chat.tokenize(json.loads(sample["turns"]), sizes)
+                report.exact_replies += _check_replies(sample, rows, chat)
             except TokenizeRejected as exc:
                 _quarantine(
                     bad, report, sample["source_index"], sample["sample_id"], sample["turns"], exc

@@ -7,24 +7,30 @@ on the same filesystem (`incoming_dir`), so a blob is either complete or absent.
 
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from mm_assets.common.files import atomic_path, move_into_place
+from mm_assets.common.files import atomic_path, atomic_write_text, move_into_place
 
 if TYPE_CHECKING:
     import torch
 
 
 class BlobStore:
-    def __init__(self, root: Path | str, kind: str = "hidden_states") -> None:
+    """Blobs of one kind: hidden states (safetensors), target responses (JSON)."""
+
+    def __init__(
+        self, root: Path | str, kind: str = "hidden_states", suffix: str = ".safetensors"
+    ) -> None:
         self.dir = Path(root) / "blobs" / kind
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.suffix = suffix
 
     def path(self, key: str) -> Path:
-        return self.dir / key[:2] / f"{key}.safetensors"
+        return self.dir / key[:2] / f"{key}{self.suffix}"
 
     def has(self, key: str) -> bool:
         return self.path(key).is_file()
@@ -48,6 +54,18 @@ class BlobStore:
         with atomic_path(dest) as tmp:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
         return dest
+
+    def put_json(self, value: Any, key: str) -> Path:
+        dest = self.path(key)
+        atomic_write_text(dest, json.dumps(value, ensure_ascii=False))
+        return dest
+
+    def get_json(self, key: str) -> Any:
+        """The JSON blob under `key`, or None when there is none (or it is unreadable)."""
+        try:
+            return json.loads(self.path(key).read_text())
+        except (OSError, ValueError):
+            return None
 
     def free_bytes(self) -> int:
         return shutil.disk_usage(self.dir).free

@@ -40,6 +40,19 @@ NORMALIZED = pa.schema(
     ]
 )
 
+# The conversations training reads: the normalized ones, with every assistant turn
+# rewritten by the target (`responses: target`) or as the dataset wrote it (`dataset`).
+TARGET_RESPONSES = pa.schema(
+    [
+        *NORMALIZED,
+        ("responses", pa.string()),  # "target" or "dataset"
+        ("response_key", pa.string()),  # content key of the stored replies (target only)
+        ("reply_turns", pa.list_(pa.int32())),  # index of each regenerated turn
+        ("reply_token_ids", pa.list_(pa.list_(pa.int32()))),  # what the target generated
+        ("finish_reasons", pa.list_(pa.string())),
+    ]
+)
+
 QUARANTINE = pa.schema(
     [
         ("source_index", pa.int64()),

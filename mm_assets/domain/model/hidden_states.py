@@ -14,9 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from mm_assets.common.hashing import json_sha256
+from mm_assets.domain.model.request_settings import RequestSettings
 
 LAYER_CONVENTION = "residual_after_k_layers;L=pre_final_norm"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -127,22 +128,12 @@ class HiddenStatesLayout:
         return estimate_bytes(tokens, len(self.layer_ids), self.hidden_size, self.dtype)
 
 
-class ExtractionSettings(BaseModel):
+class ExtractionSettings(RequestSettings):
     """Knobs of a hidden-states run (the `hidden_states` asset's config)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     layer_ids: list[int] | None = Field(
         default=None, description="Three auxiliary layers and the last; default [2, L//2, L-3, L]."
     )
-    concurrency: int = Field(default=8, ge=1, description="Requests in flight across all servers.")
     max_rejection_ratio: float = Field(
         default=0.01, ge=0, le=1, description="The blocking check fails above this share."
     )
-    max_retries: int = Field(default=4, ge=0, description="Retries of a transient failure.")
-    breaker_failures: int = Field(
-        default=8,
-        ge=1,
-        description="Consecutive failed requests (after retries) that stop the step.",
-    )
-    request_timeout_s: float = Field(default=600.0, gt=0, description="Per request.")

@@ -70,20 +70,23 @@ class Conversation:
     def sample_id(self) -> str:
         """Stable across reruns, row order and moves of the image root: a hash of the
         turns with each image replaced by its content hash."""
-        hashes = iter(p.content_hash for p in self.images)
+        return json_sha256(canonical_turns(self.turns, [p.content_hash for p in self.images]))[:20]
 
-        def stable(part: Any) -> Any:
-            if isinstance(part, dict) and part.get("type") == "image":
-                return {"type": "image", "sha256": next(hashes)}
-            return part
 
-        canonical = [
-            {**t, "content": [stable(p) for p in t["content"]]}
-            if isinstance(t["content"], list)
-            else t
-            for t in self.turns
-        ]
-        return json_sha256(canonical)[:20]
+def canonical_turns(turns: list[Turn], image_hashes: list[str]) -> list[Turn]:
+    """The turns with each image part replaced by its content hash (in part order), so a
+    hash of them names the content, wherever the images lie."""
+    hashes = iter(image_hashes)
+
+    def stable(part: Any) -> Any:
+        if isinstance(part, dict) and part.get("type") == "image":
+            return {"type": "image", "sha256": next(hashes)}
+        return part
+
+    return [
+        {**t, "content": [stable(p) for p in t["content"]]} if isinstance(t["content"], list) else t
+        for t in turns
+    ]
 
 
 # -- reading records -------------------------------------------------------------

@@ -36,6 +36,7 @@ GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 class TokenizeDropReason(StrEnum):
     NO_SUPERVISED_TOKENS = "no_supervised_tokens"
     TEMPLATE_ERROR = "template_error"
+    RETOKENIZATION_MISMATCH = "retokenization_mismatch"
 
 
 class TokenizeRejected(RowRejected):
@@ -253,6 +254,56 @@ class ChatTokenizer:
                 f"no assistant token within max_length={self.max_length}",
             )
         return rows
+
+
+def supervised_runs(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
+    """The [start, end) spans of consecutive supervised tokens, in order."""
+    runs, start = [], None
+    for position, flag in enumerate([*loss_mask, 0]):
+        if flag and start is None:
+            start = position
+        elif not flag and start is not None:
+            runs.append((start, position))
+            start = None
+    return runs
+
+
+def check_generated_ids(
+    row: TokenizedRow, replies: Sequence[tuple[int, Sequence[int]]], special_ids: set[int]
+) -> int:
+    """The trainer must see exactly the tokens the target generated. `replies` are
+    (turn index, generated ids) of the regenerated turns; each supervised run of the row
+    (the last ones it covers: a row per turn supervises only its last) must begin with
+    the reply's ids, without the stop token the template writes itself. A template whose
+    re-tokenization of the decoded text differs (merges across the boundary, stripped
+    whitespace) is refused. Returns the number of replies checked."""
+    covered = [list(ids) for index, ids in replies if index < row.num_turns]
+    runs = supervised_runs(row.loss_mask)
+    if len(runs) > len(covered):
+        raise TokenizeRejected(
+            TokenizeDropReason.RETOKENIZATION_MISMATCH,
+            f"{len(runs)} supervised spans for {len(covered)} generated replies",
+        )
+    last = covered[len(covered) - len(runs) :]
+    for n, ((start, end), ids) in enumerate(zip(runs, last, strict=True)):
+        while ids and ids[-1] in special_ids:
+            ids.pop()
+        got = row.input_ids[start:end]
+        cut = row.truncated and end == len(row.input_ids)
+        expected = ids[: len(got)] if cut else ids
+        if got[: len(expected)] != expected:
+            raise TokenizeRejected(
+                TokenizeDropReason.RETOKENIZATION_MISMATCH,
+                f"reply {n}: {first_mismatch(got, expected)}",
+            )
+    return len(runs)
+
+
+def first_mismatch(got: Sequence[int], expected: Sequence[int]) -> str:
+    for position, (a, b) in enumerate(zip(got, expected, strict=False)):
+        if a != b:
+            return f"token {position}: template gives {a}, the target generated {b}"
+    return f"template gives {len(got)} tokens, the target generated {len(expected)}"
 
 
 def tokenize_with_pixels(processor: ProcessorMixin, turns: Sequence[Turn]) -> dict[str, list]:

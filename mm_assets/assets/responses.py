@@ -1,0 +1,96 @@
+"""Target responses: the conversations training reads, with every assistant turn written
+by the target itself (`responses: target` in the registry) or as the dataset wrote it."""
+
+from typing import TYPE_CHECKING, Any
+
+import dagster as dg
+
+from mm_assets.assets.config import config_class, settings_from
+from mm_assets.assets.metadata import length_histogram, quarantine_metadata, table_links
+from mm_assets.assets.partitions import ACCELERATOR_POOL, dataset_asset, dataset_spec
+from mm_assets.assets.prep import normalized_conversations
+from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
+from mm_assets.domain.model.responses import ResponseSettings
+
+QUARANTINE_CHECK = "response_quarantine_ratio"
+
+if TYPE_CHECKING:
+    from mm_assets.services.regeneration import RegenerationReport
+
+ResponsesConfig = config_class("ResponsesConfig", ResponseSettings)
+
+
+@dataset_asset(
+    "model",
+    code_version="1",
+    deps=[normalized_conversations],
+    kinds={"vllm", "parquet"},
+    pool=ACCELERATOR_POOL,
+    check_specs=[dg.AssetCheckSpec(QUARANTINE_CHECK, asset="target_responses", blocking=True)],
+)
+def target_responses(
+    context: dg.AssetExecutionContext,
+    config: ResponsesConfig,  # type: ignore[valid-type]
+    storage: StorageResource,
+    target_model: TargetModelResource,
+    vllm: VllmResource,
+) -> dg.MaterializeResult:
+    """The normalized conversations with every assistant turn rewritten by the target
+    through vLLM, turn by turn, images included (registry `responses: target`), or passed
+    through unchanged (`responses: dataset`, no server). Replies are stored per
+    conversation by content key, so reruns ask only for what changed; the token ids the
+    target generated are kept. Conversations it cannot answer go to
+    `target_responses_quarantine` with their reason."""
+    from mm_assets.services.regeneration import TargetRegeneration
+
+    spec, tables = dataset_spec(context), storage.tables()
+    settings = settings_from(config, ResponseSettings)
+    report = TargetRegeneration(
+        spec.name, tables, storage.blobs("responses"), target_model.model(),
+        vllm.engine("responses"), settings, spec.resolved_image_root(),
+        storage.log_path(f"vllm_responses_{context.run.run_id}"), context.log.info,
+    ).run(spec.responses)  # fmt: skip
+    assert report.written is not None
+    return dg.MaterializeResult(
+        metadata={
+            **responses_metadata(report),
+            **table_links(tables, "target_responses", spec.name),
+        },
+        data_version=dg.DataVersion(report.written.content_hash),
+        check_results=[quarantine_check(report, settings.max_quarantine_ratio)],
+    )
+
+
+def responses_metadata(report: "RegenerationReport") -> dict[str, Any]:
+    lengths = report.reply_lengths
+    metadata: dict[str, Any] = {
+        **quarantine_metadata(report.written, report.quarantine, report.reasons),
+        "responses": report.mode,
+        "conversations": report.conversations,
+    }
+    if report.mode == "target":
+        metadata |= {
+            "cache_hits": report.cache_hits, "requests_sent": report.requests_sent,
+            "replies": len(lengths), "generated_tokens_now": report.generated_tokens,
+            "tokens_per_s": report.generated_tokens / report.seconds if report.seconds else 0.0,
+            "mean_reply_tokens": sum(lengths) / max(len(lengths), 1),
+            "p95_reply_tokens": sorted(lengths)[int(0.95 * (len(lengths) - 1))] if lengths else 0,
+            "length_capped_replies": report.length_capped,
+            "conversations_cut_short": report.cut_short, "server": report.server,
+            "server_startup_s": report.startup_s if report.startup_s is not None else "n/a",
+            "reply_lengths": length_histogram(lengths, "tokens per reply", "replies"),
+        }  # fmt: skip
+    return metadata
+
+
+def quarantine_check(report: "RegenerationReport", max_ratio: float) -> dg.AssetCheckResult:
+    """Fails when more than `max_ratio` of the conversations got no usable reply."""
+    quarantined = report.quarantine.num_rows if report.quarantine else 0
+    ratio = quarantined / max(report.conversations, 1)
+    return dg.AssetCheckResult(
+        check_name=QUARANTINE_CHECK,
+        passed=ratio <= max_ratio,
+        description=f"{quarantined}/{report.conversations} conversations quarantined "
+        f"({ratio:.2%}); allowed {max_ratio:.2%}. Reasons: {dict(report.reasons) or 'none'}.",
+        metadata={"quarantine_ratio": ratio, **dict(report.reasons)},
+    )

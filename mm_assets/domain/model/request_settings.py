@@ -1,0 +1,19 @@
+"""How a stage talks to vLLM: requests in flight, timeouts, retries and when to give up.
+Shared by the stages that send requests (hidden states, target responses)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RequestSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    concurrency: int = Field(default=8, ge=1, description="Requests in flight across all servers.")
+    max_retries: int = Field(default=4, ge=0, description="Retries of a transient failure.")
+    breaker_failures: int = Field(
+        default=8,
+        ge=1,
+        description="Consecutive failed requests (after retries) that stop the step.",
+    )
+    request_timeout_s: float = Field(default=600.0, gt=0, description="Per request.")

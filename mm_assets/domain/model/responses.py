@@ -1,0 +1,167 @@
+"""On-policy responses: the target rewrites every assistant turn of a conversation.
+
+A draft learns to predict the target's next token, so it must learn from text the target
+wrote; trained on answers someone else wrote it learns another distribution (about 1.05
+accepted tokens per step on the demo). For the assistant turn at index k the prompt is
+the conversation before k with every earlier assistant turn already replaced by the
+target's own reply — what the target would have seen had it held that conversation —
+images included; the user turns stay as the dataset wrote them. Turns are generated in
+order, conversations independently.
+
+A conversation whose first reply fails or comes back empty has nothing to train on and
+is quarantined with the reason; one that fails later keeps the turns before the failing
+exchange. A reply cut by `max_tokens` (`finish_reason == "length"`) is kept and counted:
+it is still what the target writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from pydantic import Field
+
+from mm_assets.common.hashing import json_sha256
+from mm_assets.domain.model.request_settings import RequestSettings
+from mm_assets.domain.prep.conversations import Turn, canonical_turns
+from mm_assets.domain.rejection import RowRejected
+
+RESPONSES_VERSION = "1"
+
+
+class ResponseSettings(RequestSettings):
+    """Knobs of a regeneration run (the `target_responses` asset's config). Greedy by
+    default, as the default evaluation decodes greedily."""
+
+    temperature: float = Field(default=0.0, ge=0, description="0 = greedy.")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    seed: int = Field(default=0, description="Sampling seed (per request).")
+    max_tokens: int = Field(default=256, ge=1, description="Longest reply per turn.")
+    system_prompt: str | None = Field(
+        default=None,
+        description="None keeps each conversation's system turn; a text replaces it (or "
+        "is added first); an empty text removes it.",
+    )
+    max_quarantine_ratio: float = Field(
+        default=0.05, ge=0, le=1, description="The blocking check fails above this share."
+    )
+
+    def sampling(self) -> dict[str, Any]:
+        """The Chat Completions sampling fields."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "max_tokens": self.max_tokens,
+        }
+
+
+class ResponseProblem(StrEnum):
+    EMPTY_RESPONSE = "empty_response"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    GENERATION_ERROR = "generation_error"
+
+
+class ResponseRejected(RowRejected):
+    """A conversation the target could not answer, with the reason."""
+
+
+def refusal_problem(status: int | None, message: str) -> ResponseProblem:
+    """A refused request: a prompt longer than the model's context is its own reason
+    (it fails the same way every time); anything else is a generation error."""
+    too_long = ("maximum context length", "longer than the maximum model length")  # vLLM's
+    if status == 400 and any(text in message.lower() for text in too_long):
+        return ResponseProblem.PROMPT_TOO_LONG
+    return ResponseProblem.GENERATION_ERROR
+
+
+def with_system_prompt(turns: list[Turn], system_prompt: str | None) -> list[Turn]:
+    """Apply the policy of `ResponseSettings.system_prompt`."""
+    if system_prompt is None:
+        return list(turns)
+    rest = [t for t in turns if t["role"] != "system"]
+    return [{"role": "system", "content": system_prompt}, *rest] if system_prompt else rest
+
+
+def assistant_indices(turns: list[Turn]) -> list[int]:
+    return [i for i, t in enumerate(turns) if t["role"] == "assistant"]
+
+
+def response_key(
+    target_fingerprint: str,
+    settings: ResponseSettings,
+    turns: list[Turn],
+    image_hashes: list[str],
+) -> str:
+    """What the replies depend on: the target, the sampling settings and the prompt side
+    of the conversation (every turn but the assistant's text, images by content), so a
+    rerun, a reordering or an edit of another row reuses them."""
+    prompt_side = [
+        {"role": "assistant"} if t["role"] == "assistant" else t
+        for t in canonical_turns(with_system_prompt(turns, settings.system_prompt), image_hashes)
+    ]
+    sampling = {**settings.sampling(), "system_prompt": settings.system_prompt}
+    return json_sha256([RESPONSES_VERSION, target_fingerprint, sampling, prompt_side])
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The target's reply to the turn at `index`."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass
+class Regeneration:
+    """The replies of one conversation so far, and why it stopped early (if it did)."""
+
+    replies: list[Reply] = field(default_factory=list)
+    problem: ResponseProblem | None = None
+    detail: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "replies": [vars(r) for r in self.replies],
+            "problem": self.problem.value if self.problem else None,
+            "detail": self.detail,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Regeneration:
+        problem = ResponseProblem(data["problem"]) if data["problem"] else None
+        return cls([Reply(**r) for r in data["replies"]], problem, data["detail"])
+
+
+def prompt_before(turns: list[Turn], index: int, replies: list[Reply]) -> list[Turn]:
+    """The conversation before the turn at `index`, earlier assistant turns replaced by
+    the target's replies."""
+    return apply_replies(turns[:index], replies)
+
+
+def apply_replies(turns: list[Turn], replies: list[Reply]) -> list[Turn]:
+    """The turns with each replied assistant turn's content replaced by the reply."""
+    texts = {r.index: r.text for r in replies}
+    return [
+        {"role": t["role"], "content": texts[i]} if i in texts else t for i, t in enumerate(turns)
+    ]
+
+
+def regenerated_turns(turns: list[Turn], regeneration: Regeneration) -> list[Turn]:
+    """The conversation as the target would have held it: up to its last reply (later
+    turns, when the run stopped early, are dropped). Quarantined (`ResponseRejected`)
+    when not even the first assistant turn got a reply."""
+    if not regeneration.replies:
+        problem = regeneration.problem or ResponseProblem.GENERATION_ERROR
+        raise ResponseRejected(problem, regeneration.detail or "no reply")
+    last = regeneration.replies[-1].index
+    return apply_replies(turns[: last + 1], regeneration.replies)
+
+
+def check_reply(text: str) -> None:
+    """An empty reply teaches the draft nothing but to end answers at once."""
+    if not text.strip():
+        raise ResponseRejected(ResponseProblem.EMPTY_RESPONSE, "the target answered nothing")

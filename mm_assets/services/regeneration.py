@@ -1,0 +1,251 @@
+"""Target responses for a partition: every assistant turn rewritten by the target through
+vLLM (`responses: target`), or the normalized conversations passed through (`dataset`).
+
+Replies are stored per conversation under a content key (`response_key`: target, sampling
+settings, the prompt side of the conversation) as soon as the conversation is done, so a
+rerun, a reordering or an edit of other rows sends nothing for unchanged conversations,
+and an interrupted run resumes where it stopped. Generation errors that may be passing
+(a refused request other than a too-long prompt) are not stored: the next run asks again.
+The `target_responses` table is then assembled from the stored replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mm_assets.clients.vllm_client import ChatClient, CircuitOpen, RequestRefused
+from mm_assets.common.progress import Progress
+from mm_assets.domain.model.responses import (
+    Regeneration,
+    Reply,
+    ResponseProblem,
+    ResponseRejected,
+    ResponseSettings,
+    assistant_indices,
+    check_reply,
+    prompt_before,
+    refusal_problem,
+    regenerated_turns,
+    response_key,
+    with_system_prompt,
+)
+from mm_assets.domain.prep.conversations import to_vllm_messages
+from mm_assets.domain.prep.tokenization import count_images
+from mm_assets.services.engine import VllmEngine
+from mm_assets.services.extraction import ServerUnavailable
+from mm_assets.services.target import TargetModel
+from mm_assets.storage import TableStore, WrittenTable, schemas
+from mm_assets.storage.blobs import BlobStore
+
+SOURCE = "normalized_conversations"
+TABLE = "target_responses"
+IMAGE_COLUMNS = ("image_paths", "image_hashes", "image_heights", "image_widths")
+
+
+@dataclass
+class RegenerationReport:
+    """What a `target_responses` run did, for the asset to render."""
+
+    mode: str
+    conversations: int = 0
+    cache_hits: int = 0
+    requests_sent: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    server: str = ""
+    startup_s: float | None = None
+    written: WrittenTable | None = None
+    quarantine: WrittenTable | None = None
+    reasons: Counter[str] = field(default_factory=Counter)
+    reply_lengths: list[int] = field(default_factory=list)
+    length_capped: int = 0
+    cut_short: int = 0
+    """Conversations kept up to the turn before a failed or empty reply."""
+
+
+def _passthrough(row: dict[str, Any]) -> dict[str, Any]:
+    return {**row, "responses": "dataset", "response_key": None, "reply_turns": [],
+            "reply_token_ids": [], "finish_reasons": []}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TargetRegeneration:
+    partition: str
+    tables: TableStore
+    store: BlobStore
+    target: TargetModel
+    engine: VllmEngine
+    settings: ResponseSettings
+    image_root: Path | None
+    log_path: Path
+    log: Callable[[str], None] = print
+
+    def run(self, mode: str) -> RegenerationReport:
+        """`mode` is the dataset's `responses` entry: `target` or `dataset`."""
+        report = RegenerationReport(mode, server=self.engine.describe())
+        if mode == "dataset":
+            rows = (_passthrough(r) for r in self.tables.iter_rows(SOURCE, self.partition))
+            report.written = self.tables.write(TABLE, self.partition, rows,
+                                               schemas.TARGET_RESPONSES)  # fmt: skip
+            report.quarantine = self.tables.write(f"{TABLE}_quarantine", self.partition, [],
+                                                  schemas.QUARANTINE)  # fmt: skip
+            report.conversations = report.written.num_rows
+            return report
+        columns = ["sample_id", "turns", "image_hashes"]
+        keys = {row["sample_id"]: self._key(row) for row in self._rows(columns)}
+        missing = {sid for sid, key in keys.items() if not self.store.has(key)}
+        report.conversations, report.cache_hits = len(keys), len(keys) - len(missing)
+        self.log(f"{len(keys)} conversations: {report.cache_hits} cached, {len(missing)} to ask")
+        unstored: dict[str, Regeneration] = {}
+        if missing:
+            self._generate(keys, missing, unstored, report)
+        self._write_table(keys, unstored, report)
+        return report
+
+    def _rows(self, columns: list[str] | None = None) -> Iterator[dict[str, Any]]:
+        return self.tables.iter_rows(SOURCE, self.partition, columns)
+
+    def _turns(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        return with_system_prompt(json.loads(row["turns"]), self.settings.system_prompt)
+
+    def _key(self, row: dict[str, Any]) -> str:
+        turns = json.loads(row["turns"])
+        return response_key(self.target.fingerprint, self.settings, turns, row["image_hashes"])
+
+    def _generate(
+        self,
+        keys: dict[str, str],
+        missing: set[str],
+        unstored: dict[str, Regeneration],
+        report: RegenerationReport,
+    ) -> None:
+        """Start (or reach) the servers and regenerate the missing conversations."""
+        model = str(self.target.local_dir)
+        with self.engine.session(model, [], self.image_root, self.log_path) as session:
+            if session.managed:
+                report.startup_s = session.managed.startup_seconds
+                self.log(f"vLLM started in {report.startup_s:.1f}s, log {self.log_path}")
+            s = self.settings
+            client = ChatClient(
+                session.base_urls, s.concurrency, s.request_timeout_s, s.max_retries,
+                s.breaker_failures, self.engine.api_key,
+            )  # fmt: skip
+            rows = (r for r in self._rows() if r["sample_id"] in missing)
+            try:
+                asyncio.run(self._ask_all(client, rows, keys, unstored, report, len(missing)))
+            except CircuitOpen as exc:
+                raise ServerUnavailable(
+                    f"vLLM stopped answering: {exc}. Conversations answered so far are "
+                    "kept; rerun to resume."
+                ) from exc
+
+    async def _ask_all(
+        self,
+        client: ChatClient,
+        rows: Iterator[dict[str, Any]],
+        keys: dict[str, str],
+        unstored: dict[str, Regeneration],
+        report: RegenerationReport,
+        total: int,
+    ) -> None:
+        progress = Progress(self.log, "conversations", total, every_s=10.0)
+        started, done = time.perf_counter(), [0]
+
+        async def ask(row: dict[str, Any]) -> Regeneration:
+            return await regenerate(client, self._turns(row), self.settings)
+
+        async def keep(row: dict[str, Any], outcome: Regeneration | Exception) -> None:
+            if isinstance(outcome, Exception):  # not raised by `regenerate`; defensive
+                outcome = Regeneration([], ResponseProblem.GENERATION_ERROR, str(outcome))
+            if outcome.problem == ResponseProblem.GENERATION_ERROR:
+                unstored[row["sample_id"]] = outcome
+            else:
+                self.store.put_json(outcome.as_json(), keys[row["sample_id"]])
+            report.generated_tokens += sum(len(r.token_ids) for r in outcome.replies)
+            done[0] += 1
+            rate = report.generated_tokens / max(time.perf_counter() - started, 1e-9)
+            progress.update(done[0], f"{rate:,.0f} tok/s")
+
+        try:
+            await client.map(rows, ask, keep)
+        except* CircuitOpen as group:
+            raise group.exceptions[0] from None
+        finally:
+            report.requests_sent = client.requests_sent
+            report.seconds = time.perf_counter() - started
+            await client.close()
+
+    def _write_table(
+        self, keys: dict[str, str], unstored: dict[str, Regeneration], report: RegenerationReport
+    ) -> None:
+        with (
+            self.tables.writer(TABLE, self.partition, schemas.TARGET_RESPONSES) as out,
+            self.tables.writer(f"{TABLE}_quarantine", self.partition, schemas.QUARANTINE) as bad,
+        ):
+            for row in self._rows():
+                key = keys[row["sample_id"]]
+                stored = self.store.get_json(key)
+                regeneration = (
+                    Regeneration.from_json(stored) if stored else unstored[row["sample_id"]]
+                )
+                try:
+                    out.write(self._regenerated_row(row, key, regeneration, report))
+                except ResponseRejected as exc:
+                    report.reasons[exc.reason.value] += 1
+                    bad.write({"source_index": row["source_index"], "sample_id": row["sample_id"],
+                               "reason": exc.reason.value, "detail": exc.detail,
+                               "record": row["turns"]})  # fmt: skip
+        report.written, report.quarantine = out.result, bad.result
+
+    def _regenerated_row(
+        self, row: dict[str, Any], key: str, regeneration: Regeneration, report: RegenerationReport
+    ) -> dict[str, Any]:
+        turns = self._turns(row)
+        kept = regenerated_turns(turns, regeneration)
+        report.cut_short += len(kept) < len(turns)
+        report.reply_lengths += [len(r.token_ids) for r in regeneration.replies]
+        report.length_capped += sum(r.finish_reason == "length" for r in regeneration.replies)
+        images = count_images(kept)
+        return {
+            **row,
+            "turns": json.dumps(kept, ensure_ascii=False),
+            "multimodal": images > 0,
+            **{k: row[k][:images] for k in IMAGE_COLUMNS},
+            "responses": "target",
+            "response_key": key,
+            "reply_turns": [r.index for r in regeneration.replies],
+            "reply_token_ids": [r.token_ids for r in regeneration.replies],
+            "finish_reasons": [r.finish_reason for r in regeneration.replies],
+        }
+
+
+async def regenerate(
+    client: ChatClient, turns: list[dict[str, Any]], settings: ResponseSettings
+) -> Regeneration:
+    """The target's replies to a conversation, turn by turn, until the end or the first
+    reply that fails or comes back empty."""
+    regeneration = Regeneration()
+    for index in assistant_indices(turns):
+        messages = to_vllm_messages(prompt_before(turns, index, regeneration.replies))
+        try:
+            answer = await client.reply(messages, settings.sampling())
+            check_reply(answer.text)
+        except RequestRefused as exc:
+            regeneration.problem = refusal_problem(exc.status, str(exc))
+            regeneration.detail = f"turn {index}: {exc}"
+            break
+        except ResponseRejected as exc:
+            regeneration.problem = ResponseProblem(exc.reason)
+            regeneration.detail = f"turn {index}: {exc.detail}"
+            break
+        regeneration.replies.append(
+            Reply(index, answer.text, answer.token_ids, answer.finish_reason)
+        )
+    return regeneration
