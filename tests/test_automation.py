@@ -83,7 +83,7 @@ def test_code_version_bump_requests_that_stage_only(chain) -> None:
     bumped = dg.Definitions(
         assets=dg.map_asset_specs(
             lambda spec: (
-                spec.replace_attributes(code_version="2")
+                spec.replace_attributes(code_version=f"{spec.code_version}+1")
                 if spec.key == dg.AssetKey("tokenized_samples")
                 else spec
             ),

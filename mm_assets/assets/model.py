@@ -8,7 +8,7 @@ from pydantic import Field
 
 from mm_assets.assets.config import config_class, settings_from
 from mm_assets.assets.metadata import acceptance_plot, loss_curve, table_links
-from mm_assets.assets.partitions import ACCELERATOR_POOL, dataset_asset, dataset_spec
+from mm_assets.assets.partitions import accelerator_asset, dataset_spec
 from mm_assets.assets.prep import tokenized_samples
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION, ExtractionSettings
@@ -24,12 +24,10 @@ REJECTION_CHECK = "token_id_rejections"
 HiddenStatesConfig = config_class("HiddenStatesConfig", ExtractionSettings)
 
 
-@dataset_asset(
-    "model",
-    code_version="1",
+@accelerator_asset(
+    "1",
     deps=[tokenized_samples],
     kinds={"vllm", "safetensors"},
-    pool=ACCELERATOR_POOL,
     check_specs=[dg.AssetCheckSpec(REJECTION_CHECK, asset="hidden_states", blocking=True)],
 )
 def hidden_states(
@@ -127,13 +125,7 @@ SpeculatorConfig = config_class(
 )
 
 
-@dataset_asset(
-    "model",
-    code_version=TRAINING_VERSION,
-    deps=[hidden_states],
-    kinds={"pytorch", "safetensors"},
-    pool=ACCELERATOR_POOL,
-)
+@accelerator_asset(TRAINING_VERSION, deps=[hidden_states], kinds={"pytorch", "safetensors"})
 def trained_speculator(
     context: dg.AssetExecutionContext,
     config: SpeculatorConfig,  # type: ignore[valid-type]

@@ -41,3 +41,12 @@ def dataset_asset(
         deps=list(deps),
         **extra,
     )
+
+
+def accelerator_asset(
+    code_version: str, deps: Sequence[Any], kinds: set[str], **extra: Any
+) -> Callable[..., dg.AssetsDefinition]:
+    """A `model` asset whose step holds the accelerator (a vLLM server, training)."""
+    return dataset_asset(
+        "model", code_version, deps=deps, kinds=kinds, pool=ACCELERATOR_POOL, **extra
+    )

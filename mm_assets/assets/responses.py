@@ -7,7 +7,7 @@ import dagster as dg
 
 from mm_assets.assets.config import config_class, settings_from
 from mm_assets.assets.metadata import length_histogram, quarantine_metadata, table_links
-from mm_assets.assets.partitions import ACCELERATOR_POOL, dataset_asset, dataset_spec
+from mm_assets.assets.partitions import accelerator_asset, dataset_spec
 from mm_assets.assets.prep import normalized_conversations
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.domain.model.responses import ResponseSettings
@@ -20,12 +20,10 @@ if TYPE_CHECKING:
 ResponsesConfig = config_class("ResponsesConfig", ResponseSettings)
 
 
-@dataset_asset(
-    "model",
-    code_version="1",
+@accelerator_asset(
+    "1",
     deps=[normalized_conversations],
     kinds={"vllm", "parquet"},
-    pool=ACCELERATOR_POOL,
     check_specs=[dg.AssetCheckSpec(QUARANTINE_CHECK, asset="target_responses", blocking=True)],
 )
 def target_responses(

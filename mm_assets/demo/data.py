@@ -33,20 +33,14 @@ TEMPLATE_STRINGS: tuple[str, ...] = (
     "You are a helpful assistant.",
 )
 
+# fmt: off
 COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (220, 30, 40),
-    "green": (40, 170, 60),
-    "blue": (30, 70, 210),
-    "yellow": (245, 215, 40),
-    "orange": (245, 140, 20),
-    "purple": (130, 50, 170),
-    "pink": (245, 150, 190),
-    "white": (250, 250, 250),
-    "black": (15, 15, 15),
-    "gray": (128, 128, 128),
-    "brown": (120, 75, 35),
-    "cyan": (40, 200, 220),
+    "red": (220, 30, 40), "green": (40, 170, 60), "blue": (30, 70, 210),
+    "yellow": (245, 215, 40), "orange": (245, 140, 20), "purple": (130, 50, 170),
+    "pink": (245, 150, 190), "white": (250, 250, 250), "black": (15, 15, 15),
+    "gray": (128, 128, 128), "brown": (120, 75, 35), "cyan": (40, 200, 220),
 }
+# fmt: on
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "rectangle", "diamond", "hexagon")
 
 # (width, height) of the first images: extreme aspect ratios and the size limits.
