@@ -19,43 +19,24 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.homes import fresh_homes, timed
+
 PARTITION = "demo_sharegpt4v_coco"
 DAGSTER = str(Path(sys.executable).parent / "dagster")
 
 
-def _timed(args: list[str], env: dict[str, str]) -> float:
-    started = time.perf_counter()
-    proc = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return time.perf_counter() - started
-
-
 def _materialize(selection: str, env: dict[str, str]) -> float:
     args = [DAGSTER, "asset", "materialize", "-m", "mm_assets.definitions"]
-    return _timed([*args, "--select", selection, "--partition", PARTITION], env)
+    return timed([*args, "--select", selection, "--partition", PARTITION], env)
 
 
 def run(workdir: Path) -> dict:
-    home, dagster_home = workdir / "home", workdir / "dagster_home"
-    dagster_home.mkdir(parents=True)
-    shutil.copyfile(REPO / "dagster.yaml", dagster_home / "dagster.yaml")
-    env = {
-        **os.environ,
-        "MM_ASSETS_HOME": str(home),
-        "DAGSTER_HOME": str(dagster_home),
-        "MM_ASSETS_DATASETS": str(workdir / "no_user_datasets.yaml"),
-    }
-    env.pop("MM_ASSETS_VLLM_URLS", None)
-    _timed([sys.executable, "-m", "mm_assets.demo", "build"], env)
+    env = fresh_homes(workdir)
+    home = Path(env["MM_ASSETS_HOME"])
     first = _materialize("*trained_speculator", env)
     rerun = _materialize("*trained_speculator", env)
     refresh = _materialize("raw_dataset", env)

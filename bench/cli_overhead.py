@@ -1,13 +1,13 @@
 """The fixed cost of a Dagster CLI run: wall time minus the time the steps themselves took.
 
 Every user pays it on every run: loading the code location in the CLI, starting the step
-processes (the fork server preloads the step code), and Dagster's bookkeeping. Measured
-on the four ingest/prep stages of `demo_sharegpt4v_coco` (no vLLM), in fresh homes:
+processes where there are any, and Dagster's bookkeeping. Measured on the stages up to
+`tokenized_samples` of `demo_sharegpt4v_coco` (no vLLM), in fresh homes:
 
 1. `python -c "import mm_assets.definitions"` in a fresh interpreter (median of 3);
-2. `dagster asset materialize -m mm_assets.definitions --select <the four stages>`,
+2. `dagster asset materialize -m mm_assets.definitions --select '*tokenized_samples'`,
    twice (a first run, then a rerun of the same);
-3. `dg launch --assets <the four stages>` once (when the checkout is a dg project).
+3. `dg launch --assets '*tokenized_samples'` once (when the checkout is a dg project).
 
 `--repo DIR` measures another checkout with this venv (e.g. a worktree of an older
 commit), so two versions compare in one session on the same machine:
@@ -19,29 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.homes import REPO, fresh_homes, timed
+
 PARTITION = "demo_sharegpt4v_coco"
-STAGES = "raw_dataset,coco_image_availability,normalized_conversations,tokenized_samples"
+STAGES = "*tokenized_samples"  # everything up to tokenization, whatever the commit has
 BIN = Path(sys.executable).parent
 
 
-def _timed(args: list[str], env: dict[str, str], cwd: Path) -> float:
-    started = time.perf_counter()
-    proc = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return time.perf_counter() - started
-
-
-def _step_seconds(dagster_home: Path, repo: Path) -> list[float]:
+def _step_seconds(dagster_home: Path) -> list[float]:
     """Summed step seconds of each run in the instance, oldest first (read in a child
     process so this one never imports the measured checkout)."""
     code = (
@@ -57,29 +48,20 @@ def _step_seconds(dagster_home: Path, repo: Path) -> list[float]:
 
 
 def measure(repo: Path, workdir: Path) -> dict:
-    home, dagster_home = workdir / "home", workdir / "dagster_home"
-    dagster_home.mkdir(parents=True)
-    shutil.copyfile(repo / "dagster.yaml", dagster_home / "dagster.yaml")
-    env = {
-        **os.environ,
-        "MM_ASSETS_HOME": str(home),
-        "DAGSTER_HOME": str(dagster_home),
-        "MM_ASSETS_DATASETS": str(workdir / "no_user_datasets.yaml"),
-        "PYTHONPATH": str(repo),
-    }
-    _timed([sys.executable, "-m", "mm_assets.demo", "build"], env, repo)
+    env = fresh_homes(workdir, repo)
+    dagster_home = Path(env["DAGSTER_HOME"])
     imports = [
-        _timed([sys.executable, "-c", "import mm_assets.definitions"], env, repo) for _ in range(3)
+        timed([sys.executable, "-c", "import mm_assets.definitions"], env, repo) for _ in range(3)
     ]
     materialize = [str(BIN / "dagster"), "asset", "materialize", "-m", "mm_assets.definitions"]
     walls = [
-        _timed([*materialize, "--select", STAGES, "--partition", PARTITION], env, repo)
+        timed([*materialize, "--select", STAGES, "--partition", PARTITION], env, repo)
         for _ in range(2)
     ]
     if "[tool.dg]" in (repo / "pyproject.toml").read_text():
         launch = [str(BIN / "dg"), "launch", "--assets", STAGES, "--partition", PARTITION]
-        walls.append(_timed(launch, env, repo))
-    steps = _step_seconds(dagster_home, repo)
+        walls.append(timed(launch, env, repo))
+    steps = _step_seconds(dagster_home)
     names = ["materialize_first", "materialize_rerun", "dg_launch"][: len(walls)]
     return {
         "repo": str(repo),

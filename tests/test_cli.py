@@ -44,8 +44,9 @@ def _latest_metadata(env: dict[str, str], asset: str) -> dict:
 def test_the_whole_chain_through_both_clis(tmp_path: Path, vllm_server) -> None:
     """In a fresh DAGSTER_HOME / MM_ASSETS_HOME: the README's `dagster asset materialize`
     down to the checkpoint (hidden states from the session's vLLM server, the way
-    `MM_ASSETS_VLLM_URLS` points at a fleet; the measurement starts its own), then the
-    same selection with `dg launch`, which finds everything cached."""
+    `MM_ASSETS_VLLM_URLS` points at a fleet; the vLLM measurement of the draft, which
+    `test_speculator.py` covers, is left out with `--config-json` to spare a server
+    start), then the same selection with `dg launch`, which finds everything cached."""
     env = {
         **os.environ,
         "MM_ASSETS_HOME": str(tmp_path / "home"),
@@ -60,7 +61,11 @@ def test_the_whole_chain_through_both_clis(tmp_path: Path, vllm_server) -> None:
     _run([str(BIN / "dagster"), "definitions", "validate", "-m", "mm_assets.definitions"], env)
     assert "All definitions loaded successfully" in _run([str(BIN / "dg"), "check", "defs"], env)
     assert "demo: built" in _run([sys.executable, "-m", "mm_assets.demo", "build"], env)
+    no_measurement = json.dumps(
+        {"ops": {"trained_speculator": {"config": {"measure_in_vllm": False}}}}
+    )
     select = ["--select", "*trained_speculator", "--partition", PARTITION]
+    select += ["--config-json", no_measurement]
     out = _run(
         [str(BIN / "dagster"), "asset", "materialize", "-m", "mm_assets.definitions", *select], env
     )
@@ -79,15 +84,13 @@ def test_the_whole_chain_through_both_clis(tmp_path: Path, vllm_server) -> None:
     written = weights.stat().st_mtime_ns
     assert _latest_metadata(env, "hidden_states")["requests_sent"] > 0
 
-    out = _run(
-        [str(BIN / "dg"), "launch", "--assets", "*trained_speculator", "--partition", PARTITION],
-        env,
-    )
+    launch = [str(BIN / "dg"), "launch", "--assets", "*trained_speculator"]
+    out = _run([*launch, "--partition", PARTITION, "--config-json", no_measurement], env)
     assert "RUN_SUCCESS" in out
     hidden = _latest_metadata(env, "hidden_states")
     assert hidden["requests_sent"] == 0 and hidden["cache_hits"] == count
     trained = _latest_metadata(env, "trained_speculator")
-    assert trained["reused_checkpoint"] is True and trained["vllm_measurement_reused"] is True
+    assert trained["reused_checkpoint"] is True and "vllm_acceptance_length" not in trained
     assert weights.stat().st_mtime_ns == written
     # both runs were recorded in the persistent instance, not an in-memory one
     assert any((tmp_path / "dagster_home").rglob("*.db"))
