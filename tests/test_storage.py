@@ -45,3 +45,18 @@ def test_content_hash_tracks_content(tmp_path: Path) -> None:
 def test_reading_a_missing_partition_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="materialize"):
         TableStore(tmp_path).read("things", "nope")
+
+
+def test_a_written_table_is_in_the_catalog_at_once(tmp_path: Path) -> None:
+    """The view is created by the write itself (storage layer), so the catalog path a
+    user reads in the UI answers without anything else touching it; a new partition of
+    the table needs no new view (views read every partition's file)."""
+    import duckdb
+
+    store = TableStore(tmp_path)
+    store.write("things", "p1", [{"id": 1, "name": "a"}], SCHEMA)
+    with duckdb.connect(str(store.catalog_path), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM things").fetchone() == (1,)
+    store.write("things", "p2", [{"id": 2, "name": "b"}], SCHEMA)
+    with duckdb.connect(str(store.catalog_path), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM things").fetchone() == (2,)
