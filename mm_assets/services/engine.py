@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
+from mm_assets.domain.model.hidden_states import TextConfigFacts, resolve_dtype
 
 
 @dataclass
@@ -43,7 +44,10 @@ class VllmEngine:
     def describe(self) -> str:
         return "managed" if self.managed else ", ".join(self.base_urls)
 
-    def with_dtype(self, dtype: str) -> VllmEngine:
+    def for_target(self, facts: TextConfigFacts) -> VllmEngine:
+        """This engine with its dtype resolved for a target (`auto`: the config's),
+        refusing dtypes the hidden-state store does not know."""
+        dtype = resolve_dtype(self.options.dtype, facts)
         return dataclasses.replace(self, options=dataclasses.replace(self.options, dtype=dtype))
 
     def map_path(self, path: str) -> str:

@@ -38,7 +38,6 @@ from mm_assets.domain.model.hidden_states import (
     ExtractionSettings,
     HiddenStatesLayout,
     human_bytes,
-    resolve_dtype,
 )
 from mm_assets.services.engine import VllmEngine
 from mm_assets.services.target import TargetModel
@@ -310,7 +309,7 @@ class PartitionExtraction:
 
     def run(self) -> ExtractionReport:
         facts = self.target.facts
-        engine = self.engine.with_dtype(resolve_dtype(self.engine.options.dtype, facts))
+        engine = self.engine.for_target(facts)
         layer_ids = self.target.layer_ids(self.settings.layer_ids)
         layout = HiddenStatesLayout(
             self.target.fingerprint, layer_ids, facts.hidden_size, engine.options.dtype

@@ -18,7 +18,7 @@ from mm_assets.clients.vllm_generation import generate_greedy
 from mm_assets.clients.vllm_metrics import spec_decode_counters
 from mm_assets.clients.vllm_server import speculative_decoding_args
 from mm_assets.common.hashing import file_sha256, json_sha256
-from mm_assets.domain.model.hidden_states import resolve_dtype, text_config_facts
+from mm_assets.domain.model.hidden_states import text_config_facts
 from mm_assets.domain.prep.conversations import first_prompt, to_vllm_messages
 from mm_assets.domain.row_ids import sample_id_of
 from mm_assets.services.engine import VllmEngine
@@ -105,10 +105,9 @@ def measure_trained_draft(
     prompts = held_out_prompts(
         tables, job.partition, {r.row_id for r in outcome.held_out}, max_prompts
     )
-    dtype = resolve_dtype(engine.options.dtype, text_config_facts(job.target_config))
     weights_sha256 = outcome.weights_sha256 or file_sha256(outcome.checkpoint / "model.safetensors")
+    engine = engine.for_target(text_config_facts(job.target_config))
     return measured_acceptance(
-        str(job.target_dir), outcome.checkpoint, weights_sha256, prompts,
-        engine.with_dtype(dtype), image_root, log_path, job.settings.speculative_tokens,
-        max_tokens, reuse,
+        str(job.target_dir), outcome.checkpoint, weights_sha256, prompts, engine, image_root,
+        log_path, job.settings.speculative_tokens, max_tokens, reuse,
     )  # fmt: skip
