@@ -49,6 +49,12 @@ demo_regen:
   max_samples: 24
   responses: target
 
+demo_regen_text:
+  path: {SESSION_HOME}/demo/data/sharegpt.jsonl
+  format: sharegpt
+  max_samples: 24
+  responses: target
+
 demo_wrong_root:
   path: {SESSION_HOME}/demo/data/sharegpt4v_coco.json
   format: sharegpt4v

@@ -109,9 +109,10 @@ def test_reruns_and_reorderings_ask_nothing(regenerated, fleet) -> None:
 def test_training_rows_supervise_exactly_the_ids_the_target_generated(
     regenerated, fleet, demo_processor
 ) -> None:
-    """Rows whose template re-tokenizes a reply differently (a random target emits token
-    sequences the tokenizer would never produce) are quarantined; every kept row
-    supervises, span by span, exactly the generated ids (the stop token aside)."""
+    """A random target emits token sequences its tokenizer would never produce: rows with
+    images whose template re-tokenizes a reply differently are quarantined, text-only
+    rows get the generated ids spliced in; every kept row supervises, span by span,
+    exactly the generated ids (the stop token aside)."""
     materialize(PARTITION, ["target_responses"], fleet, run_config=CONFIG)
     result = materialize(PARTITION, ["tokenized_samples"])
     (mat,) = result.asset_materializations_for_node("tokenized_samples")
@@ -135,4 +136,27 @@ def test_training_rows_supervise_exactly_the_ids_the_target_generated(
             text_ids = [t for t in ids if t not in special]
             assert span[: len(text_ids)] == text_ids
             checked += 1
-    assert mat.metadata["token_exact_replies"].value == checked > 0
+    exact, spliced = (
+        mat.metadata["token_exact_replies"].value,
+        mat.metadata["spliced_replies"].value,
+    )
+    assert exact + spliced == checked > 0
+
+
+def test_spliced_text_rows_pass_vllms_token_check(fleet, vllm_server) -> None:
+    """Text rows go to vLLM as token ids, so a reply the template re-tokenizes differently
+    is spliced in as generated; the hidden-state stage then sees vLLM echo exactly those
+    ids for every row (no `token_mismatch`)."""
+    partition = "demo_regen_text"
+    prep = ["raw_dataset", "coco_image_availability", "normalized_conversations"]
+    materialize(partition, prep)
+    materialize(partition, ["target_responses"], fleet, run_config=CONFIG)
+    tokenized = materialize(partition, ["tokenized_samples"])
+    (mat,) = tokenized.asset_materializations_for_node("tokenized_samples")
+    meta = {k: v.value for k, v in mat.metadata.items()}
+    assert meta["spliced_replies"] > 0 and meta["quarantined"] == 0
+    extraction = {"vllm": VllmResource(base_urls=[vllm_server.base_url])}
+    result = materialize(partition, ["hidden_states"], extraction)
+    (hidden,) = result.asset_materializations_for_node("hidden_states")
+    assert hidden.metadata["rejected"].value == 0
+    assert hidden.metadata["rows"].value == meta["rows"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from mm_assets.domain.prep.tokenization import (
     check_generated_ids,
     expand_image_tokens,
     mask_from_spans,
+    splice_generated_ids,
     supervised_runs,
     tokenize_with_pixels,
     truncate,
@@ -167,6 +169,18 @@ def test_generated_ids_are_what_the_row_supervises(demo_processor) -> None:
         check_generated_ids(row, [(1, [*split, stop]), replies[1]], special)
     assert info.value.reason == TokenizeDropReason.RETOKENIZATION_MISMATCH
     assert "reply 0: token" in info.value.detail
+
+    # a text-only row takes the generated ids instead: spliced, then exact
+    spliced_replies = [(1, [*split, stop]), replies[1]]
+    spliced = splice_generated_ids(row, spliced_replies, special, max_length=4096)
+    assert check_generated_ids(spliced, spliced_replies, special) == 2
+    supervised = [t for t, m in zip(spliced.input_ids, spliced.loss_mask, strict=True) if m]
+    assert supervised == [*split, stop, *tok.encode("Blue."), stop]
+    assert len(spliced.input_ids) == len(row.input_ids) + len(split) - len(canonical)
+    first = supervised_runs(row.loss_mask)[0][0]
+    assert spliced.input_ids[:first] == row.input_ids[:first]  # the prompt is untouched
+    with pytest.raises(ValueError, match="text-only"):
+        splice_generated_ids(replace(row, num_images=1), spliced_replies, special, 4096)
 
 
 def test_history_rewriting_template_gives_one_row_per_assistant_turn(demo_processor) -> None:

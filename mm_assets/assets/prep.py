@@ -67,6 +67,7 @@ def tokenized_samples(
         "distinct_supervised_tokens": len(report.frequencies),
         "mask_method": report.mask_method,
         "token_exact_replies": report.exact_replies,
+        "spliced_replies": report.spliced_replies,
         "target_model": target.path,
         "token_lengths": length_histogram(report.lengths),
         **length_stats(report.lengths),

@@ -24,6 +24,7 @@ from mm_assets.domain.prep.tokenization import (
     TokenizeRejected,
     check_generated_ids,
     render_supervision,
+    splice_generated_ids,
 )
 from mm_assets.domain.rejection import RowRejected
 from mm_assets.domain.row_ids import make_row_id
@@ -122,6 +123,8 @@ class TokenizeReport(StageReport):
     mask_method: str = ""
     exact_replies: int = 0
     """Regenerated replies whose supervised tokens are exactly what the target generated."""
+    spliced_replies: int = 0
+    """Regenerated replies (text-only rows) whose generated ids were spliced in."""
     example: str | None = None
     """One row rendered with its supervised tokens marked (a multimodal one if any)."""
 
@@ -153,14 +156,28 @@ def _training_rows(sample: dict, rows: list[TokenizedRow]) -> Iterator[dict[str,
         }
 
 
-def _check_replies(sample: dict, rows: list[TokenizedRow], chat: ChatTokenizer) -> int:
-    """For conversations the target rewrote: every row's supervised tokens are the ids
-    it generated (see `check_generated_ids`)."""
+def _on_policy_rows(
+    sample: dict, rows: list[TokenizedRow], chat: ChatTokenizer, report: TokenizeReport
+) -> list[TokenizedRow]:
+    """For conversations the target rewrote: rows whose supervised tokens are exactly the
+    ids it generated (see `check_generated_ids`); a text-only row the template
+    re-tokenizes differently gets the generated ids spliced in, one with images is
+    refused (`retokenization_mismatch`)."""
     if sample.get("responses") != "target":
-        return 0
+        return rows
     replies = list(zip(sample["reply_turns"], sample["reply_token_ids"], strict=True))
     special = set(chat.tokenizer.all_special_ids)
-    return sum(check_generated_ids(row, replies, special) for row in rows)
+    checked = []
+    for row in rows:
+        try:
+            report.exact_replies += check_generated_ids(row, replies, special)
+        except TokenizeRejected:
+            if row.num_images or row.truncated:
+                raise
+            row = splice_generated_ids(row, replies, special, chat.max_length)
+            report.spliced_replies += check_generated_ids(row, replies, special)
+        checked.append(row)
+    return checked
 
 
 def tokenize_partition(
@@ -181,7 +198,7 @@ def tokenize_partition(
             sizes = list(zip(sample["image_heights"], sample["image_widths"], strict=True))
             try:
                 rows = chat.tokenize(json.loads(sample["turns"]), sizes)
-                report.exact_replies += _check_replies(sample, rows, chat)
+                rows = _on_policy_rows(sample, rows, chat, report)
             except TokenizeRejected as exc:
                 _quarantine(
                     bad, report, sample["source_index"], sample["sample_id"], sample["turns"], exc

@@ -299,6 +299,40 @@ def check_generated_ids(
     return len(runs)
 
 
+def splice_generated_ids(
+    row: TokenizedRow,
+    replies: Sequence[tuple[int, Sequence[int]]],
+    special_ids: set[int],
+    max_length: int,
+) -> TokenizedRow:
+    """The row with each supervised reply replaced by the ids the target generated,
+    followed by the stop tokens the template wrote after the reply; the mask follows.
+    Only for rows without images: vLLM receives those as token ids, while rows with
+    images are rendered by vLLM from their messages and cannot carry other ids."""
+    if row.num_images or row.truncated:
+        raise ValueError("only untruncated text-only rows can be spliced")
+    covered = [list(ids) for index, ids in replies if index < row.num_turns]
+    runs = supervised_runs(row.loss_mask)
+    ids: list[int] = []
+    mask: list[int] = []
+    position = 0
+    for (start, end), generated in zip(runs, covered[len(covered) - len(runs) :], strict=True):
+        tail = end
+        while tail > start and row.input_ids[tail - 1] in special_ids:
+            tail -= 1
+        while generated and generated[-1] in special_ids:
+            generated.pop()
+        reply = [*generated, *row.input_ids[tail:end]]
+        ids += [*row.input_ids[position:start], *reply]
+        mask += [*row.loss_mask[position:start], *[1] * len(reply)]
+        position = end
+    ids += row.input_ids[position:]
+    mask += row.loss_mask[position:]
+    full_length = len(ids)
+    ids, mask, truncated = truncate(ids, mask, max_length, None)
+    return TokenizedRow(ids, mask, row.num_turns, 0, truncated, full_length)
+
+
 def first_mismatch(got: Sequence[int], expected: Sequence[int]) -> str:
     for position, (a, b) in enumerate(zip(got, expected, strict=False)):
         if a != b:
