@@ -48,13 +48,13 @@ def target_responses(
         vllm.engine("responses"), settings, spec.resolved_image_root(),
         storage.log_path(f"vllm_responses_{context.run.run_id}"), context.log.info,
     ).run(spec.responses)  # fmt: skip
-    assert report.written is not None
+    assert report.kept is not None
     return dg.MaterializeResult(
         metadata={
             **responses_metadata(report),
             **table_links(tables, "target_responses", spec.name),
         },
-        data_version=dg.DataVersion(report.written.content_hash),
+        data_version=dg.DataVersion(report.kept.content_hash),
         check_results=[quarantine_check(report, settings.max_quarantine_ratio)],
     )
 
@@ -62,7 +62,7 @@ def target_responses(
 def responses_metadata(report: "RegenerationReport") -> dict[str, Any]:
     lengths = report.reply_lengths
     metadata: dict[str, Any] = {
-        **quarantine_metadata(report.written, report.quarantine, report.reasons),
+        **quarantine_metadata(report.kept, report.quarantine, report.reasons),
         "responses": report.mode,
         "conversations": report.conversations,
     }

@@ -43,7 +43,7 @@ class StageReport:
     reasons: Counter[str] = field(default_factory=Counter)
 
 
-def _quarantine(
+def quarantine_row(
     out: BatchWriter,
     report: StageReport,
     source_index: int,
@@ -51,6 +51,7 @@ def _quarantine(
     record: str,
     exc: RowRejected,
 ) -> None:
+    """One rejected row into a quarantine table, its reason counted in `report`."""
     report.reasons[exc.reason.value] += 1
     out.write(
         {
@@ -95,7 +96,9 @@ def normalize_partition(
                 if sample_id in seen:
                     raise Rejected(DropReason.DUPLICATE_SAMPLE, "same conversation seen earlier")
             except Rejected as exc:
-                _quarantine(quarantine, report, row["source_index"], sample_id, row["record"], exc)
+                quarantine_row(
+                    quarantine, report, row["source_index"], sample_id, row["record"], exc
+                )
                 continue
             seen.add(sample_id)
             kept.write(
@@ -200,7 +203,7 @@ def tokenize_partition(
                 rows = chat.tokenize(json.loads(sample["turns"]), sizes)
                 rows = _on_policy_rows(sample, rows, chat, report)
             except TokenizeRejected as exc:
-                _quarantine(
+                quarantine_row(
                     bad, report, sample["source_index"], sample["sample_id"], sample["turns"], exc
                 )
                 continue

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +39,9 @@ from mm_assets.domain.prep.conversations import to_vllm_messages
 from mm_assets.domain.prep.tokenization import count_images
 from mm_assets.services.engine import VllmEngine
 from mm_assets.services.extraction import ServerUnavailable
+from mm_assets.services.prep import StageReport, quarantine_row
 from mm_assets.services.target import TargetModel
-from mm_assets.storage import TableStore, WrittenTable, schemas
+from mm_assets.storage import TableStore, schemas
 from mm_assets.storage.blobs import BlobStore
 
 SOURCE = "normalized_conversations"
@@ -50,10 +50,10 @@ IMAGE_COLUMNS = ("image_paths", "image_hashes", "image_heights", "image_widths")
 
 
 @dataclass
-class RegenerationReport:
+class RegenerationReport(StageReport):
     """What a `target_responses` run did, for the asset to render."""
 
-    mode: str
+    mode: str = "dataset"
     conversations: int = 0
     cache_hits: int = 0
     requests_sent: int = 0
@@ -61,9 +61,6 @@ class RegenerationReport:
     seconds: float = 0.0
     server: str = ""
     startup_s: float | None = None
-    written: WrittenTable | None = None
-    quarantine: WrittenTable | None = None
-    reasons: Counter[str] = field(default_factory=Counter)
     reply_lengths: list[int] = field(default_factory=list)
     length_capped: int = 0
     cut_short: int = 0
@@ -89,14 +86,14 @@ class TargetRegeneration:
 
     def run(self, mode: str) -> RegenerationReport:
         """`mode` is the dataset's `responses` entry: `target` or `dataset`."""
-        report = RegenerationReport(mode, server=self.engine.describe())
+        report = RegenerationReport(mode=mode, server=self.engine.describe())
         if mode == "dataset":
             rows = (_passthrough(r) for r in self.tables.iter_rows(SOURCE, self.partition))
-            report.written = self.tables.write(TABLE, self.partition, rows,
+            report.kept = self.tables.write(TABLE, self.partition, rows,
                                                schemas.TARGET_RESPONSES)  # fmt: skip
             report.quarantine = self.tables.write(f"{TABLE}_quarantine", self.partition, [],
                                                   schemas.QUARANTINE)  # fmt: skip
-            report.conversations = report.written.num_rows
+            report.conversations = report.kept.num_rows
             return report
         columns = ["sample_id", "turns", "image_hashes"]
         keys = {row["sample_id"]: self._key(row) for row in self._rows(columns)}
@@ -198,11 +195,10 @@ class TargetRegeneration:
                 try:
                     out.write(self._regenerated_row(row, key, regeneration, report))
                 except ResponseRejected as exc:
-                    report.reasons[exc.reason.value] += 1
-                    bad.write({"source_index": row["source_index"], "sample_id": row["sample_id"],
-                               "reason": exc.reason.value, "detail": exc.detail,
-                               "record": row["turns"]})  # fmt: skip
-        report.written, report.quarantine = out.result, bad.result
+                    quarantine_row(
+                        bad, report, row["source_index"], row["sample_id"], row["turns"], exc
+                    )
+        report.kept, report.quarantine = out.result, bad.result
 
     def _regenerated_row(
         self, row: dict[str, Any], key: str, regeneration: Regeneration, report: RegenerationReport
