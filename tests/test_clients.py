@@ -92,6 +92,10 @@ class FakeVllm:
             raise outcome
         if outcome != 200:
             return httpx.Response(outcome, json={"error": {"message": f"status {outcome}"}})
+        if request.url.path == "/inference/v1/generate":
+            ids = [1, 2, 2, 2, 3]  # the image placeholder expanded back by the server
+            params = {"hidden_states_path": HIDDEN_STATES_PATH}
+            return httpx.Response(200, json={"prompt_token_ids": ids, "kv_transfer_params": params})
         chat = request.url.path.endswith("/chat/completions")
         return httpx.Response(200, json=CHAT_COMPLETION if chat else COMPLETION)
 
@@ -193,21 +197,26 @@ def test_text_request_goes_to_completions_with_the_token_ids() -> None:
     assert "messages" not in body
 
 
-def test_chat_request_goes_to_chat_completions_without_a_generation_prompt() -> None:
-    messages = [
-        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-        {"role": "assistant", "content": "hello"},
-    ]
+def test_a_row_with_images_goes_to_the_token_in_route_with_its_images() -> None:
+    """Its ids are sent (placeholder run collapsed) with the images as content parts, to
+    the server root's `/inference/v1/generate`, not under the OpenAI `/v1` prefix."""
+    url = "file:///images/a.png"
     fake = FakeVllm()
-    response = _extract(_client(fake), ExtractionRequest("r0", [4, 5, 6], messages))
-    assert response == ExtractionResponse([4, 5, 6], HIDDEN_STATES_PATH)
-    (request,) = fake.generation_requests
-    assert request.url.path == "/v1/chat/completions"
-    body = json.loads(request.content)
-    assert body["messages"] == messages
-    assert body["add_generation_prompt"] is False
-    assert body["return_token_ids"] is True
-    assert body["max_tokens"] == 1
+    request = ExtractionRequest("r0", [1, 2, 2, 2, 3], (url,), [1, 2, 3])
+    response = _extract(_client(fake), request)
+    assert response == ExtractionResponse([1, 2, 2, 2, 3], HIDDEN_STATES_PATH)
+    (sent,) = fake.generation_requests
+    assert sent.url.path == "/inference/v1/generate"
+    body = json.loads(sent.content)
+    assert body["token_ids"] == [1, 2, 3] and body["model"] == "m"
+    assert body["content_parts"] == [{"type": "image_url", "url": url}]
+    assert body["sampling_params"]["max_tokens"] == 1 and body["return_token_ids"] is True
+
+
+def test_a_server_without_the_token_in_route_is_named_with_the_fix() -> None:
+    request = ExtractionRequest("r0", [1, 2, 2, 3], ("file:///a.png",), [1, 2, 3])
+    with pytest.raises(RequestRefused, match="--enable-scale-out"):
+        _extract(_client(FakeVllm([404])), request)
 
 
 @pytest.mark.parametrize(

@@ -19,13 +19,15 @@ import torch
 from safetensors.torch import load_file
 
 from mm_assets.assets.resources import StorageResource, VllmResource
-from mm_assets.clients.vllm_client import ExtractionRequest, HiddenStatesClient
+from mm_assets.clients.vllm_client import HiddenStatesClient
 from mm_assets.domain.model.hidden_states import (
     HiddenStatesLayout,
+    TextConfigFacts,
     default_layer_ids,
     target_fingerprint,
+    text_config_facts,
 )
-from mm_assets.services.extraction import plan_extraction, run_extraction
+from mm_assets.services.extraction import plan_extraction, requests_for, run_extraction
 from mm_assets.storage.blobs import BlobStore
 from tests.conftest import PREP_ASSETS, SESSION_HOME, materialize
 
@@ -137,6 +139,10 @@ def test_parity_with_transformers(extracted, demo_dir: Path, multimodal: bool) -
     print(f"parity {partition}: max abs diff {error:.2e}")
 
 
+def target_facts(demo_dir: Path) -> TextConfigFacts:
+    return text_config_facts(json.loads((demo_dir / "target" / "config.json").read_text()))
+
+
 def _settings(demo_dir: Path) -> HiddenStatesLayout:
     return HiddenStatesLayout(
         target_fingerprint(demo_dir / "target"), default_layer_ids(8), 64, "float32"
@@ -146,40 +152,52 @@ def _settings(demo_dir: Path) -> HiddenStatesLayout:
 def test_token_mismatch_is_rejected_and_nothing_stored(
     extracted, vllm_server, demo_dir, tmp_path
 ) -> None:
+    """A row whose image token count disagrees with what vLLM's processor expands the
+    image to (a wrong processor config, a resized image) is rejected, not stored."""
     tables = StorageResource().tables()
     row = next(
         r for r in tables.iter_rows("tokenized_samples", "demo_sharegpt4v_coco") if r["multimodal"]
     )
-    altered = list(row["input_ids"])
-    altered[3] = (altered[3] + 1) % 500  # a text token no longer matching the messages
+    image_token = target_facts(demo_dir).image_token_id
+    ids = list(row["input_ids"])
+    first = ids.index(image_token)
+    altered = ids[:first] + ids[first + 1 :]  # one placeholder short
     rows = [{**row, "input_ids": altered}]
     blobs = BlobStore(tmp_path)
     settings = _settings(demo_dir)
     plan = plan_extraction(rows, settings, blobs)
     client = HiddenStatesClient([vllm_server.base_url], concurrency=1)
-    request = ExtractionRequest(row["row_id"], altered, json.loads(row["messages"]))
+    (request,) = requests_for(rows, {row["row_id"]}, image_token)
+    assert request.image_urls and request.prompt_ids.count(image_token) == 1
     report = run_extraction(client, [request], plan, settings, blobs)
     assert report.stored == 0 and len(report.rejections) == 1
     assert report.rejections[0]["reason"] == "token_mismatch"
-    assert "position 3" in report.rejections[0]["detail"]
+    assert (
+        f"position {ids.index(image_token) + ids.count(image_token) - 1}"
+        in (report.rejections[0]["detail"])
+    )
     assert not any(blobs.dir.rglob("*.safetensors"))
 
 
 def test_blocking_check_fails_on_rejections(demo_dir, external) -> None:
-    """A partition whose stored ids disagree with vLLM's rendering fails its check."""
+    """A partition whose stored ids disagree with what vLLM makes of them (here: image
+    placeholder runs one token short of the processor's count) fails its check."""
     from mm_assets.storage import schemas
 
     partition = "demo_tampered"
     materialize(partition, PREP_ASSETS)
     tables = StorageResource().tables()
-    rows = list(tables.iter_rows("tokenized_samples", partition))[:10]
+    rows = [r for r in tables.iter_rows("tokenized_samples", partition) if r["multimodal"]][:10]
+    image_token = target_facts(demo_dir).image_token_id
     for row in rows[:2]:
-        ids = row["input_ids"]
-        row["input_ids"] = [ids[0], *[(t + 1) % 700 for t in ids[1:5]], *ids[5:]]
+        ids = list(row["input_ids"])
+        del ids[ids.index(image_token)]
+        row["input_ids"], row["loss_mask"] = ids, row["loss_mask"][1:]
+        row["seq_len"] = len(ids)
     tables.write("tokenized_samples", partition, rows, schemas.TOKENIZED)
     result = materialize(partition, ["hidden_states"], external, raise_on_error=False)
     (check,) = result.get_asset_check_evaluations()
-    assert not check.passed and "2/10" in check.description and "chat template" in check.description
+    assert not check.passed and "2/10" in check.description and "processor" in check.description
     rejected = {
         r["row_id"]: r["reason"] for r in tables.iter_rows("hidden_states_rejections", partition)
     }

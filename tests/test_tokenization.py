@@ -170,7 +170,7 @@ def test_generated_ids_are_what_the_row_supervises(demo_processor) -> None:
     assert info.value.reason == TokenizeDropReason.RETOKENIZATION_MISMATCH
     assert "reply 0: token" in info.value.detail
 
-    # a text-only row takes the generated ids instead: spliced, then exact
+    # the row takes the generated ids instead: spliced, then exact
     spliced_replies = [(1, [*split, stop]), replies[1]]
     spliced = splice_generated_ids(row, spliced_replies, special, max_length=4096)
     assert check_generated_ids(spliced, spliced_replies, special) == 2
@@ -179,8 +179,8 @@ def test_generated_ids_are_what_the_row_supervises(demo_processor) -> None:
     assert len(spliced.input_ids) == len(row.input_ids) + len(split) - len(canonical)
     first = supervised_runs(row.loss_mask)[0][0]
     assert spliced.input_ids[:first] == row.input_ids[:first]  # the prompt is untouched
-    with pytest.raises(ValueError, match="text-only"):
-        splice_generated_ids(replace(row, num_images=1), spliced_replies, special, 4096)
+    with pytest.raises(ValueError, match="truncated"):  # the cut reply's end is missing
+        splice_generated_ids(replace(row, truncated=True), spliced_replies, special, 4096)
 
 
 def test_history_rewriting_template_gives_one_row_per_assistant_turn(demo_processor) -> None:

@@ -1,10 +1,14 @@
 """Requests to vLLM servers through the `openai` client: hidden-state extraction and
 chat generation, spread over one or more servers.
 
-Extraction: text rows go to Completions with their token ids as the prompt; multimodal
-rows go to Chat Completions with their messages (images as `file://` URLs, rendered by
-vLLM with the same chat template), without a generation prompt. Both ask for one token
-and for the prompt token ids, which the caller compares with the stored ones.
+Extraction: every row is sent as its token ids, so the hidden states belong to exactly
+the tokens the trainer reads (including replies whose ids a re-tokenization of their
+text would not give back). Text rows go to Completions; rows with images go to vLLM's
+token-in route `/inference/v1/generate` (served with `--enable-scale-out`) with each
+image's placeholder run collapsed to one token and the images as `file://` content
+parts, which vLLM expands again through the model's processor. Both ask for one token
+and for the prompt token ids, which the caller compares with the stored ones (a
+different image token count shows up there).
 Generation: Chat Completions with the sampling settings, asking for the generated token
 ids (`return_token_ids`), so the trainer can see exactly what the target produced.
 
@@ -25,6 +29,7 @@ from typing import Any, TypeVar
 import httpx
 import openai
 
+TOKEN_IN_PATH = "/inference/v1/generate"
 TRANSIENT = (
     openai.APIConnectionError,
     openai.APITimeoutError,
@@ -37,7 +42,11 @@ TRANSIENT = (
 class ExtractionRequest:
     row_id: str
     input_ids: list[int]
-    messages: list[dict[str, Any]] | None = None  # multimodal rows
+    image_urls: tuple[str, ...] = ()
+    """The row's images (`file://` URLs), in order."""
+    prompt_ids: list[int] | None = None
+    """The ids sent for a row with images: `input_ids` with each placeholder run
+    collapsed to one token (vLLM expands it from the image)."""
 
     @property
     def num_tokens(self) -> int:
@@ -135,6 +144,7 @@ class VllmClient:
             raise ValueError("no vLLM base URL to send requests to")
         self.servers = [_Server(url, api_key, timeout_s, http_client) for url in base_urls]
         self.concurrency = concurrency
+        self.in_flight = asyncio.Semaphore(concurrency)
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.breaker_failures = breaker_failures
@@ -147,6 +157,7 @@ class VllmClient:
     async def call(self, send: Callable[[Any, str], Awaitable[Result]]) -> Result:
         """`send(openai_client, model)` on the least busy server, with retries."""
         for attempt in range(self.max_retries + 1):
+            await self.in_flight.acquire()
             server = self._pick()
             server.in_flight += 1
             try:
@@ -172,6 +183,7 @@ class VllmClient:
                 ) from exc
             finally:
                 server.in_flight -= 1
+                self.in_flight.release()
             self._consecutive_failures = 0
             return result
         raise AssertionError("unreachable")
@@ -181,18 +193,22 @@ class VllmClient:
         items: Iterable[Item],
         work: Callable[[Item], Awaitable[Result]],
         handle: Callable[[Item, Result | Exception], Awaitable[None]],
+        workers: int | None = None,
     ) -> None:
-        """`work` on every item with at most `concurrency` in flight; `handle` gets each
-        result or per-item `RequestRefused`. Handling (e.g. storing a file) runs beside
-        the next requests instead of holding a slot. A `CircuitOpen` stops everything
-        and propagates."""
-        queue: asyncio.Queue[Item | None] = asyncio.Queue(self.concurrency * 2)
-        handling = asyncio.Semaphore(self.concurrency * 4)
+        """`work` on every item with at most `workers` items (default `concurrency`) and
+        `concurrency` requests in flight; `handle` gets each result or per-item
+        `RequestRefused`. Handling (e.g. storing a file) runs beside the next requests
+        instead of holding a slot. A `CircuitOpen` stops everything and propagates.
+        Items of several requests each (a conversation's turns) take more workers than
+        requests, so a slot freed between two turns goes to another item."""
+        workers = workers or self.concurrency
+        queue: asyncio.Queue[Item | None] = asyncio.Queue(workers * 2)
+        handling = asyncio.Semaphore(workers * 4)
 
         async def produce() -> None:
             for item in items:
                 await queue.put(item)
-            for _ in range(self.concurrency):
+            for _ in range(workers):
                 await queue.put(None)
 
         async def handle_and_release(item: Item, outcome: Result | Exception) -> None:
@@ -212,7 +228,7 @@ class VllmClient:
 
         async with asyncio.TaskGroup() as group:
             group.create_task(produce())
-            for _ in range(self.concurrency):
+            for _ in range(workers):
                 group.create_task(worker(group))
 
     async def close(self) -> None:
@@ -228,7 +244,7 @@ class HiddenStatesClient(VllmClient):
         """One sample, with retries on transient errors."""
 
         async def send(client: openai.AsyncOpenAI, model: str) -> ExtractionResponse:
-            if request.messages is None:
+            if not request.image_urls:
                 response: Any = await client.completions.create(
                     model=model,
                     prompt=request.input_ids,
@@ -236,19 +252,24 @@ class HiddenStatesClient(VllmClient):
                     temperature=0.0,
                     extra_body={"return_token_ids": True},
                 )
-            else:
-                response = await client.chat.completions.create(
-                    model=model,
-                    messages=request.messages,  # type: ignore[arg-type]
-                    max_tokens=1,
-                    temperature=0.0,
-                    extra_body={
-                        "add_generation_prompt": False,
-                        "continue_final_message": False,
-                        "return_token_ids": True,
-                    },
-                )
-            return parse_response(response.model_dump())
+                return parse_response(response.model_dump())
+            body = {
+                "model": model,
+                "token_ids": request.prompt_ids or request.input_ids,
+                "content_parts": [{"type": "image_url", "url": u} for u in request.image_urls],
+                "sampling_params": {"max_tokens": 1, "temperature": 0.0},
+                "return_token_ids": True,
+            }
+            url = client.base_url.copy_with(path=TOKEN_IN_PATH)
+            try:
+                payload = await client.post(str(url), cast_to=httpx.Response, body=body)
+            except openai.NotFoundError as exc:
+                raise RequestRefused(
+                    f"{url} not found: start the extraction servers with --enable-scale-out "
+                    "(rows with images are sent as token ids through it)",
+                    404,
+                ) from exc
+            return parse_response(payload.json())
 
         return await self.call(send)
 

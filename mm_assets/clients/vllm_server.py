@@ -62,7 +62,9 @@ def extraction_args(layer_ids: Sequence[int], hidden_states_dir: Path, connector
         layer_ids, hidden_states_dir, uses_cpu_connector(connector)
     )
     hidden_states_dir.mkdir(parents=True, exist_ok=True)
-    return ["--speculative-config", speculative, "--kv-transfer-config", transfer]
+    # --enable-scale-out: the token-in route rows with images are sent through
+    return ["--speculative-config", speculative, "--kv-transfer-config", transfer,
+            "--enable-scale-out"]  # fmt: skip
 
 
 def speculative_decoding_args(draft_dir: Path, num_speculative_tokens: int) -> list[str]:

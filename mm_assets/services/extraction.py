@@ -39,6 +39,8 @@ from mm_assets.domain.model.hidden_states import (
     HiddenStatesLayout,
     human_bytes,
 )
+from mm_assets.domain.prep.conversations import image_urls
+from mm_assets.domain.prep.tokenization import collapse_image_tokens
 from mm_assets.services.engine import VllmEngine
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, WrittenTable, schemas
@@ -106,11 +108,27 @@ def manifest_rows(
         }
 
 
-def requests_for(rows: Iterable[dict], missing: set[str]) -> Iterator[ExtractionRequest]:
+def requests_for(
+    rows: Iterable[dict], missing: set[str], image_token_id: int | None
+) -> Iterator[ExtractionRequest]:
+    """Requests for the missing rows; a row with images carries their URLs (from its
+    `messages`) and its ids with the placeholder runs collapsed."""
     for row in rows:
-        if row["row_id"] in missing:
-            messages = json.loads(row["messages"]) if row["messages"] else None
-            yield ExtractionRequest(row["row_id"], list(row["input_ids"]), messages)
+        if row["row_id"] not in missing:
+            continue
+        ids = list(row["input_ids"])
+        urls = tuple(image_urls(json.loads(row["messages"]))) if row["messages"] else ()
+        if urls and image_token_id is None:
+            raise ValueError(
+                f"row {row['row_id']} has images but the target's config names no image "
+                "token (image_token_id / image_token_index); is it a vision-language model?"
+            )
+        prompt = (
+            collapse_image_tokens(ids, image_token_id)
+            if urls and image_token_id is not None
+            else None
+        )
+        yield ExtractionRequest(row["row_id"], ids, urls, prompt)
 
 
 class DiskBudgetError(RuntimeError):
@@ -354,7 +372,7 @@ class PartitionExtraction:
             )  # fmt: skip
             columns = ["row_id", "input_ids", "messages"]
             rows = self.tables.iter_rows(TOKENIZED, self.partition, columns)
-            requests = requests_for(rows, report.plan.missing)
+            requests = requests_for(rows, report.plan.missing, self.target.facts.image_token_id)
             try:
                 report.tally = run_extraction(
                     client, requests, report.plan, report.layout, self.blobs, self.log,

@@ -127,7 +127,7 @@ class TokenizeReport(StageReport):
     exact_replies: int = 0
     """Regenerated replies whose supervised tokens are exactly what the target generated."""
     spliced_replies: int = 0
-    """Regenerated replies (text-only rows) whose generated ids were spliced in."""
+    """Regenerated replies whose generated ids were spliced in."""
     example: str | None = None
     """One row rendered with its supervised tokens marked (a multimodal one if any)."""
 
@@ -163,9 +163,9 @@ def _on_policy_rows(
     sample: dict, rows: list[TokenizedRow], chat: ChatTokenizer, report: TokenizeReport
 ) -> list[TokenizedRow]:
     """For conversations the target rewrote: rows whose supervised tokens are exactly the
-    ids it generated (see `check_generated_ids`); a text-only row the template
-    re-tokenizes differently gets the generated ids spliced in, one with images is
-    refused (`retokenization_mismatch`)."""
+    ids it generated (see `check_generated_ids`); a row the template re-tokenizes
+    differently gets the generated ids spliced in, unless it was truncated
+    (`retokenization_mismatch`)."""
     if sample.get("responses") != "target":
         return rows
     replies = list(zip(sample["reply_turns"], sample["reply_token_ids"], strict=True))
@@ -175,9 +175,9 @@ def _on_policy_rows(
         try:
             report.exact_replies += check_generated_ids(row, replies, special)
         except TokenizeRejected:
-            if row.num_images or row.truncated:
+            if row.truncated:
                 raise
-            row = splice_generated_ids(row, replies, special, chat.max_length)
+            row = splice_generated_ids(row, replies, special, chat.max_length, chat.image_token_id)
             report.spliced_replies += check_generated_ids(row, replies, special)
         checked.append(row)
     return checked

@@ -47,13 +47,20 @@ class TextConfigFacts:
     num_layers: int
     hidden_size: int
     dtype: str
+    image_token_id: int | None = None
+    """The placeholder token each image expands to a run of (vision-language targets)."""
 
 
 def text_config_facts(config: Mapping) -> TextConfigFacts:
-    """Layers, width and dtype of the language model (`text_config` for VLMs)."""
+    """Layers, width and dtype of the language model (`text_config` for VLMs), and the
+    image placeholder id (`image_token_id`, or LLaVA's `image_token_index`)."""
     text = config.get("text_config") or config
     dtype = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or "float32"
-    return TextConfigFacts(int(text["num_hidden_layers"]), int(text["hidden_size"]), str(dtype))
+    image = config.get("image_token_id", config.get("image_token_index"))
+    return TextConfigFacts(
+        int(text["num_hidden_layers"]), int(text["hidden_size"]), str(dtype),
+        None if image is None else int(image),
+    )  # fmt: skip
 
 
 def target_fingerprint(model_dir: Path) -> str:

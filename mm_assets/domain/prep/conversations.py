@@ -294,6 +294,17 @@ def to_vllm_messages(turns: list[Turn]) -> list[dict[str, Any]]:
     ]
 
 
+def image_urls(messages: list[dict[str, Any]]) -> list[str]:
+    """The image URLs of `to_vllm_messages` output, in order."""
+    return [
+        part["image_url"]["url"]
+        for message in messages
+        if not isinstance(message["content"], str)
+        for part in message["content"]
+        if part["type"] == "image_url"
+    ]
+
+
 def first_prompt(turns: list[Turn]) -> list[Turn] | None:
     """The conversation up to its first assistant turn: a prompt to generate from."""
     for index, turn in enumerate(turns):

@@ -111,6 +111,16 @@ def expand_image_tokens(
     return out_ids, out_mask
 
 
+def collapse_image_tokens(ids: Sequence[int], image_token_id: int) -> list[int]:
+    """Each run of image placeholder tokens as one token: the prompt form vLLM expands
+    again from the image itself (the inverse of `expand_image_tokens`)."""
+    return [
+        token
+        for i, token in enumerate(ids)
+        if not (token == image_token_id and i and ids[i - 1] == image_token_id)
+    ]
+
+
 def truncate(
     ids: list[int], mask: list[int], max_length: int, image_token_id: int | None
 ) -> tuple[list[int], list[int], bool]:
@@ -304,13 +314,15 @@ def splice_generated_ids(
     replies: Sequence[tuple[int, Sequence[int]]],
     special_ids: set[int],
     max_length: int,
+    image_token_id: int | None = None,
 ) -> TokenizedRow:
     """The row with each supervised reply replaced by the ids the target generated,
     followed by the stop tokens the template wrote after the reply; the mask follows.
-    Only for rows without images: vLLM receives those as token ids, while rows with
-    images are rendered by vLLM from their messages and cannot carry other ids."""
-    if row.num_images or row.truncated:
-        raise ValueError("only untruncated text-only rows can be spliced")
+    vLLM receives every row as token ids (images expanded from their placeholders), so
+    the hidden states are those of exactly these ids. A truncated row is refused: the
+    cut reply's end is not in it."""
+    if row.truncated:
+        raise ValueError("a truncated row cannot be spliced")
     covered = [list(ids) for index, ids in replies if index < row.num_turns]
     runs = supervised_runs(row.loss_mask)
     ids: list[int] = []
@@ -329,8 +341,8 @@ def splice_generated_ids(
     ids += row.input_ids[position:]
     mask += row.loss_mask[position:]
     full_length = len(ids)
-    ids, mask, truncated = truncate(ids, mask, max_length, None)
-    return TokenizedRow(ids, mask, row.num_turns, 0, truncated, full_length)
+    ids, mask, truncated = truncate(ids, mask, max_length, image_token_id)
+    return TokenizedRow(ids, mask, row.num_turns, row.num_images, truncated, full_length)
 
 
 def first_mismatch(got: Sequence[int], expected: Sequence[int]) -> str:
