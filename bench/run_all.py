@@ -19,7 +19,12 @@ def main() -> None:
         (Path(tmp) / "train").mkdir()
         results["train_speed"] = train_speed.run(Path(tmp) / "train")
     # fresh processes: each sets its own homes and datasets before mm_assets is imported
-    for name in ("hidden_states_throughput", "cached_rerun", "cli_overhead"):
+    for name in (
+        "hidden_states_throughput",
+        "regeneration_throughput",
+        "cached_rerun",
+        "cli_overhead",
+    ):
         out = subprocess.run(
             [sys.executable, "-m", f"bench.{name}"],
             capture_output=True,

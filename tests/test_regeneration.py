@@ -5,17 +5,24 @@ regenerated conversations tokenize into training rows."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import signal
+import threading
+import time
 
 import dagster as dg
 import openai
+import psutil
 import pytest
 
 from mm_assets.assets.resources import StorageResource, VllmResource
 from mm_assets.domain.model.responses import assistant_indices
 from mm_assets.domain.prep.conversations import to_vllm_messages
 from mm_assets.storage import schemas
-from tests.conftest import materialize
+from tests.conftest import SESSION_HOME, materialize
 
 pytestmark = pytest.mark.slow
 PARTITION = "demo_regen"  # 24 ShareGPT4V demo records, `responses: target`
@@ -109,19 +116,19 @@ def test_reruns_and_reorderings_ask_nothing(regenerated, fleet) -> None:
 def test_training_rows_supervise_exactly_the_ids_the_target_generated(
     regenerated, fleet, demo_processor
 ) -> None:
-    """A random target emits token sequences its tokenizer would never produce: rows with
-    images whose template re-tokenizes a reply differently are quarantined, text-only
-    rows get the generated ids spliced in; every kept row supervises, span by span,
-    exactly the generated ids (the stop token aside)."""
+    """A random target emits token sequences its tokenizer would never produce (byte
+    pieces that do not even decode): such replies are spliced in as generated, with or
+    without images, and every row supervises, span by span, exactly the generated ids
+    (the stop token aside); none is lost."""
     materialize(PARTITION, ["target_responses"], fleet, run_config=CONFIG)
     result = materialize(PARTITION, ["tokenized_samples"])
     (mat,) = result.asset_materializations_for_node("tokenized_samples")
     tables = StorageResource().tables()
     replies = {r["sample_id"]: r for r in tables.iter_rows("target_responses", PARTITION)}
-    quarantined = list(tables.iter_rows("tokenized_samples_quarantine", PARTITION))
-    assert {q["reason"] for q in quarantined} <= {"retokenization_mismatch"}
+    assert not list(tables.iter_rows("tokenized_samples_quarantine", PARTITION))
     rows = list(tables.iter_rows("tokenized_samples", PARTITION))
-    assert len(rows) + len(quarantined) == len(replies) and rows
+    assert {r["sample_id"] for r in rows} == set(replies)
+    assert any(r["multimodal"] for r in rows)
     special, checked = set(demo_processor.tokenizer.all_special_ids), 0
     for row in rows:
         spans, current = [], []
@@ -140,14 +147,15 @@ def test_training_rows_supervise_exactly_the_ids_the_target_generated(
         mat.metadata["token_exact_replies"].value,
         mat.metadata["spliced_replies"].value,
     )
-    assert exact + spliced == checked > 0
+    assert exact + spliced == checked > 0 and spliced > 0
 
 
-def test_spliced_text_rows_pass_vllms_token_check(fleet, vllm_server) -> None:
-    """Text rows go to vLLM as token ids, so a reply the template re-tokenizes differently
-    is spliced in as generated; the hidden-state stage then sees vLLM echo exactly those
+@pytest.mark.parametrize("partition", ["demo_regen", "demo_regen_text"])
+def test_spliced_rows_pass_vllms_token_check(partition, fleet, vllm_server) -> None:
+    """Every row goes to vLLM as token ids (rows with images through the token-in route,
+    the images expanded by vLLM), so a reply the template re-tokenizes differently is
+    spliced in as generated; the hidden-state stage then sees vLLM echo exactly those
     ids for every row (no `token_mismatch`)."""
-    partition = "demo_regen_text"
     prep = ["raw_dataset", "coco_image_availability", "normalized_conversations"]
     materialize(partition, prep)
     materialize(partition, ["target_responses"], fleet, run_config=CONFIG)
@@ -160,3 +168,73 @@ def test_spliced_text_rows_pass_vllms_token_check(fleet, vllm_server) -> None:
     (hidden,) = result.asset_materializations_for_node("hidden_states")
     assert hidden.metadata["rejected"].value == 0
     assert hidden.metadata["rows"].value == meta["rows"]
+
+
+def _api_servers() -> set[int]:
+    """vLLM API servers this test process started (not another process's)."""
+    servers = set()
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "api_server" in " ".join(proc.cmdline()):
+                servers.add(proc.pid)
+    return servers
+
+
+def _kill_server_when(blob_dir, count: int) -> threading.Thread:
+    """SIGKILL the vLLM server started after this call (whole group; the session's
+    servers run on) once `count` replies are stored."""
+    running = _api_servers()
+
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if len(list(blob_dir.rglob("*.json"))) >= count:
+                for pid in _api_servers() - running:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(os.getpgid(pid), signal.SIGKILL)
+                        return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_killed_server_fails_the_step_and_the_rerun_resumes(regenerated, fleet, tmp_path) -> None:
+    """Managed mode: the server dies mid-run and the step fails cleanly; the rerun (on
+    the session's server, to spare a start) asks only for the conversations not stored,
+    keeps every stored reply as it was, and writes each conversation exactly once, under
+    the key of the uninterrupted run."""
+    root = tmp_path / "home"
+    for table in ("normalized_conversations",):
+        src = SESSION_HOME / "tables" / table / f"dataset={PARTITION}" / "data.parquet"
+        dest = root / "tables" / table / f"dataset={PARTITION}" / "data.parquet"
+        dest.parent.mkdir(parents=True)
+        shutil.copyfile(src, dest)
+    storage = StorageResource(root=str(root))
+    blob_dir = storage.blobs("responses").dir
+    slow = {**SETTINGS, "concurrency": 1, "breaker_failures": 2, "max_retries": 1}
+    watcher = _kill_server_when(blob_dir, 6)
+    managed = {"storage": storage, "vllm": VllmResource(dtype="float32", kv_cache_gib=1.0)}
+    first = materialize(
+        PARTITION, ["target_responses"], managed, raise_on_error=False,
+        run_config={"ops": {"target_responses": {"config": slow}}},
+    )  # fmt: skip
+    watcher.join(timeout=5)
+    assert not first.success
+    failure = next(e for e in first.all_events if e.event_type_value == "STEP_FAILURE")
+    assert "rerun to resume" in str(failure.event_specific_data.error)
+    stored = {p: p.read_bytes() for p in blob_dir.rglob("*.json")}
+    total = regenerated["metadata"]["conversations"]
+    assert 6 <= len(stored) < total and not any(blob_dir.rglob("*.tmp"))
+
+    resumed = {"storage": storage, **fleet}
+    second = _metadata(materialize(PARTITION, ["target_responses"], resumed, run_config=CONFIG))
+    assert second["cache_hits"] == len(stored)
+    assert all(p.read_bytes() == data for p, data in stored.items())  # not asked again
+    rows = list(storage.tables().iter_rows("target_responses", PARTITION))
+    quarantined = list(storage.tables().iter_rows("target_responses_quarantine", PARTITION))
+    ids = [r["sample_id"] for r in rows] + [q["sample_id"] for q in quarantined]
+    assert len(ids) == len(set(ids)) == total
+    reference = {r["sample_id"]: r["response_key"] for r in regenerated["rows"]}
+    assert {r["sample_id"]: r["response_key"] for r in rows} == reference

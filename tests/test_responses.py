@@ -49,14 +49,17 @@ def test_each_prompt_holds_the_targets_earlier_replies_and_the_users_turns() -> 
 
 def test_the_key_follows_the_prompt_side_not_the_dataset_answers() -> None:
     settings = ResponseSettings()
-    key = response_key("target", settings, TURNS, ["sha-a"])
+    key = response_key("target", "float32", settings, TURNS, ["sha-a"])
     other_answers = [*TURNS[:2], {"role": "assistant", "content": "x"}, *TURNS[3:]]
-    assert response_key("target", settings, other_answers, ["sha-a"]) == key
-    assert response_key("target", settings, TURNS, ["sha-b"]) != key  # other image bytes
-    assert response_key("other", settings, TURNS, ["sha-a"]) != key
-    assert response_key("target", ResponseSettings(max_tokens=8), TURNS, ["sha-a"]) != key
+    assert response_key("target", "float32", settings, other_answers, ["sha-a"]) == key
+    assert response_key("target", "float32", settings, TURNS, ["sha-b"]) != key  # other image bytes
+    assert response_key("other", "float32", settings, TURNS, ["sha-a"]) != key
+    assert (
+        response_key("target", "float32", ResponseSettings(max_tokens=8), TURNS, ["sha-a"]) != key
+    )
+    assert response_key("target", "bfloat16", settings, TURNS, ["sha-a"]) != key  # numerics
     edited = [*TURNS[:3], {"role": "user", "content": "And the size?"}, TURNS[4]]
-    assert response_key("target", settings, edited, ["sha-a"]) != key
+    assert response_key("target", "float32", settings, edited, ["sha-a"]) != key
 
 
 @pytest.mark.parametrize(

@@ -86,7 +86,7 @@ class TargetRegeneration:
 
     def run(self, mode: str) -> RegenerationReport:
         """`mode` is the dataset's `responses` entry: `target` or `dataset`."""
-        report = RegenerationReport(mode=mode, server=self.engine.describe())
+        report = RegenerationReport(mode=mode, server=self._engine.describe())
         if mode == "dataset":
             rows = (_passthrough(r) for r in self.tables.iter_rows(SOURCE, self.partition))
             report.kept = self.tables.write(TABLE, self.partition, rows,
@@ -112,9 +112,18 @@ class TargetRegeneration:
     def _turns(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         return with_system_prompt(json.loads(row["turns"]), self.settings.system_prompt)
 
+    @property
+    def _engine(self) -> VllmEngine:
+        """Served at the dtype extraction and measurement use, so the replies are the
+        greedy continuations the deployed target writes (bf16 and fp32 differ)."""
+        return self.engine.for_target(self.target.facts)
+
     def _key(self, row: dict[str, Any]) -> str:
         turns = json.loads(row["turns"])
-        return response_key(self.target.fingerprint, self.settings, turns, row["image_hashes"])
+        return response_key(
+            self.target.fingerprint, self._engine.options.dtype, self.settings, turns,
+            row["image_hashes"],
+        )  # fmt: skip
 
     def _generate(
         self,
@@ -125,14 +134,15 @@ class TargetRegeneration:
     ) -> None:
         """Start (or reach) the servers and regenerate the missing conversations."""
         model = str(self.target.local_dir)
-        with self.engine.session(model, [], self.image_root, self.log_path) as session:
+        engine = self._engine
+        with engine.session(model, [], self.image_root, self.log_path) as session:
             if session.managed:
                 report.startup_s = session.managed.startup_seconds
                 self.log(f"vLLM started in {report.startup_s:.1f}s, log {self.log_path}")
             s = self.settings
             client = ChatClient(
                 session.base_urls, s.concurrency, s.request_timeout_s, s.max_retries,
-                s.breaker_failures, self.engine.api_key,
+                s.breaker_failures, engine.api_key,
             )  # fmt: skip
             rows = (r for r in self._rows() if r["sample_id"] in missing)
             try:
@@ -163,15 +173,19 @@ class TargetRegeneration:
                 outcome = Regeneration([], ResponseProblem.GENERATION_ERROR, str(outcome))
             if outcome.problem == ResponseProblem.GENERATION_ERROR:
                 unstored[row["sample_id"]] = outcome
-            else:
-                self.store.put_json(outcome.as_json(), keys[row["sample_id"]])
+            else:  # fsynced: off the event loop, which keeps sending meanwhile
+                await asyncio.to_thread(
+                    self.store.put_json, outcome.as_json(), keys[row["sample_id"]]
+                )
             report.generated_tokens += sum(len(r.token_ids) for r in outcome.replies)
             done[0] += 1
             rate = report.generated_tokens / max(time.perf_counter() - started, 1e-9)
             progress.update(done[0], f"{rate:,.0f} tok/s")
 
         try:
-            await client.map(rows, ask, keep)
+            # a conversation holds its worker through its turns: twice the workers keep
+            # `concurrency` requests in flight while some wait between turns or finish
+            await client.map(rows, ask, keep, workers=2 * client.concurrency)
         except* CircuitOpen as group:
             raise group.exceptions[0] from None
         finally:

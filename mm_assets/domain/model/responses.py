@@ -90,11 +90,13 @@ def assistant_indices(turns: list[Turn]) -> list[int]:
 
 def response_key(
     target_fingerprint: str,
+    dtype: str,
     settings: ResponseSettings,
     turns: list[Turn],
     image_hashes: list[str],
 ) -> str:
-    """What the replies depend on: the target, the sampling settings and the prompt side
+    """What the replies depend on: the target and the dtype it is served at, the sampling
+    settings and the prompt side
     of the conversation (every turn but the assistant's text, images by content), so a
     rerun, a reordering or an edit of another row reuses them."""
     prompt_side = [
@@ -102,7 +104,7 @@ def response_key(
         for t in canonical_turns(with_system_prompt(turns, settings.system_prompt), image_hashes)
     ]
     sampling = {**settings.sampling(), "system_prompt": settings.system_prompt}
-    return json_sha256([RESPONSES_VERSION, target_fingerprint, sampling, prompt_side])
+    return json_sha256([RESPONSES_VERSION, target_fingerprint, dtype, sampling, prompt_side])
 
 
 @dataclass(frozen=True)
