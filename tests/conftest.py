@@ -22,8 +22,32 @@ os.environ.pop("MM_ASSETS_TARGET_MODEL", None)
 os.environ.pop("COCO_DIR", None)
 (SESSION_HOME / "dagster_home").mkdir(parents=True)
 BAD_DIR = SESSION_HOME / "bad_inputs"
+# The demo partitions as the dataset wrote them keep the orchestration tests (UI, CLI,
+# pipeline, hidden states) off the generation pass; `demo_onpolicy` and `demo_regen*`
+# are the on-policy partitions (`responses: target`, as the shipped demo).
 (SESSION_HOME / "datasets.yaml").write_text(
     f"""
+demo_sharegpt4v_coco:
+  path: {SESSION_HOME}/demo/data/sharegpt4v_coco.json
+  format: sharegpt4v
+  filter: {{image_prefix: "coco/"}}
+  image_root: {SESSION_HOME}/demo/coco
+  image_path_strip_prefix: "coco/"
+  seed: 0
+
+demo_sharegpt:
+  path: {SESSION_HOME}/demo/data/sharegpt.jsonl
+  format: sharegpt
+  seed: 0
+
+demo_onpolicy:
+  path: {SESSION_HOME}/demo/data/sharegpt4v_coco.json
+  format: sharegpt4v
+  image_root: {SESSION_HOME}/demo/coco
+  image_path_strip_prefix: "coco/"
+  max_samples: 96
+  responses: target
+
 bad_inputs:
   path: {BAD_DIR}/data.json
   format: sharegpt4v
@@ -149,6 +173,23 @@ def plain_vllm_server(demo_dir: Path):
     )
     with server:
         yield server
+
+
+ON_POLICY = {"max_tokens": 48, "max_quarantine_ratio": 0.5}  # a random target: some empty
+
+
+@pytest.fixture(scope="session")
+def onpolicy_hidden_states(demo_dir: Path, plain_vllm_server, vllm_server) -> dict:
+    """`demo_onpolicy` down to its hidden states: replies from the plain session server,
+    hidden states from the extraction one."""
+    from mm_assets.assets.resources import VllmResource
+
+    fleets = VllmResource(
+        base_urls=[vllm_server.base_url], response_urls=[plain_vllm_server.base_url]
+    )
+    run_config = {"ops": {"target_responses": {"config": ON_POLICY}}}
+    materialize("demo_onpolicy", PREP_ASSETS, {"vllm": fleets}, run_config=run_config)
+    return materialize("demo_onpolicy", ["hidden_states"], {"vllm": fleets})
 
 
 @pytest.fixture(scope="session")

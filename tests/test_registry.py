@@ -36,6 +36,8 @@ def test_builtin_registry_has_the_presets(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert (coco.max_samples, coco.image_path_strip_prefix) == (50000, "coco/")
     assert registry["ultrachat"].split == "train_sft"
     assert registry["demo_sharegpt"].hub is None
+    assert registry["demo_sharegpt"].responses == registry["demo_sharegpt4v_coco"].responses
+    assert registry["demo_sharegpt"].responses == "target" and coco.responses == "dataset"
     assert all(spec.name == name for name, spec in registry.items())
 
 

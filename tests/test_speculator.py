@@ -1,5 +1,7 @@
-"""The trained speculator end to end: Dagster trains it on real vLLM hidden states, vLLM
-loads it, measures it, and speculative decoding with it stays lossless."""
+"""The trained speculator end to end on an on-policy partition (the target's own
+replies): Dagster trains it on real vLLM hidden states, vLLM loads it and measures it
+next to the untrained draft on the same prompts, and speculative decoding with it stays
+lossless."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from tests.conftest import SESSION_HOME
 from tests.plots import PLOT_SIZE, decode_plot
 
 pytestmark = pytest.mark.slow
-PARTITION = "demo_sharegpt4v_coco"
+PARTITION = "demo_onpolicy"
 REQUIRED_FIELDS = (
     "architectures", "speculators_model_type", "transformer_layer_config", "draft_vocab_size",
     "target_hidden_size", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output",
@@ -25,7 +27,7 @@ REQUIRED_FIELDS = (
 
 
 CONFIG = {
-    "draft_vocab_size": 512, "epochs": 3, "vllm_prompts": 12, "vllm_max_tokens": 24,
+    "draft_vocab_size": 512, "epochs": 4, "vllm_prompts": 12, "vllm_max_tokens": 32,
     "speculative_tokens": 3,
 }  # fmt: skip
 
@@ -45,7 +47,7 @@ def _train(**overrides) -> dict:
 
 
 @pytest.fixture(scope="module")
-def trained(demo_hidden_states) -> dict:
+def trained(onpolicy_hidden_states) -> dict:
     return _train()
 
 
@@ -69,10 +71,25 @@ def test_checkpoint_fields_and_held_out_acceptance(trained: dict) -> None:
     assert trained["reused_checkpoint"] is False
 
 
-def _measurement(trained: dict) -> dict:
-    """What the measurement recorded beside the checkpoint: prompts, generations, figures."""
-    record = Path(trained["checkpoint"]) / MEASUREMENT_RECORD
-    return json.loads(record.read_text())["payload"]
+def _measurement(trained: dict, untrained: bool = False) -> dict:
+    """What the measurement recorded beside the checkpoint (or the untrained draft's):
+    prompts, generations, figures."""
+    draft = Path(trained["checkpoint"])
+    if untrained:
+        draft = draft.parent.parent / "untrained_speculators" / draft.name
+    return json.loads((draft / MEASUREMENT_RECORD).read_text())["payload"]
+
+
+def test_the_trained_draft_beats_the_untrained_one_in_vllm(trained: dict) -> None:
+    """Served on the same held-out prompts, the draft before training is almost never
+    right; after training on the target's own replies vLLM accepts strictly more (a
+    trainer that learned nothing would fail here)."""
+    before, after = _measurement(trained, untrained=True), _measurement(trained)
+    assert before["prompts"] == after["prompts"] and len(after["prompts"]) > 0
+    assert before["generations"] == after["generations"]  # lossless either way
+    untrained = trained["vllm_untrained_acceptance_length"]
+    assert trained["vllm_acceptance_length"] > untrained and untrained < 1.2
+    assert trained["vllm_acceptance_length"] > 1.2
 
 
 def test_vllm_counters_agree_with_what_it_generated(trained: dict) -> None:
@@ -109,6 +126,7 @@ def test_a_rerun_with_identical_inputs_reuses_checkpoint_and_measurement(trained
     before = weights.stat().st_mtime_ns
     again = _train()
     assert again["reused_checkpoint"] is True and again["vllm_measurement_reused"] is True
+    assert again["vllm_untrained_measurement_reused"] is True
     assert weights.stat().st_mtime_ns == before
     assert again["held_out_loss"] == trained["held_out_loss"]
     assert again["vllm_acceptance_length"] == trained["vllm_acceptance_length"]

@@ -98,8 +98,9 @@ def rejection_check(report: "ExtractionReport", max_ratio: float) -> dg.AssetChe
     )
     if reasons.get("token_mismatch"):
         description += (
-            " Token mismatches mean the stored input_ids differ from what vLLM renders: "
-            "check the chat template and processor match the served model."
+            " Token mismatches mean vLLM expanded the stored input_ids differently (every "
+            "row is sent as its ids): check the image placeholder counts, i.e. that the "
+            "processor and its image size limits match the served model."
         )
     return dg.AssetCheckResult(
         check_name=REJECTION_CHECK,
@@ -118,6 +119,14 @@ SpeculatorConfig = config_class(
     ),
     vllm_prompts=(int, Field(32, ge=1, description="Held-out prompts vLLM generates from.")),
     vllm_max_tokens=(int, Field(64, ge=1, description="Tokens generated per prompt.")),
+    measure_untrained_in_vllm=(
+        bool,
+        Field(
+            True,
+            description="Also serve the untrained draft on the same prompts (one more "
+            "server start): the baseline the trained draft's acceptance is read against.",
+        ),
+    ),
     retrain=(
         bool,
         Field(False, description="Train and measure again even when nothing changed."),
@@ -149,12 +158,14 @@ def trained_speculator(
     metadata = training_metadata(outcome, job.layer_ids)
     measured = None
     if config.measure_in_vllm and outcome.held_out:
-        measured = measure_trained_draft(
-            job, outcome, tables, vllm.engine(), spec.resolved_image_root(),
-            storage.log_path(f"vllm_spec_{context.run.run_id}"), config.vllm_prompts,
-            config.vllm_max_tokens, reuse=not config.retrain,
-        )  # fmt: skip
-        metadata.update(measurement_metadata(measured))
+        log_path = storage.log_path(f"vllm_spec_{context.run.run_id}")
+        for untrained in (False, True) if config.measure_untrained_in_vllm else (False,):
+            measurement = measure_trained_draft(
+                job, outcome, tables, vllm.engine(), spec.resolved_image_root(), log_path,
+                config.vllm_prompts, config.vllm_max_tokens, not config.retrain, untrained,
+            )  # fmt: skip
+            metadata.update(measurement_metadata(measurement, "untrained_" if untrained else ""))
+            measured = measured or measurement
     metadata["per_position_acceptance"] = acceptance_plot(
         outcome.result.held_out_accuracy, measured.per_position if measured else None
     )
@@ -185,11 +196,13 @@ def training_metadata(outcome: "SpeculatorOutcome", layer_ids: list[int]) -> dic
     }
 
 
-def measurement_metadata(measured: "Measurement") -> dict[str, Any]:
-    return {
-        "vllm_acceptance_length": measured.acceptance_length,
-        "vllm_per_position_acceptance": [round(r, 4) for r in measured.per_position],
-        "vllm_drafts": measured.drafts,
-        "vllm_prompts": len(measured.prompts),
-        "vllm_measurement_reused": measured.reused,
+def measurement_metadata(measured: "Measurement", prefix: str = "") -> dict[str, Any]:
+    """`vllm_*` figures of the trained draft; `vllm_untrained_*` with that prefix."""
+    figures = {
+        "acceptance_length": measured.acceptance_length,
+        "per_position_acceptance": [round(r, 4) for r in measured.per_position],
+        "drafts": measured.drafts,
+        "measurement_reused": measured.reused,
     }
+    prompts = {} if prefix else {"vllm_prompts": len(measured.prompts)}
+    return {f"vllm_{prefix}{k}": v for k, v in figures.items()} | prompts

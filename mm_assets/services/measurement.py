@@ -100,14 +100,20 @@ def measure_trained_draft(
     max_prompts: int,
     max_tokens: int,
     reuse: bool = True,
+    untrained: bool = False,
 ) -> Measurement:
-    """`measured_acceptance` of a training outcome, on its held-out rows' prompts."""
+    """`measured_acceptance` of a training outcome, on its held-out rows' prompts; with
+    `untrained`, of the same draft before training (`SpeculatorJob.untrained_dir`), on
+    the same prompts: the baseline that shows what training bought."""
     prompts = held_out_prompts(
         tables, job.partition, {r.row_id for r in outcome.held_out}, max_prompts
     )
-    weights_sha256 = outcome.weights_sha256 or file_sha256(outcome.checkpoint / "model.safetensors")
+    draft_dir = job.untrained_dir if untrained else outcome.checkpoint
+    weights_sha256 = (outcome.untrained_sha256 if untrained else outcome.weights_sha256) or (
+        file_sha256(draft_dir / "model.safetensors")
+    )
     engine = engine.for_target(text_config_facts(job.target_config))
     return measured_acceptance(
-        str(job.target_dir), outcome.checkpoint, weights_sha256, prompts, engine, image_root,
+        str(job.target_dir), draft_dir, weights_sha256, prompts, engine, image_root,
         log_path, job.settings.speculative_tokens, max_tokens, reuse,
     )  # fmt: skip

@@ -57,6 +57,12 @@ class SpeculatorJob:
         return self.storage_root / "speculators" / self.partition
 
     @property
+    def untrained_dir(self) -> Path:
+        """The draft as initialised, before any step: the baseline the trained draft is
+        measured against on the same prompts (a draft that learned nothing stays there)."""
+        return self.storage_root / "untrained_speculators" / self.partition
+
+    @property
     def state_dir(self) -> Path:
         return self.storage_root / "train_state" / self.partition
 
@@ -73,6 +79,8 @@ class SpeculatorOutcome:
     """True when an identical earlier training was found and nothing was trained."""
     weights_sha256: str | None = None
     """Hash of the saved `model.safetensors` (None on ranks that do not save)."""
+    untrained_sha256: str | None = None
+    """Hash of the untrained draft's `model.safetensors` (`SpeculatorJob.untrained_dir`)."""
 
 
 def sample_refs(tables: TableStore, partition: str, layer_ids: list[int]) -> list[SampleRef]:
@@ -116,6 +124,9 @@ def _reused_outcome(job: SpeculatorJob, tables: TableStore, key: str) -> Specula
     weights_sha256 = file_sha256(weights)
     if weights_sha256 != record.get("weights_sha256"):  # replaced since: train again
         return None
+    untrained = job.untrained_dir / "model.safetensors"
+    if not untrained.is_file() or file_sha256(untrained) != record.get("untrained_sha256"):
+        return None
     refs = sample_refs(tables, job.partition, job.layer_ids)
     _, held_out = split(refs, job.settings.held_out_fraction, job.settings.seed)
     return SpeculatorOutcome(
@@ -127,6 +138,7 @@ def _reused_outcome(job: SpeculatorJob, tables: TableStore, key: str) -> Specula
         held_out,
         reused=True,
         weights_sha256=weights_sha256,
+        untrained_sha256=record["untrained_sha256"],
     )
 
 
@@ -157,22 +169,30 @@ def train_speculator(
     train_refs, held_out = split(refs, settings.held_out_fraction, settings.seed)
     # acceptance needs the target's own greedy token, over its whole vocabulary
     _, untrained_accuracy = evaluate(model, held_out, settings, head.lm_head, device)
+    untrained_sha256 = None
+    if _saves():
+        config = _checkpoint_config(job, cfg, {"untrained": True})
+        save_checkpoint(model.cpu(), config, job.untrained_dir)
+        untrained_sha256 = file_sha256(job.untrained_dir / "model.safetensors")
     result = train(
         model, train_refs, held_out, settings, job.state_dir, log,
         full_lm_head=head.lm_head, device=device,
     )  # fmt: skip
     outcome = SpeculatorOutcome(
         job.checkpoint_dir, cfg, result, acceptance_length(untrained_accuracy),
-        len(train_refs), held_out,
+        len(train_refs), held_out, untrained_sha256=untrained_sha256,
     )  # fmt: skip
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+    if _saves():
         _save(job, model, outcome, key)
     return outcome
 
 
-def _save(job: SpeculatorJob, model: Eagle3Draft, outcome: SpeculatorOutcome, key: str) -> None:
-    """The checkpoint in the speculators format, and the record that lets an identical
-    job reuse it."""
+def _saves() -> bool:
+    """One process writes checkpoints (rank 0 under torchrun)."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _checkpoint_config(job: SpeculatorJob, cfg: Eagle3Config, extra: dict[str, Any]) -> dict:
     provenance = {
         "dataset": job.partition,
         "layer_ids": job.layer_ids,
@@ -180,16 +200,25 @@ def _save(job: SpeculatorJob, model: Eagle3Draft, outcome: SpeculatorOutcome, ke
         "target_fingerprint": job.target_fingerprint,
         "ttt_steps": job.settings.ttt_steps,
         "epochs": job.settings.epochs,
-        "held_out_acceptance_estimate": outcome.result.held_out_acceptance,
+        **extra,
     }
-    config = checkpoint_config(
-        outcome.config, job.layer_ids[:3], str(job.target_dir),
+    return checkpoint_config(
+        cfg, job.layer_ids[:3], str(job.target_dir),
         list(job.target_config.get("architectures") or []), job.settings.speculative_tokens,
         provenance,
     )  # fmt: skip
-    save_checkpoint(model.cpu(), config, job.checkpoint_dir)
+
+
+def _save(job: SpeculatorJob, model: Eagle3Draft, outcome: SpeculatorOutcome, key: str) -> None:
+    """The checkpoint in the speculators format, and the record that lets an identical
+    job reuse it."""
+    estimate = {"held_out_acceptance_estimate": outcome.result.held_out_acceptance}
+    save_checkpoint(
+        model.cpu(), _checkpoint_config(job, outcome.config, estimate), job.checkpoint_dir
+    )
     outcome.weights_sha256 = file_sha256(job.checkpoint_dir / "model.safetensors")
     record = {
+        "untrained_sha256": outcome.untrained_sha256,
         "weights_sha256": outcome.weights_sha256,
         "result": asdict(outcome.result),
         "untrained_acceptance": outcome.untrained_acceptance,

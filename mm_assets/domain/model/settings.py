@@ -18,9 +18,9 @@ TRAINING_VERSION = "1"
 class SpeculatorSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    epochs: int = Field(default=4, ge=1, description="Passes over the training rows.")
+    epochs: int = Field(default=8, ge=1, description="Passes over the training rows.")
     learning_rate: float = Field(default=1e-3, gt=0, description="AdamW learning rate.")
-    batch_tokens: int = Field(default=4096, ge=1, description="Tokens per packed batch.")
+    batch_tokens: int = Field(default=1024, ge=1, description="Tokens per packed batch.")
     ttt_steps: int = Field(
         default=3, ge=1, description="Test-time-training unroll: draft positions trained per root."
     )
