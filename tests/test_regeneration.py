@@ -117,9 +117,9 @@ def test_training_rows_supervise_exactly_the_ids_the_target_generated(
     regenerated, fleet, demo_processor
 ) -> None:
     """A random target emits token sequences its tokenizer would never produce (byte
-    pieces that do not even decode): such replies are spliced in as generated, with or
-    without images, and every row supervises, span by span, exactly the generated ids
-    (the stop token aside); none is lost."""
+    pieces that do not even decode): such conversations are rebuilt reply by reply from
+    the generated ids, with or without images, and every row supervises, span by span,
+    exactly the generated ids (the stop token aside); none is lost."""
     materialize(PARTITION, ["target_responses"], fleet, run_config=CONFIG)
     result = materialize(PARTITION, ["tokenized_samples"])
     (mat,) = result.asset_materializations_for_node("tokenized_samples")
@@ -128,6 +128,7 @@ def test_training_rows_supervise_exactly_the_ids_the_target_generated(
     assert not list(tables.iter_rows("tokenized_samples_quarantine", PARTITION))
     rows = list(tables.iter_rows("tokenized_samples", PARTITION))
     assert {r["sample_id"] for r in rows} == set(replies)
+    assert any(r["row_id"] != r["sample_id"] for r in rows)  # some rebuilt per reply
     assert any(r["multimodal"] for r in rows)
     special, checked = set(demo_processor.tokenizer.all_special_ids), 0
     for row in rows:
@@ -138,7 +139,11 @@ def test_training_rows_supervise_exactly_the_ids_the_target_generated(
             elif current:
                 spans, current = [*spans, current], []
         spans += [current] if current else []
-        generated = replies[row["sample_id"]]["reply_token_ids"]
+        reply = replies[row["sample_id"]]
+        generated = reply["reply_token_ids"]
+        if row["row_id"] != row["sample_id"]:  # a conversation rebuilt reply by reply
+            turn = int(row["row_id"].rsplit("/turn", 1)[1])
+            generated = [generated[reply["reply_turns"].index(turn)]]
         for span, ids in zip(spans, generated, strict=True):
             text_ids = [t for t in ids if t not in special]
             assert span[: len(text_ids)] == text_ids

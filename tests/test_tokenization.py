@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ from mm_assets.domain.prep.tokenization import (
     check_generated_ids,
     expand_image_tokens,
     mask_from_spans,
-    splice_generated_ids,
     supervised_runs,
     tokenize_with_pixels,
     truncate,
@@ -170,17 +168,21 @@ def test_generated_ids_are_what_the_row_supervises(demo_processor) -> None:
     assert info.value.reason == TokenizeDropReason.RETOKENIZATION_MISMATCH
     assert "reply 0: token" in info.value.detail
 
-    # the row takes the generated ids instead: spliced, then exact
-    spliced_replies = [(1, [*split, stop]), replies[1]]
-    spliced = splice_generated_ids(row, spliced_replies, special, max_length=4096)
-    assert check_generated_ids(spliced, spliced_replies, special) == 2
-    supervised = [t for t, m in zip(spliced.input_ids, spliced.loss_mask, strict=True) if m]
-    assert supervised == [*split, stop, *tok.encode("Blue."), stop]
-    assert len(spliced.input_ids) == len(row.input_ids) + len(split) - len(canonical)
-    first = supervised_runs(row.loss_mask)[0][0]
-    assert spliced.input_ids[:first] == row.input_ids[:first]  # the prompt is untouched
-    with pytest.raises(ValueError, match="truncated"):  # the cut reply's end is missing
-        splice_generated_ids(replace(row, truncated=True), spliced_replies, special, 4096)
+    # rebuilt reply by reply: each row is the prompt the target was asked (earlier
+    # replies as text, as vLLM tokenized them), the generated ids, the closing token
+    odd = [(1, [*split, stop]), replies[1]]
+    first, second = chat.reply_rows(turns, odd, special)
+    assert (first.num_turns, second.num_turns) == (2, 4)
+    for rebuilt, (index, ids) in zip((first, second), odd, strict=True):
+        assert check_generated_ids(rebuilt, odd, special) == 1
+        supervised = [t for t, m in zip(rebuilt.input_ids, rebuilt.loss_mask, strict=True) if m]
+        assert supervised == ids  # the generated ids, then the template's <|im_end|>
+        asked = tok(chat.render(turns[:index], add_generation_prompt=True))["input_ids"]
+        assert rebuilt.input_ids[: len(asked)] == asked and len(asked) + len(ids) == len(
+            rebuilt.input_ids
+        )
+    # the second reply's context holds the first as text, not the odd ids
+    assert first.input_ids[:-1] != second.input_ids[: len(first.input_ids) - 1]
 
 
 def test_history_rewriting_template_gives_one_row_per_assistant_turn(demo_processor) -> None:

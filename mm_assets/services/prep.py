@@ -24,7 +24,6 @@ from mm_assets.domain.prep.tokenization import (
     TokenizeRejected,
     check_generated_ids,
     render_supervision,
-    splice_generated_ids,
 )
 from mm_assets.domain.rejection import RowRejected
 from mm_assets.domain.row_ids import make_row_id
@@ -127,7 +126,8 @@ class TokenizeReport(StageReport):
     exact_replies: int = 0
     """Regenerated replies whose supervised tokens are exactly what the target generated."""
     spliced_replies: int = 0
-    """Regenerated replies whose generated ids were spliced in."""
+    """Regenerated replies of conversations rebuilt reply by reply from the generated
+    ids (their template re-tokenizes some reply differently)."""
     example: str | None = None
     """One row rendered with its supervised tokens marked (a multimodal one if any)."""
 
@@ -162,25 +162,26 @@ def _training_rows(sample: dict, rows: list[TokenizedRow]) -> Iterator[dict[str,
 def _on_policy_rows(
     sample: dict, rows: list[TokenizedRow], chat: ChatTokenizer, report: TokenizeReport
 ) -> list[TokenizedRow]:
-    """For conversations the target rewrote: rows whose supervised tokens are exactly the
-    ids it generated (see `check_generated_ids`); a row the template re-tokenizes
-    differently gets the generated ids spliced in, unless it was truncated
-    (`retokenization_mismatch`)."""
+    """For conversations the target rewrote, rows whose supervised tokens are exactly the
+    ids it generated (see `check_generated_ids`), each after exactly the context it was
+    asked in. When the template re-tokenizes a reply differently, the conversation gets
+    one row per reply built from those pieces (`ChatTokenizer.reply_rows`): spliced."""
     if sample.get("responses") != "target":
         return rows
     replies = list(zip(sample["reply_turns"], sample["reply_token_ids"], strict=True))
     special = set(chat.tokenizer.all_special_ids)
-    checked = []
-    for row in rows:
-        try:
-            report.exact_replies += check_generated_ids(row, replies, special)
-        except TokenizeRejected:
-            if row.truncated:
-                raise
-            row = splice_generated_ids(row, replies, special, chat.max_length, chat.image_token_id)
-            report.spliced_replies += check_generated_ids(row, replies, special)
-        checked.append(row)
-    return checked
+    try:
+        exact = sum(check_generated_ids(row, replies, special) for row in rows)
+    except TokenizeRejected:
+        turns = json.loads(sample["turns"])
+        sizes = list(zip(sample["image_heights"], sample["image_widths"], strict=True))
+        rows = chat.reply_rows(turns, replies, special, sizes)
+        for row in rows:
+            check_generated_ids(row, replies, special)
+        report.spliced_replies += len(rows)
+        return rows
+    report.exact_replies += exact
+    return rows
 
 
 def tokenize_partition(

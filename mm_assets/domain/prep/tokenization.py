@@ -265,6 +265,48 @@ class ChatTokenizer:
             )
         return rows
 
+    def reply_rows(
+        self,
+        turns: Sequence[Turn],
+        replies: Sequence[tuple[int, Sequence[int]]],
+        special_ids: set[int],
+        image_sizes: Sequence[tuple[int, int]] = (),
+    ) -> list[TokenizedRow]:
+        """One row per regenerated reply, made of exactly what the target read and wrote:
+        the conversation before the reply rendered with the generation prompt (earlier
+        replies as their text, as vLLM tokenized them when it was asked), the ids it
+        generated, and the tokens the template closes the turn with. For conversations
+        whose full render re-tokenizes a reply differently: one row for the whole
+        conversation would put ids the target never read before later replies."""
+        rows = []
+        for index, generated in replies:
+            reply = list(generated)
+            while reply and reply[-1] in special_ids:
+                reply.pop()
+            prompt = self.render(turns[:index], add_generation_prompt=True)
+            upto = self.render(turns[: index + 1])
+            text = turns[index]["content"]
+            if not isinstance(text, str) or not upto.startswith(prompt + text):
+                raise TokenizeRejected(
+                    TokenizeDropReason.RETOKENIZATION_MISMATCH,
+                    f"turn {index}: the template does not write the reply verbatim after "
+                    "the generation prompt; the reply's context cannot be rebuilt",
+                )
+            closing = upto[len(prompt) + len(text) :].rstrip()
+            ids = [*self._encode(prompt, [])[0], *reply]
+            mask = [0] * (len(ids) - len(reply)) + [1] * len(reply)
+            closing_ids = self._encode(closing, [])[0] if closing else []
+            ids, mask = ids + closing_ids, mask + [1] * len(closing_ids)
+            num_images = count_images(turns[:index])
+            if self.image_token_id is not None and num_images:
+                counts = self.image_token_counts(image_sizes[:num_images])
+                ids, mask = expand_image_tokens(ids, mask, self.image_token_id, counts)
+            full_length = len(ids)
+            ids, mask, truncated = truncate(ids, mask, self.max_length, self.image_token_id)
+            if any(mask):
+                rows.append(TokenizedRow(ids, mask, index + 1, num_images, truncated, full_length))
+        return rows
+
 
 def supervised_runs(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
     """The [start, end) spans of consecutive supervised tokens, in order."""
@@ -307,42 +349,6 @@ def check_generated_ids(
                 f"reply {n}: {first_mismatch(got, expected)}",
             )
     return len(runs)
-
-
-def splice_generated_ids(
-    row: TokenizedRow,
-    replies: Sequence[tuple[int, Sequence[int]]],
-    special_ids: set[int],
-    max_length: int,
-    image_token_id: int | None = None,
-) -> TokenizedRow:
-    """The row with each supervised reply replaced by the ids the target generated,
-    followed by the stop tokens the template wrote after the reply; the mask follows.
-    vLLM receives every row as token ids (images expanded from their placeholders), so
-    the hidden states are those of exactly these ids. A truncated row is refused: the
-    cut reply's end is not in it."""
-    if row.truncated:
-        raise ValueError("a truncated row cannot be spliced")
-    covered = [list(ids) for index, ids in replies if index < row.num_turns]
-    runs = supervised_runs(row.loss_mask)
-    ids: list[int] = []
-    mask: list[int] = []
-    position = 0
-    for (start, end), generated in zip(runs, covered[len(covered) - len(runs) :], strict=True):
-        tail = end
-        while tail > start and row.input_ids[tail - 1] in special_ids:
-            tail -= 1
-        while generated and generated[-1] in special_ids:
-            generated.pop()
-        reply = [*generated, *row.input_ids[tail:end]]
-        ids += [*row.input_ids[position:start], *reply]
-        mask += [*row.loss_mask[position:start], *[1] * len(reply)]
-        position = end
-    ids += row.input_ids[position:]
-    mask += row.loss_mask[position:]
-    full_length = len(ids)
-    ids, mask, truncated = truncate(ids, mask, max_length, image_token_id)
-    return TokenizedRow(ids, mask, row.num_turns, row.num_images, truncated, full_length)
 
 
 def first_mismatch(got: Sequence[int], expected: Sequence[int]) -> str:
