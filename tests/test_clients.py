@@ -414,15 +414,20 @@ def test_environment_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     env = _managed(monkeypatch, False, options=EngineOptions(kv_cache_gib=2.4)).environment()
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["LD_PRELOAD"] == "/lib/tcmalloc.so:/venv/libiomp5.so:/lib/mine.so"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the engine core in process
     small = _managed(monkeypatch, False, options=EngineOptions(kv_cache_gib=0.3)).environment()
     assert small["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's choice stands
+    assert _managed(monkeypatch, False).environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
 
 
 def test_environment_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     env = _managed(monkeypatch, True, options=EngineOptions(kv_cache_gib=2.0)).environment()
     assert "VLLM_CPU_KVCACHE_SPACE" not in env and "LD_PRELOAD" not in env
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
 
 
 @pytest.mark.parametrize(

@@ -169,6 +169,10 @@ class ManagedVllmServer:
         if self._on_cpu():
             if self.options.kv_cache_gib:
                 env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.options.kv_cache_gib)))
+            # The engine core in the API server's process: measured on 2 cores, starts
+            # ~10 s sooner (21 vs 31 s) and generates ~20% faster (fewer processes
+            # contending for the cores). GPU servers keep vLLM's engine process.
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             preload = cpu_preload()
             if preload:
                 env["LD_PRELOAD"] = ":".join(p for p in (preload, env.get("LD_PRELOAD")) if p)
