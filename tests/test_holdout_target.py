@@ -26,6 +26,7 @@ import pytest
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
 from mm_assets.domain.prep.conversations import to_vllm_messages
+from mm_assets.domain.prep.tokenization import supervised_runs
 from tests.conftest import PREP_ASSETS, materialize
 from tests.sentencepiece_target import build_sentencepiece_target
 
@@ -97,22 +98,9 @@ def tokenizer(holdout_target: Path) -> Any:
     return AutoProcessor.from_pretrained(holdout_target)
 
 
-def _supervised_runs(mask: Sequence[int]) -> list[tuple[int, int]]:
-    """The [start, end) runs of consecutive supervised positions, in order."""
-    runs: list[tuple[int, int]] = []
-    start: int | None = None
-    for position, flag in enumerate([*mask, 0]):
-        if flag and start is None:
-            start = position
-        elif not flag and start is not None:
-            runs.append((start, position))
-            start = None
-    return runs
-
-
 def _supervised_spans(ids: Sequence[int], mask: Sequence[int]) -> list[list[int]]:
     """The supervised token ids, one list per run."""
-    return [list(ids[start:end]) for start, end in _supervised_runs(mask)]
+    return [list(ids[start:end]) for start, end in supervised_runs(mask)]
 
 
 def _without_stop(ids: Sequence[int], eos_id: int) -> list[int]:
@@ -277,7 +265,7 @@ def test_every_reply_is_trained_in_the_context_the_target_answered(
         for n, index in enumerate(reply["reply_turns"]):
             # one row for the conversation, or one per reply when it was rebuilt
             row = sample_rows[0] if len(sample_rows) == 1 else sample_rows[n]
-            runs = _supervised_runs(row["loss_mask"])
+            runs = supervised_runs(row["loss_mask"])
             start = runs[n][0] if len(sample_rows) == 1 else runs[0][0]
             answer = client.chat.completions.create(
                 model=model,
