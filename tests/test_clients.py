@@ -414,7 +414,7 @@ def test_environment_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     env = _managed(monkeypatch, False, options=EngineOptions(kv_cache_gib=2.4)).environment()
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["LD_PRELOAD"] == "/lib/tcmalloc.so:/venv/libiomp5.so:/lib/mine.so"
-    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the engine core in process
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the worker in the engine core
     small = _managed(monkeypatch, False, options=EngineOptions(kv_cache_gib=0.3)).environment()
     assert small["VLLM_CPU_KVCACHE_SPACE"] == "1"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's choice stands

@@ -169,9 +169,10 @@ class ManagedVllmServer:
         if self._on_cpu():
             if self.options.kv_cache_gib:
                 env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.options.kv_cache_gib)))
-            # The engine core in the API server's process: measured on 2 cores, starts
-            # ~10 s sooner (21 vs 31 s) and generates ~20% faster (fewer processes
-            # contending for the cores). GPU servers keep vLLM's engine process.
+            # The model worker inside vLLM's engine-core process (the CPU platform then
+            # keeps the single-process executor) instead of a third process: measured on
+            # 2 cores, ready ~10 s sooner (21 vs 31 s) and ~20% more tokens/s (fewer
+            # processes contending for the cores). GPU servers are unchanged.
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             preload = cpu_preload()
             if preload:
