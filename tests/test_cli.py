@@ -41,18 +41,21 @@ def _latest_metadata(env: dict[str, str], asset: str) -> dict:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def test_the_whole_chain_through_both_clis(tmp_path: Path, vllm_server) -> None:
+def test_the_whole_chain_through_both_clis(tmp_path: Path, vllm_server, plain_vllm_server) -> None:
     """In a fresh DAGSTER_HOME / MM_ASSETS_HOME: the README's `dagster asset materialize`
-    down to the checkpoint (hidden states from the session's vLLM server, the way
-    `MM_ASSETS_VLLM_URLS` points at a fleet; the vLLM measurement of the draft, which
-    `test_speculator.py` covers, is left out with `--config-json` to spare a server
-    start), then the same selection with `dg launch`, which finds everything cached."""
+    down to the checkpoint on the shipped demo partition (`responses: target`): replies
+    and hidden states from the session's vLLM servers, the way
+    `MM_ASSETS_VLLM_RESPONSE_URLS` / `MM_ASSETS_VLLM_URLS` point at fleets; short replies,
+    two epochs, and no vLLM measurement of the draft (`test_speculator.py` covers it) by
+    `--config-json`, to spare time. Then the same selection with `dg launch`, which finds
+    everything cached: no generation request, no extraction request, no training."""
     env = {
         **os.environ,
         "MM_ASSETS_HOME": str(tmp_path / "home"),
         "DAGSTER_HOME": str(tmp_path / "dagster_home"),
         "MM_ASSETS_DATASETS": str(tmp_path / "no_user_datasets.yaml"),
         "MM_ASSETS_VLLM_URLS": vllm_server.base_url,
+        "MM_ASSETS_VLLM_RESPONSE_URLS": plain_vllm_server.base_url,
     }
     (tmp_path / "dagster_home").mkdir()
     # the session's demo: its server reads images only under the session's image root
@@ -62,7 +65,12 @@ def test_the_whole_chain_through_both_clis(tmp_path: Path, vllm_server) -> None:
     assert "All definitions loaded successfully" in _run([str(BIN / "dg"), "check", "defs"], env)
     assert "demo: built" in _run([sys.executable, "-m", "mm_assets.demo", "build"], env)
     no_measurement = json.dumps(
-        {"ops": {"trained_speculator": {"config": {"measure_in_vllm": False}}}}
+        {
+            "ops": {
+                "target_responses": {"config": {"max_tokens": 16}},
+                "trained_speculator": {"config": {"measure_in_vllm": False, "epochs": 2}},
+            }
+        }
     )
     select = ["--select", "*trained_speculator", "--partition", PARTITION]
     select += ["--config-json", no_measurement]
@@ -83,12 +91,15 @@ def test_the_whole_chain_through_both_clis(tmp_path: Path, vllm_server) -> None:
     weights = checkpoint / "model.safetensors"
     written = weights.stat().st_mtime_ns
     assert _latest_metadata(env, "hidden_states")["requests_sent"] > 0
+    assert _latest_metadata(env, "target_responses")["requests_sent"] > 0
 
     launch = [str(BIN / "dg"), "launch", "--assets", "*trained_speculator"]
     out = _run([*launch, "--partition", PARTITION, "--config-json", no_measurement], env)
     assert "RUN_SUCCESS" in out
     hidden = _latest_metadata(env, "hidden_states")
     assert hidden["requests_sent"] == 0 and hidden["cache_hits"] == count
+    responses = _latest_metadata(env, "target_responses")
+    assert responses["requests_sent"] == 0 and responses["cache_hits"] > 150
     trained = _latest_metadata(env, "trained_speculator")
     assert trained["reused_checkpoint"] is True and "vllm_acceptance_length" not in trained
     assert weights.stat().st_mtime_ns == written
