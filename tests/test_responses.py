@@ -98,7 +98,7 @@ class ScriptedChat:
     """An OpenAI-compatible transport answering chat requests from a script, and
     recording the messages of each."""
 
-    def __init__(self, replies: list[str | int]) -> None:
+    def __init__(self, replies: list[str | int | tuple[str, str]]) -> None:
         self.replies, self.seen = list(replies), []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -111,8 +111,9 @@ class ScriptedChat:
         if isinstance(reply, int):
             message = "This model's maximum context length is 64 tokens. However, you requested 80"
             return httpx.Response(reply, json={"error": {"message": message}})
-        message = {"role": "assistant", "content": reply}
-        choice = {"index": 0, "message": message, "finish_reason": "stop", "token_ids": [7, 8]}
+        text, finish = reply if isinstance(reply, tuple) else (reply, "stop")
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "finish_reason": finish, "token_ids": [7, 8]}
         payload = {"id": "c", "object": "chat.completion", "created": 0, "model": "m",
                    "choices": [choice]}  # fmt: skip
         return httpx.Response(200, json=payload)
@@ -154,8 +155,9 @@ def test_turns_are_asked_in_order_with_the_earlier_replies() -> None:
         (["  \n"], ResponseProblem.EMPTY_RESPONSE, 0),
         (["First reply.", ""], ResponseProblem.EMPTY_RESPONSE, 1),
         ([400], ResponseProblem.PROMPT_TOO_LONG, 0),
+        ([("", "length"), "Second reply."], None, 2),  # byte pieces cut before they decode
     ],
-    ids=["empty-first", "empty-second", "refused"],
+    ids=["empty-first", "empty-second", "refused", "undecoded-at-the-cap"],
 )
 def test_the_loop_stops_at_the_first_unusable_reply(script, problem, kept) -> None:
     result = _regenerate(ScriptedChat(script), TURNS)

@@ -246,7 +246,7 @@ async def regenerate(
         messages = to_vllm_messages(prompt_before(turns, index, regeneration.replies))
         try:
             answer = await client.reply(messages, settings.sampling())
-            check_reply(answer.text)
+            check_reply(answer.text, answer.finish_reason)
         except RequestRefused as exc:
             regeneration.problem = refusal_problem(exc.status, str(exc))
             regeneration.detail = f"turn {index}: {exc}"

@@ -27,7 +27,7 @@ from mm_assets.domain.model.request_settings import RequestSettings
 from mm_assets.domain.prep.conversations import Turn, canonical_turns
 from mm_assets.domain.rejection import RowRejected
 
-RESPONSES_VERSION = "1"
+RESPONSES_VERSION = "2"  # 2: a reply cut by max_tokens is kept even with no text yet
 
 
 class ResponseSettings(RequestSettings):
@@ -163,7 +163,10 @@ def regenerated_turns(turns: list[Turn], regeneration: Regeneration) -> list[Tur
     return apply_replies(turns[: last + 1], regeneration.replies)
 
 
-def check_reply(text: str) -> None:
-    """An empty reply teaches the draft nothing but to end answers at once."""
-    if not text.strip():
+def check_reply(text: str, finish_reason: str) -> None:
+    """A reply the target ended having said nothing (no text after stripping) teaches the
+    draft nothing but to end answers at once. One cut by `max_tokens` is not that: its
+    tokens may be byte pieces that decode to no text yet (a small or random model's),
+    and they are what the target writes."""
+    if not text.strip() and finish_reason != "length":
         raise ResponseRejected(ResponseProblem.EMPTY_RESPONSE, "the target answered nothing")
