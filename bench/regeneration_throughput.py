@@ -12,9 +12,9 @@ So both sides send the *same* requests to the *same* server in one run:
 - bare loop: `openai.AsyncOpenAI` and one `asyncio.Semaphore` bounding requests in
   flight, the prompts built turn by turn exactly as `regenerate()` builds them
   (`with_system_prompt`, `prompt_before`, `to_vllm_messages`), the same sampling
-  (`ResponseSettings().sampling()`, greedy) and the same stopping rule (an empty reply or
-  a refused request ends a conversation); tokens counted the way the report counts them,
-  from the kept replies' `token_ids`.
+  (`ResponseSettings().sampling()`, greedy) and the same stopping rule (a reply the
+  target ended with no text, or a refused request, ends a conversation); tokens counted
+  the way the report counts them, from the kept replies' `token_ids`.
 
 One plain managed vLLM server (no extraction config; `file://` images under the
 partition's image root) serves the whole run. It first answers every conversation once,
@@ -193,7 +193,9 @@ async def _bare_loop(setup: Setup, round_index: int, arm: str = BARE) -> ArmRun:
                     break
             choice = response.choices[0]
             text = choice.message.content or ""
-            if not text.strip():  # regenerate() stops at an empty reply, uncounted
+            # regenerate() stops at a reply the target ended with no text, uncounted (one
+            # cut by max_tokens is kept, even in byte pieces that decode to nothing yet)
+            if not text.strip() and choice.finish_reason != "length":
                 break
             ids = getattr(choice, "token_ids", None)
             if ids is None:  # not vLLM's extension: the count is all there is
