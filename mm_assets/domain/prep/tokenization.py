@@ -241,29 +241,41 @@ class ChatTokenizer:
             raise TokenizeRejected(
                 TokenizeDropReason.TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}"
             ) from exc
-        rows = []
-        for num_turns, ids, mask in raw_rows:
-            num_images = count_images(turns[:num_turns])
-            if self.image_token_id is not None and num_images:
-                rendered = ids.count(self.image_token_id)
-                if rendered != num_images:
-                    raise TokenizeRejected(
-                        TokenizeDropReason.TEMPLATE_ERROR,
-                        f"the template rendered {rendered} image token(s) for {num_images} images",
-                    )
-                counts = self.image_token_counts(image_sizes[:num_images])
-                ids, mask = expand_image_tokens(ids, mask, self.image_token_id, counts)
-            full_length = len(ids)
-            ids, mask, truncated = truncate(ids, mask, self.max_length, self.image_token_id)
-            row = TokenizedRow(ids, mask, num_turns, num_images, truncated, full_length)
-            if row.num_supervised:
-                rows.append(row)
+        rows = [
+            row
+            for num_turns, ids, mask in raw_rows
+            if (row := self._training_row(turns, num_turns, ids, mask, image_sizes)).num_supervised
+        ]
         if not rows:
             raise TokenizeRejected(
                 TokenizeDropReason.NO_SUPERVISED_TOKENS,
                 f"no assistant token within max_length={self.max_length}",
             )
         return rows
+
+    def _training_row(
+        self,
+        turns: Sequence[Turn],
+        num_turns: int,
+        ids: list[int],
+        mask: list[int],
+        image_sizes: Sequence[tuple[int, int]],
+    ) -> TokenizedRow:
+        """Rendered ids of `turns[:num_turns]` as a training row: each image token
+        expanded to the processor's count for its size, then cut at `max_length`."""
+        num_images = count_images(turns[:num_turns])
+        if self.image_token_id is not None and num_images:
+            rendered = ids.count(self.image_token_id)
+            if rendered != num_images:
+                raise TokenizeRejected(
+                    TokenizeDropReason.TEMPLATE_ERROR,
+                    f"the template rendered {rendered} image token(s) for {num_images} images",
+                )
+            counts = self.image_token_counts(image_sizes[:num_images])
+            ids, mask = expand_image_tokens(ids, mask, self.image_token_id, counts)
+        full_length = len(ids)
+        ids, mask, truncated = truncate(ids, mask, self.max_length, self.image_token_id)
+        return TokenizedRow(ids, mask, num_turns, num_images, truncated, full_length)
 
     def reply_rows(
         self,
@@ -280,9 +292,7 @@ class ChatTokenizer:
         conversation would put ids the target never read before later replies."""
         rows = []
         for index, generated in replies:
-            reply = list(generated)
-            while reply and reply[-1] in special_ids:
-                reply.pop()
+            reply = without_trailing(generated, special_ids)
             prompt = self.render(turns[:index], add_generation_prompt=True)
             upto = self.render(turns[: index + 1])
             text = turns[index]["content"]
@@ -297,15 +307,19 @@ class ChatTokenizer:
             mask = [0] * (len(ids) - len(reply)) + [1] * len(reply)
             closing_ids = self._encode(closing, [])[0] if closing else []
             ids, mask = ids + closing_ids, mask + [1] * len(closing_ids)
-            num_images = count_images(turns[:index])
-            if self.image_token_id is not None and num_images:
-                counts = self.image_token_counts(image_sizes[:num_images])
-                ids, mask = expand_image_tokens(ids, mask, self.image_token_id, counts)
-            full_length = len(ids)
-            ids, mask, truncated = truncate(ids, mask, self.max_length, self.image_token_id)
-            if any(mask):
-                rows.append(TokenizedRow(ids, mask, index + 1, num_images, truncated, full_length))
+            row = self._training_row(turns, index + 1, ids, mask, image_sizes)
+            if row.num_supervised:
+                rows.append(row)
         return rows
+
+
+def without_trailing(ids: Sequence[int], special_ids: set[int]) -> list[int]:
+    """`ids` without the special tokens at their end (the stop token a reply ends with;
+    the template writes its own)."""
+    out = list(ids)
+    while out and out[-1] in special_ids:
+        out.pop()
+    return out
 
 
 def supervised_runs(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
@@ -329,7 +343,9 @@ def check_generated_ids(
     the reply's ids, without the stop token the template writes itself. A template whose
     re-tokenization of the decoded text differs (merges across the boundary, stripped
     whitespace) is refused. Returns the number of replies checked."""
-    covered = [list(ids) for index, ids in replies if index < row.num_turns]
+    covered = [
+        without_trailing(ids, special_ids) for index, ids in replies if index < row.num_turns
+    ]
     runs = supervised_runs(row.loss_mask)
     if len(runs) > len(covered):
         raise TokenizeRejected(
@@ -338,8 +354,6 @@ def check_generated_ids(
         )
     last = covered[len(covered) - len(runs) :]
     for n, ((start, end), ids) in enumerate(zip(runs, last, strict=True)):
-        while ids and ids[-1] in special_ids:
-            ids.pop()
         got = row.input_ids[start:end]
         cut = row.truncated and end == len(row.input_ids)
         expected = ids[: len(got)] if cut else ids
