@@ -148,7 +148,7 @@ def trained_speculator(
     — with `measure_in_vllm` — the acceptance vLLM measures serving the target with it.
     A rerun whose inputs and settings are unchanged reuses the checkpoint and its
     measurement instead of training again (`retrain` forces it)."""
-    from mm_assets.services.measurement import measure_trained_draft
+    from mm_assets.services.measurement import measure_drafts
     from mm_assets.services.training import SpeculatorJob, train_speculator
 
     spec, tables = dataset_spec(context), storage.tables()
@@ -158,14 +158,14 @@ def trained_speculator(
     metadata = training_metadata(outcome, job.layer_ids)
     measured = None
     if config.measure_in_vllm and outcome.held_out:
-        log_path = storage.log_path(f"vllm_spec_{context.run.run_id}")
-        for untrained in (False, True) if config.measure_untrained_in_vllm else (False,):
-            measurement = measure_trained_draft(
-                job, outcome, tables, vllm.engine(), spec.resolved_image_root(), log_path,
-                config.vllm_prompts, config.vllm_max_tokens, not config.retrain, untrained,
-            )  # fmt: skip
-            metadata.update(measurement_metadata(measurement, "untrained_" if untrained else ""))
-            measured = measured or measurement
+        measured, baseline = measure_drafts(
+            job, outcome, tables, vllm.engine(), spec.resolved_image_root(),
+            storage.log_path(f"vllm_spec_{context.run.run_id}"), config.vllm_prompts,
+            config.vllm_max_tokens, not config.retrain, config.measure_untrained_in_vllm,
+        )  # fmt: skip
+        metadata.update(measurement_metadata(measured))
+        if baseline:
+            metadata.update(measurement_metadata(baseline, "untrained_"))
     metadata["per_position_acceptance"] = acceptance_plot(
         outcome.result.held_out_accuracy, measured.per_position if measured else None
     )

@@ -90,7 +90,7 @@ def measured_acceptance(
     return measured
 
 
-def measure_trained_draft(
+def measure_drafts(
     job: SpeculatorJob,
     outcome: SpeculatorOutcome,
     tables: TableStore,
@@ -100,20 +100,23 @@ def measure_trained_draft(
     max_prompts: int,
     max_tokens: int,
     reuse: bool = True,
-    untrained: bool = False,
-) -> Measurement:
-    """`measured_acceptance` of a training outcome, on its held-out rows' prompts; with
-    `untrained`, of the same draft before training (`SpeculatorJob.untrained_dir`), on
-    the same prompts: the baseline that shows what training bought."""
+    untrained: bool = True,
+) -> tuple[Measurement, Measurement | None]:
+    """`measured_acceptance` of a training outcome on its held-out rows' prompts and,
+    with `untrained`, of the same draft before training (`SpeculatorJob.untrained_dir`)
+    on the same prompts: the baseline that shows what training bought."""
     prompts = held_out_prompts(
         tables, job.partition, {r.row_id for r in outcome.held_out}, max_prompts
     )
-    draft_dir = job.untrained_dir if untrained else outcome.checkpoint
-    weights_sha256 = (outcome.untrained_sha256 if untrained else outcome.weights_sha256) or (
-        file_sha256(draft_dir / "model.safetensors")
-    )
     engine = engine.for_target(text_config_facts(job.target_config))
-    return measured_acceptance(
-        str(job.target_dir), draft_dir, weights_sha256, prompts, engine, image_root,
-        log_path, job.settings.speculative_tokens, max_tokens, reuse,
-    )  # fmt: skip
+
+    def measure(draft_dir: Path, weights_sha256: str | None) -> Measurement:
+        weights_sha256 = weights_sha256 or file_sha256(draft_dir / "model.safetensors")
+        return measured_acceptance(
+            str(job.target_dir), draft_dir, weights_sha256, prompts, engine, image_root,
+            log_path, job.settings.speculative_tokens, max_tokens, reuse,
+        )  # fmt: skip
+
+    trained = measure(outcome.checkpoint, outcome.weights_sha256)
+    baseline = measure(job.untrained_dir, outcome.untrained_sha256) if untrained else None
+    return trained, baseline
