@@ -17,13 +17,11 @@ def generate_greedy(
     base_url: str, prompts: list[list[dict[str, Any]]], max_tokens: int = 64, concurrency: int = 4
 ) -> list[list[int]]:
     """Greedy completions (token ids) for chat prompts, in prompt order."""
-    client = ChatClient([base_url], concurrency=concurrency)
+    client = ChatClient([base_url], concurrency=concurrency)  # bounds requests in flight
     sampling = {"max_tokens": max_tokens, "temperature": 0.0}
-    slots = asyncio.Semaphore(concurrency)
 
     async def one(messages: list[dict[str, Any]]) -> list[int]:
-        async with slots:
-            return (await client.reply(messages, sampling)).token_ids
+        return (await client.reply(messages, sampling)).token_ids
 
     async def main() -> list[list[int]]:
         try:

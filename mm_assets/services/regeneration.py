@@ -16,6 +16,7 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,7 @@ class TargetRegeneration:
     def _turns(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         return with_system_prompt(json.loads(row["turns"]), self.settings.system_prompt)
 
-    @property
+    @cached_property
     def _engine(self) -> VllmEngine:
         """Served at the dtype extraction and measurement use, so the replies are the
         greedy continuations the deployed target writes (bf16 and fp32 differ)."""

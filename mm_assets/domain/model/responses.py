@@ -96,9 +96,9 @@ def response_key(
     image_hashes: list[str],
 ) -> str:
     """What the replies depend on: the target and the dtype it is served at, the sampling
-    settings and the prompt side
-    of the conversation (every turn but the assistant's text, images by content), so a
-    rerun, a reordering or an edit of another row reuses them."""
+    settings and the prompt side of the conversation (every turn but the assistant's
+    text, images by content), so a rerun, a reordering or an edit of another row reuses
+    them."""
     prompt_side = [
         {"role": "assistant"} if t["role"] == "assistant" else t
         for t in canonical_turns(with_system_prompt(turns, settings.system_prompt), image_hashes)
