@@ -13,8 +13,10 @@ from mm_assets.domain.prep.conversations import (
     image_references,
     normalize,
     parse_record,
+    reply_prompts,
     to_vllm_messages,
 )
+from mm_assets.domain.row_ids import make_row_id, turn_index_of
 
 
 def _ok(ref: str, digest: str = "h1") -> ImageProbe:
@@ -164,3 +166,20 @@ def test_vllm_messages_use_file_urls_never_pixels() -> None:
     }
     assert messages[1] == {"role": "assistant", "content": "A cat."}
     json.dumps(messages)  # serializable as stored
+
+
+def test_reply_prompts_follow_the_rows_replies() -> None:
+    """A whole-conversation row answers every assistant turn, in order; a per-turn row
+    (`<sample>/turn<k>`) only turn k. Each prompt keeps earlier replies as stored."""
+    turns = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    assert reply_prompts(turns) == [turns[:2], turns[:4]]
+    assert reply_prompts(turns, turn_index_of("s1/turn4")) == [turns[:4]]
+    assert turn_index_of("s1") is None and turn_index_of(make_row_id("s1", 2)) == 2
+    # an opening assistant turn answers no prompt, but keeps its place in the order
+    assert reply_prompts([turns[2], *turns[3:]]) == [[], turns[2:4]]

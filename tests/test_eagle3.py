@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mm_assets.domain.model.acceptance import replay_runs, summarize
 from mm_assets.domain.model.checkpoint import (
     checkpoint_config,
     load_checkpoint,
@@ -18,13 +19,12 @@ from mm_assets.domain.model.draft_vocab import build_draft_vocab, draft_vocab_fr
 from mm_assets.domain.model.eagle3 import (
     Eagle3Config,
     Eagle3Draft,
-    acceptance_length,
-    conditional_accuracies,
+    leading_correct,
     ttt_mask,
 )
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION
 from mm_assets.domain.model.settings import SpeculatorSettings
-from mm_assets.domain.model.trainer import train
+from mm_assets.domain.model.trainer import evaluate, train
 from mm_assets.domain.model.training_data import (
     LayerMismatch,
     SampleRef,
@@ -137,17 +137,43 @@ def test_draft_vocab_mapping_round_trip() -> None:
         build_draft_vocab({100: 1}, 100, 10)
 
 
-def test_conditional_accuracy_and_acceptance() -> None:
-    assert acceptance_length([0.5, 0.5, 0.5]) == pytest.approx(1.875)
-    from mm_assets.domain.model.eagle3 import StepStats
-
+def test_leading_correct_counts_the_chain_until_its_first_miss() -> None:
     t, f = True, False
-    stats = [[
-        StepStats(torch.tensor(0.0), torch.tensor([t, t, f, t]), torch.tensor([t, t, t, t])),
-        StepStats(torch.tensor(0.0), torch.tensor([t, f, t, t]), torch.tensor([t, t, t, f])),
-    ]]  # fmt: skip
-    # step 2 only counts positions right at step 1 and valid: 0 and 1 -> one of two right
-    assert conditional_accuracies(stats) == [0.75, 0.5]
+    correct = [torch.tensor([t, t, f, t]), torch.tensor([t, f, t, t])]
+    valid = [torch.tensor([t, t, t, t]), torch.tensor([t, t, t, f])]
+    # position 2 misses step 1, so its right step 2 does not count; 3's step 2 is invalid
+    assert leading_correct(correct, valid).tolist() == [2, 1, 0, 1]
+
+
+def test_replay_jumps_by_accepted_plus_one_within_each_reply() -> None:
+    """Positions 0-5 are one reply of row 0, 6-7 unsupervised, 8-10 a reply of row 1: the
+    walk starts at each reply's first position and skips what a verification produced."""
+    lead = [3, 9, 9, 9, 0, 1, 9, 9, 0, 2, 9]
+    supervised = [True] * 6 + [False] * 2 + [True] * 3
+    segment = [0] * 8 + [1] * 3
+    runs = replay_runs(lead, supervised, segment)
+    assert runs == [(0, [3, 0, 1]), (1, [0, 2])]
+    # a reply that ends where the next row's begins is still two replies
+    assert replay_runs([0, 0], [True, True], [0, 1]) == [(0, [0]), (1, [0])]
+
+
+def test_summary_is_tokens_per_verification_and_honours_max_tokens() -> None:
+    summary = summarize([[3, 0, 1], [0, 2]], positions=3)
+    assert summary.verifications == 5 and summary.accepted == [3, 2, 1]
+    assert summary.acceptance_length == pytest.approx(1 + 6 / 5)
+    assert summary.per_position == pytest.approx([0.6, 0.4, 0.2])
+    # a generation of 5 tokens: prefill gives 1, then 4 from [3], and it stops
+    assert summarize([[3, 0, 1]], positions=3, max_tokens=5).verifications == 1
+    assert summarize([], positions=3).acceptance_length == 1.0
+
+
+def test_replay_weighs_what_verifications_visit_not_every_position() -> None:
+    """Half the positions easy (all 3 accepted), half hard (none): averaging per position
+    says 2.5 tokens per step, but decoding crosses an easy stretch of 8 in 2 steps and a
+    hard one in 8, 16 tokens in 10 steps."""
+    lead = [3] * 8 + [0] * 8
+    (run,) = replay_runs(lead, [True] * 16, [0] * 16)
+    assert summarize([run[1]], positions=3).acceptance_length == pytest.approx(16 / 10)
 
 
 def _write_refs(tmp_path: Path, lengths: list[int], seed: int = 0) -> list[SampleRef]:
@@ -162,6 +188,25 @@ def _write_refs(tmp_path: Path, lengths: list[int], seed: int = 0) -> list[Sampl
         mask = [0] * (n // 3) + [1] * (n - n // 3)
         refs.append(SampleRef(f"row{i}", str(path), ids.tolist(), mask))
     return refs
+
+
+def test_evaluation_replays_each_reply_of_each_row_whatever_the_packing(tmp_path: Path) -> None:
+    mask = [0, 0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 0]
+    refs = [
+        SampleRef(r.row_id, r.path, r.input_ids, mask[: r.num_tokens])
+        for r in _write_refs(tmp_path, [12, 12, 10])
+    ]
+    model = _model()
+    packed = evaluate(model, refs, SpeculatorSettings(batch_tokens=64, ttt_steps=3))[1]
+    alone = evaluate(model, refs, SpeculatorSettings(batch_tokens=1, ttt_steps=3))[1]
+    assert packed == alone and list(packed) == ["row0", "row1", "row2"]
+    # the shifted mask starts each reply one position early; a walk covers its reply
+    # exactly (a chain never runs past the reply's last supervised position)
+    for ref in refs:
+        replies, lengths = packed[ref.row_id], (3, 4 if ref.num_tokens == 12 else 3)
+        assert len(replies) == 2
+        for reply, n in zip(replies, lengths, strict=True):
+            assert sum(a + 1 for a in reply) == n
 
 
 def test_batches_are_shifted_and_packed(tmp_path: Path) -> None:

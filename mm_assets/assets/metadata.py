@@ -94,11 +94,11 @@ def loss_curve(
 
 
 def acceptance_plot(
-    conditional_accuracy: Sequence[float], vllm_rates: Sequence[float] | None = None
+    estimated_rates: Sequence[float], vllm_rates: Sequence[float] | None = None
 ) -> dg.MetadataValue:
-    """P(draft token i is accepted) per position: estimated on held-out rows (product of
-    the conditional accuracies up to i) and, when measured, counted by vLLM."""
-    estimate = np.cumprod(np.asarray(conditional_accuracy, dtype=float))
+    """Share of verifications accepting draft token i, per position: replayed offline over
+    the held-out replies and, when measured, counted by vLLM."""
+    estimate = np.asarray(estimated_rates, dtype=float)
     positions = np.arange(1, len(estimate) + 1)
     fig, ax = _figure()
     width = 0.4 if vllm_rates else 0.8

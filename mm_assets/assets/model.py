@@ -15,6 +15,7 @@ from mm_assets.domain.model.hidden_states import LAYER_CONVENTION, ExtractionSet
 from mm_assets.domain.model.settings import TRAINING_VERSION, SpeculatorSettings
 
 if TYPE_CHECKING:
+    from mm_assets.domain.model.acceptance import AcceptanceSummary
     from mm_assets.services.extraction import ExtractionReport
     from mm_assets.services.measurement import Measurement
     from mm_assets.services.training import SpeculatorOutcome
@@ -144,8 +145,9 @@ def trained_speculator(
 ) -> dg.MaterializeResult:
     """An EAGLE-3 draft for the target, trained on this partition's hidden states and
     written in the speculators format vLLM loads (`speculators/<partition>/`). Reports the
-    held-out loss, per-position conditional accuracy and estimated acceptance length, and
-    — with `measure_in_vllm` — the acceptance vLLM measures serving the target with it.
+    held-out loss and the acceptance estimated by replaying speculative decoding over the
+    held-out replies, and — with `measure_in_vllm` — the acceptance vLLM measures serving
+    the target with it on those replies' prompts, beside the estimate for the same ones.
     A rerun whose inputs and settings are unchanged reuses the checkpoint and its
     measurement instead of training again (`retrain` forces it)."""
     from mm_assets.services.measurement import measure_drafts
@@ -157,17 +159,19 @@ def trained_speculator(
     outcome = train_speculator(job, tables, context.log.info, reuse=not config.retrain)
     metadata = training_metadata(outcome, job.layer_ids)
     measured = None
-    if config.measure_in_vllm and outcome.held_out:
-        measured, baseline = measure_drafts(
+    if config.measure_in_vllm and outcome.result.held_out_replies:
+        measured = measure_drafts(
             job, outcome, tables, vllm.engine(), spec.resolved_image_root(),
             storage.log_path(f"vllm_spec_{context.run.run_id}"), config.vllm_prompts,
             config.vllm_max_tokens, not config.retrain, config.measure_untrained_in_vllm,
         )  # fmt: skip
-        metadata.update(measurement_metadata(measured))
-        if baseline:
-            metadata.update(measurement_metadata(baseline, "untrained_"))
+        metadata.update(measurement_metadata(measured.trained, measured.trained_estimate))
+        if measured.untrained:
+            metadata.update(
+                measurement_metadata(measured.untrained, measured.untrained_estimate, "untrained_")
+            )
     metadata["per_position_acceptance"] = acceptance_plot(
-        outcome.result.held_out_accuracy, measured.per_position if measured else None
+        outcome.result.held_out_per_position, measured.trained.per_position if measured else None
     )
     assert outcome.weights_sha256 is not None
     return dg.MaterializeResult(
@@ -186,7 +190,8 @@ def training_metadata(outcome: "SpeculatorOutcome", layer_ids: list[int]) -> dic
         "layer_ids": layer_ids,
         "final_train_loss": result.epoch_losses[-1] if result.epoch_losses else float("nan"),
         "held_out_loss": result.held_out_loss,
-        "held_out_conditional_accuracy": [round(a, 4) for a in result.held_out_accuracy],
+        "held_out_replies": sum(len(replies) for replies in result.held_out_replies.values()),
+        "per_position_acceptance_estimate": [round(a, 4) for a in result.held_out_per_position],
         "acceptance_length_estimate": result.held_out_acceptance,
         "untrained_acceptance_length_estimate": outcome.untrained_acceptance,
         "train_tokens_per_s": result.tokens_per_s,
@@ -196,11 +201,16 @@ def training_metadata(outcome: "SpeculatorOutcome", layer_ids: list[int]) -> dic
     }
 
 
-def measurement_metadata(measured: "Measurement", prefix: str = "") -> dict[str, Any]:
-    """`vllm_*` figures of the trained draft; `vllm_untrained_*` with that prefix."""
+def measurement_metadata(
+    measured: "Measurement", estimate: "AcceptanceSummary", prefix: str = ""
+) -> dict[str, Any]:
+    """`vllm_*` figures of the trained draft; `vllm_untrained_*` with that prefix. Beside
+    them, the offline estimate replayed over the same replies (`*_estimate`)."""
     figures = {
         "acceptance_length": measured.acceptance_length,
+        "acceptance_length_estimate": estimate.acceptance_length,
         "per_position_acceptance": [round(r, 4) for r in measured.per_position],
+        "per_position_acceptance_estimate": [round(r, 4) for r in estimate.per_position],
         "drafts": measured.drafts,
         "measurement_reused": measured.reused,
     }

@@ -71,9 +71,9 @@ def run(partitions: tuple[str, ...] = DEMO_PARTITIONS) -> None:
 
 
 def _acceptance_table(meta: dict) -> str:
-    """Trained next to untrained: vLLM's measurement on the same held-out prompts
-    (acceptance length at the served number of draft tokens, and per position), and
-    the offline estimate from the held-out rows' hidden states."""
+    """Trained next to untrained: vLLM's measurement on held-out prompts (acceptance length
+    at the served number of draft tokens, and per position), and the offline estimate
+    replayed over the same replies from their stored hidden states."""
     nan = float("nan")
     lines = [f"      {'':<10}{'vLLM measured':>15}  {'per position':<26}{'estimate':>9}"]
     for name, prefix in (("trained", ""), ("untrained", "untrained_")):
@@ -81,13 +81,13 @@ def _acceptance_table(meta: dict) -> str:
         positions = ", ".join(
             f"{r:.2f}" for r in meta.get(f"vllm_{prefix}per_position_acceptance", [])
         )
-        estimate = meta[f"{prefix}acceptance_length_estimate"]
+        estimate = meta.get(f"vllm_{prefix}acceptance_length_estimate", nan)
         lines.append(
             f"      {name:<10}{measured:>15.3f}  {'[' + positions + ']':<26}{estimate:>9.3f}"
         )
-    prompts = meta.get("vllm_prompts", 0)
     lines.append(
-        f"      ({prompts} held-out prompts, greedy; acceptance length = 1 + accepted per step)"
+        f"      ({meta.get('vllm_prompts', 0)} of {meta['held_out_replies']} held-out replies, "
+        f"greedy; estimate over all of them: {meta['acceptance_length_estimate']:.3f})"
     )
     return "\n".join(lines)
 

@@ -23,3 +23,9 @@ def sample_id_of(row_id: str) -> str:
     """The conversation a row belongs to."""
     match = _PER_TURN.match(row_id)
     return match["sample"] if match else row_id
+
+
+def turn_index_of(row_id: str) -> int | None:
+    """The assistant turn a per-turn row holds; None for a whole conversation."""
+    match = _PER_TURN.match(row_id)
+    return int(match["turn"]) if match else None

@@ -18,9 +18,10 @@ from mm_assets.clients.vllm_generation import generate_greedy
 from mm_assets.clients.vllm_metrics import spec_decode_counters
 from mm_assets.clients.vllm_server import speculative_decoding_args
 from mm_assets.common.hashing import file_sha256, json_sha256
+from mm_assets.domain.model.acceptance import AcceptanceSummary, summarize
 from mm_assets.domain.model.hidden_states import text_config_facts
-from mm_assets.domain.prep.conversations import first_prompt, to_vllm_messages
-from mm_assets.domain.row_ids import sample_id_of
+from mm_assets.domain.prep.conversations import reply_prompts, to_vllm_messages
+from mm_assets.domain.row_ids import sample_id_of, turn_index_of
 from mm_assets.services.engine import VllmEngine
 from mm_assets.services.training import SpeculatorJob, SpeculatorOutcome
 from mm_assets.storage import TableStore
@@ -41,18 +42,34 @@ class Measurement:
     reused: bool = False
 
 
-def held_out_prompts(
-    tables: TableStore, partition: str, row_ids: set[str], limit: int
-) -> list[list[dict[str, Any]]]:
-    """Chat prompts (up to the first assistant turn) of held-out samples, images included."""
-    sample_ids = {sample_id_of(row_id) for row_id in row_ids}
-    prompts = []
-    for row in tables.iter_rows("target_responses", partition, ["sample_id", "turns"]):
-        if row["sample_id"] in sample_ids and (turns := first_prompt(json.loads(row["turns"]))):
-            prompts.append(to_vllm_messages(turns))
-            if len(prompts) >= limit:
-                break
-    return prompts
+@dataclass(frozen=True)
+class HeldOutReply:
+    row_id: str
+    reply: int
+    """Index among the row's supervised replies (`TrainResult.held_out_replies`)."""
+    prompt: list[dict[str, Any]]
+
+
+def held_out_replies(
+    tables: TableStore, partition: str, replayed: dict[str, list[list[int]]], limit: int
+) -> list[HeldOutReply]:
+    """Up to `limit` replies of held-out rows (those replayed offline, in their order),
+    each with the chat prompt it answers, images included: the same replies the offline
+    estimate covers, so the two compare like for like."""
+    wanted = {sample_id_of(row_id) for row_id in replayed}
+    conversations = {
+        row["sample_id"]: json.loads(row["turns"])
+        for row in tables.iter_rows("target_responses", partition, ["sample_id", "turns"])
+        if row["sample_id"] in wanted
+    }
+    replies = []
+    for row_id, walks in replayed.items():
+        turns = conversations.get(sample_id_of(row_id), [])
+        prompts = reply_prompts(turns, turn_index_of(row_id))
+        for reply, prompt in list(enumerate(prompts))[: len(walks)]:
+            if prompt and len(replies) < limit:
+                replies.append(HeldOutReply(row_id, reply, to_vllm_messages(prompt)))
+    return replies
 
 
 def measured_acceptance(
@@ -90,6 +107,17 @@ def measured_acceptance(
     return measured
 
 
+@dataclass(frozen=True)
+class DraftMeasurements:
+    """vLLM's figures for the trained draft (and the untrained baseline), each beside the
+    offline estimate replayed over exactly the replies vLLM generated."""
+
+    trained: Measurement
+    trained_estimate: AcceptanceSummary
+    untrained: Measurement | None
+    untrained_estimate: AcceptanceSummary
+
+
 def measure_drafts(
     job: SpeculatorJob,
     outcome: SpeculatorOutcome,
@@ -101,13 +129,12 @@ def measure_drafts(
     max_tokens: int,
     reuse: bool = True,
     untrained: bool = True,
-) -> tuple[Measurement, Measurement | None]:
-    """`measured_acceptance` of a training outcome on its held-out rows' prompts and,
+) -> DraftMeasurements:
+    """`measured_acceptance` of a training outcome on its held-out replies' prompts and,
     with `untrained`, of the same draft before training (`SpeculatorJob.untrained_dir`)
     on the same prompts: the baseline that shows what training bought."""
-    prompts = held_out_prompts(
-        tables, job.partition, {r.row_id for r in outcome.held_out}, max_prompts
-    )
+    replies = held_out_replies(tables, job.partition, outcome.result.held_out_replies, max_prompts)
+    prompts = [reply.prompt for reply in replies]
     engine = engine.for_target(text_config_facts(job.target_config))
 
     def measure(draft_dir: Path, weights_sha256: str | None) -> Measurement:
@@ -117,6 +144,13 @@ def measure_drafts(
             log_path, job.settings.speculative_tokens, max_tokens, reuse,
         )  # fmt: skip
 
-    trained = measure(outcome.checkpoint, outcome.weights_sha256)
-    baseline = measure(job.untrained_dir, outcome.untrained_sha256) if untrained else None
-    return trained, baseline
+    def estimate(replayed: dict[str, list[list[int]]]) -> AcceptanceSummary:
+        walks = [replayed[reply.row_id][reply.reply] for reply in replies]
+        return summarize(walks, job.settings.ttt_steps, max_tokens)
+
+    return DraftMeasurements(
+        measure(outcome.checkpoint, outcome.weights_sha256),
+        estimate(outcome.result.held_out_replies),
+        measure(job.untrained_dir, outcome.untrained_sha256) if untrained else None,
+        estimate(outcome.untrained_replies),
+    )

@@ -15,13 +15,14 @@ import torch
 import torch.distributed as dist
 
 from mm_assets.common.hashing import file_sha256, json_sha256
+from mm_assets.domain.model.acceptance import summarize
 from mm_assets.domain.model.checkpoint import checkpoint_config, save_checkpoint
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
-from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft, acceptance_length
+from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION
 from mm_assets.domain.model.settings import TRAINING_VERSION, SpeculatorSettings
 from mm_assets.domain.model.target_weights import load_target_head
-from mm_assets.domain.model.trainer import TrainResult, evaluate, train
+from mm_assets.domain.model.trainer import TrainResult, evaluate, replies_of, train
 from mm_assets.domain.model.training_data import SampleRef, check_layer_ids, split
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore
@@ -75,6 +76,8 @@ class SpeculatorOutcome:
     untrained_acceptance: float
     train_rows: int
     held_out: list[SampleRef]
+    untrained_replies: dict[str, list[list[int]]]
+    """The untrained draft's replay of the held-out replies (`TrainResult.held_out_replies`)."""
     reused: bool = False
     """True when an identical earlier training was found and nothing was trained."""
     weights_sha256: str | None = None
@@ -136,6 +139,7 @@ def _reused_outcome(job: SpeculatorJob, tables: TableStore, key: str) -> Specula
         record["untrained_acceptance"],
         record["train_rows"],
         held_out,
+        record["untrained_replies"],
         reused=True,
         weights_sha256=weights_sha256,
         untrained_sha256=record["untrained_sha256"],
@@ -168,7 +172,8 @@ def train_speculator(
     model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
     train_refs, held_out = split(refs, settings.held_out_fraction, settings.seed)
     # acceptance needs the target's own greedy token, over its whole vocabulary
-    _, untrained_accuracy = evaluate(model, held_out, settings, head.lm_head, device)
+    _, untrained_replies = evaluate(model, held_out, settings, head.lm_head, device)
+    untrained = summarize(replies_of(untrained_replies), settings.ttt_steps)
     untrained_sha256 = None
     if _saves():
         config = _checkpoint_config(job, cfg, {"untrained": True})
@@ -179,8 +184,8 @@ def train_speculator(
         full_lm_head=head.lm_head, device=device,
     )  # fmt: skip
     outcome = SpeculatorOutcome(
-        job.checkpoint_dir, cfg, result, acceptance_length(untrained_accuracy),
-        len(train_refs), held_out, untrained_sha256=untrained_sha256,
+        job.checkpoint_dir, cfg, result, untrained.acceptance_length, len(train_refs),
+        held_out, untrained_replies, untrained_sha256=untrained_sha256,
     )  # fmt: skip
     if _saves():
         _save(job, model, outcome, key)
@@ -222,6 +227,7 @@ def _save(job: SpeculatorJob, model: Eagle3Draft, outcome: SpeculatorOutcome, ke
         "weights_sha256": outcome.weights_sha256,
         "result": asdict(outcome.result),
         "untrained_acceptance": outcome.untrained_acceptance,
+        "untrained_replies": outcome.untrained_replies,
         "train_rows": outcome.train_rows,
     }
     save_record(job.checkpoint_dir / OUTCOME_RECORD, key, record)

@@ -19,6 +19,7 @@ Positions whose step-s target would belong to the next packed sample are not cou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -287,25 +288,8 @@ class Eagle3Draft(nn.Module):
         return total, stats
 
 
-def conditional_accuracies(stats: list[list[StepStats]]) -> list[float]:
-    """Per step: accuracy among positions whose earlier steps were all right (what
-    acceptance at that draft position depends on), over many batches."""
-    steps = len(stats[0])
-    hits, counts = [0] * steps, [0] * steps
-    for batch in stats:
-        previous = torch.ones_like(batch[0].valid)
-        for s, st in enumerate(batch):
-            considered = previous & st.valid
-            hits[s] += int((st.correct & considered).sum())
-            counts[s] += int(considered.sum())
-            previous = previous & st.correct
-    return [h / c if c else 0.0 for h, c in zip(hits, counts, strict=True)]
-
-
-def acceptance_length(accuracies: list[float]) -> float:
-    """Expected tokens per verification step: 1 + Σ_k Π_{j≤k} acc_j."""
-    total, running = 1.0, 1.0
-    for acc in accuracies:
-        running *= acc
-        total += running
-    return total
+def leading_correct(correct: Sequence[torch.Tensor], valid: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[N] per position: how many leading draft steps were counted and right (the
+    draft tokens vLLM would accept from a chain starting there)."""
+    right = torch.stack([c & v for c, v in zip(correct, valid, strict=True)]).long()
+    return right.cumprod(dim=0).sum(dim=0)

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # Bump when a change makes training produce something else from the same inputs: it is
 # the `trained_speculator` code version and part of the reuse key, so both notice.
-TRAINING_VERSION = "1"
+TRAINING_VERSION = "2"
 
 
 class SpeculatorSettings(BaseModel):

@@ -25,12 +25,8 @@ import torch.distributed as dist
 from mm_assets.common.files import atomic_path
 from mm_assets.common.hashing import json_sha256
 from mm_assets.common.progress import Progress
-from mm_assets.domain.model.eagle3 import (
-    Eagle3Draft,
-    StepStats,
-    acceptance_length,
-    conditional_accuracies,
-)
+from mm_assets.domain.model.acceptance import replay_runs, summarize
+from mm_assets.domain.model.eagle3 import Eagle3Draft, leading_correct
 from mm_assets.domain.model.settings import SpeculatorSettings
 from mm_assets.domain.model.training_data import Batch, SampleRef, load_batch, pack
 
@@ -46,8 +42,11 @@ def resolve_device(device: str = "auto") -> torch.device:
 class TrainResult:
     epoch_losses: list[float] = field(default_factory=list)
     batch_losses: list[float] = field(default_factory=list)
-    held_out_accuracy: list[float] = field(default_factory=list)
     held_out_acceptance: float = 1.0
+    """Estimated by replaying speculative decoding over the held-out replies."""
+    held_out_per_position: list[float] = field(default_factory=list)
+    held_out_replies: dict[str, list[list[int]]] = field(default_factory=dict)
+    """Row id -> per supervised reply, the draft tokens accepted at each verification."""
     held_out_loss: float = float("nan")
     tokens_per_s: float = 0.0
     trained_tokens: int = 0
@@ -85,12 +84,14 @@ def evaluate(
     settings: SpeculatorSettings,
     full_lm_head: torch.Tensor | None = None,
     device: str = "auto",
-) -> tuple[float, list[float]]:
-    """Held-out loss and per-step conditional accuracy. With the target's full lm_head,
-    a step is right only when the draft proposes the target's own greedy token."""
+) -> tuple[float, dict[str, list[list[int]]]]:
+    """Held-out loss, and speculative decoding replayed over every supervised reply (see
+    `acceptance`): row id -> per reply, the draft tokens accepted at each verification.
+    With the target's full lm_head, a draft token is right only when it is the target's
+    own greedy token (what vLLM accepts); without, the teacher's best in the draft vocab."""
     torch_device = resolve_device(device)
     model.eval()
-    losses, stats = [], []
+    losses, replies = [], {}
     head = full_lm_head.to(torch_device) if full_lm_head is not None else None
     with torch.no_grad():
         for group in pack(refs, settings.batch_tokens):
@@ -99,20 +100,19 @@ def evaluate(
                 None if head is None else model.target_greedy_tokens(batch["last_hidden"], head)
             )
             with _autocast(torch_device):
-                loss, step_stats = model(
+                loss, steps = model(
                     **batch,
                     ttt_steps=settings.ttt_steps,
                     decay=settings.step_loss_decay,
                     target_greedy=greedy,
                 )
             losses.append(float(loss))
-            stats.append(
-                [StepStats(s.loss.cpu(), s.correct.cpu(), s.valid.cpu()) for s in step_stats]
-            )
+            lead = leading_correct([s.correct for s in steps], [s.valid for s in steps])
+            runs = replay_runs(lead.tolist(), steps[0].valid.tolist(), batch["segment"].tolist())
+            for segment, accepted in runs:
+                replies.setdefault(group[segment].row_id, []).append(accepted)
     model.train()
-    if not stats:
-        return float("nan"), [0.0] * settings.ttt_steps
-    return sum(losses) / len(losses), conditional_accuracies(stats)
+    return (sum(losses) / len(losses) if losses else float("nan")), replies
 
 
 def _save_state(path: Path, state: dict) -> None:
@@ -224,8 +224,14 @@ def train(
         after_epoch(epoch + 1)
     elapsed = time.perf_counter() - started
     result.tokens_per_s = result.trained_tokens / elapsed if elapsed > 0 else 0.0
-    result.held_out_loss, result.held_out_accuracy = evaluate(
+    result.held_out_loss, result.held_out_replies = evaluate(
         model, held_out_refs, settings, full_lm_head, device
     )
-    result.held_out_acceptance = acceptance_length(result.held_out_accuracy)
+    summary = summarize(replies_of(result.held_out_replies), settings.ttt_steps)
+    result.held_out_acceptance = summary.acceptance_length
+    result.held_out_per_position = summary.per_position
     return result
+
+
+def replies_of(walks: dict[str, list[list[int]]]) -> list[list[int]]:
+    return [reply for row in walks.values() for reply in row]

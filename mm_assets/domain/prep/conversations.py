@@ -305,9 +305,11 @@ def image_urls(messages: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def first_prompt(turns: list[Turn]) -> list[Turn] | None:
-    """The conversation up to its first assistant turn: a prompt to generate from."""
-    for index, turn in enumerate(turns):
-        if turn["role"] == "assistant":
-            return turns[:index] or None
-    return None
+def reply_prompts(turns: list[Turn], turn_index: int | None = None) -> list[list[Turn]]:
+    """The prompts a training row's replies answer, in order: the conversation up to each
+    assistant turn (earlier replies as stored; empty for an opening assistant turn), or
+    only up to `turn_index` for a per-turn row."""
+    indices = [i for i, turn in enumerate(turns) if turn["role"] == "assistant"]
+    if turn_index is not None:
+        indices = [i for i in indices if i == turn_index]
+    return [turns[:i] for i in indices]
