@@ -79,13 +79,14 @@ def test_ttt_mask_is_causal_within_a_sample_plus_own_diagonal() -> None:
 
 def test_no_step_sees_a_later_token_or_another_sample() -> None:
     """Changing a later token of one sample (or anything of another sample) leaves every
-    earlier prediction of the sample unchanged, at every TTT step."""
+    earlier state of the sample unchanged (the draft layer's output, which its
+    predictions read), at every TTT step."""
     model = _model()
     base = _batch([6, 5])
 
     def logits(batch) -> list[torch.Tensor]:
         captured = []
-        handle = model.lm_head.register_forward_hook(
+        handle = model.layers[0].register_forward_hook(
             lambda m, a, out: captured.append(out.detach())
         )
         with torch.no_grad():

@@ -253,36 +253,41 @@ class Eagle3Draft(nn.Module):
         exactly that token — what acceptance depends on; without it, agreement with the
         teacher's best token inside the draft vocabulary."""
         n = input_ids.shape[0]
+        # the teacher is read only where the loss is (a minority of multimodal rows)
+        needed = loss_mask.nonzero().squeeze(-1)
+        slot = torch.zeros(n, dtype=torch.long, device=input_ids.device)
+        slot[needed] = torch.arange(needed.numel(), device=input_ids.device)
         with torch.no_grad():
-            teacher = self.verifier_lm_head(self.verifier_norm(last_hidden)).float()
+            teacher = self.verifier_lm_head(self.verifier_norm(last_hidden[needed])).float()
+            log_p = F.log_softmax(teacher, dim=-1)
             teacher_top = teacher.argmax(-1)
         hidden = self.fc(aux_hidden)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         ids = input_ids
         total = hidden.new_zeros((), dtype=torch.float32)
         stats: list[StepStats] = []
-        index = torch.arange(n)
+        index = torch.arange(n, device=input_ids.device)
         for step in range(ttt_steps):
             embeds = self.embed_tokens(ids)
             hidden = self.layers[0](
                 embeds, hidden, position_ids + step, cache, ttt_mask(segment, step)
             )
-            normed = self.norm(hidden)
-            logits = self.lm_head(normed).float()
-            if self.cfg.norm_output:
-                hidden = normed
             shifted = (index + step).clamp(max=n - 1)
             valid = (index + step < n) & (segment[shifted] == segment) & loss_mask[shifted]
-            log_q = F.log_softmax(logits, dim=-1)
-            p = F.softmax(teacher[shifted], dim=-1)
-            kl = (p * (torch.log(p.clamp_min(1e-30)) - log_q)).sum(-1)
-            weight = valid.float()
-            step_loss = (kl * weight).sum() / (weight.sum() + 1e-5) * decay**step
+            at = valid.nonzero().squeeze(-1)
+            logits = self.lm_head(self.norm(hidden[at])).float()
+            if self.cfg.norm_output:
+                hidden = self.norm(hidden)
+            rows = slot[shifted[at]]
+            kl = (log_p[rows].exp() * (log_p[rows] - F.log_softmax(logits, dim=-1))).sum(-1)
+            step_loss = kl.sum() / (at.numel() + 1e-5) * decay**step
             total = total + step_loss
+            proposed = logits.argmax(-1)
+            correct = torch.zeros_like(valid)
             if target_greedy is None:
-                correct = logits.argmax(-1) == teacher_top[shifted]
+                correct[at] = proposed == teacher_top[rows]
             else:
-                correct = self.to_target_ids(logits.argmax(-1)) == target_greedy[shifted]
+                correct[at] = self.to_target_ids(proposed) == target_greedy[shifted[at]]
             stats.append(StepStats(step_loss.detach(), correct, valid))
             ids = torch.cat([ids[1:], ids.new_zeros(1)])
         return total, stats
