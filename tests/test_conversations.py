@@ -178,8 +178,8 @@ def test_reply_prompts_follow_the_rows_replies() -> None:
         {"role": "user", "content": "q2"},
         {"role": "assistant", "content": "a2"},
     ]
-    assert reply_prompts(turns) == [turns[:2], turns[:4]]
-    assert reply_prompts(turns, turn_index_of("s1/turn4")) == [turns[:4]]
+    assert reply_prompts(turns) == [(2, turns[:2]), (4, turns[:4])]
+    assert reply_prompts(turns, turn_index_of("s1/turn4")) == [(4, turns[:4])]
     assert turn_index_of("s1") is None and turn_index_of(make_row_id("s1", 2)) == 2
     # an opening assistant turn answers no prompt, but keeps its place in the order
-    assert reply_prompts([turns[2], *turns[3:]]) == [[], turns[2:4]]
+    assert reply_prompts([turns[2], *turns[3:]]) == [(0, []), (2, turns[2:4])]

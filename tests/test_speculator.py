@@ -129,6 +129,8 @@ def test_speculative_decoding_with_the_draft_is_lossless(trained: dict, plain_vl
     plain = generate_greedy(url, prompts, max_tokens=CONFIG["vllm_max_tokens"])
     same = sum(a == b for a, b in zip(measured["generations"], plain, strict=True))
     assert same == len(prompts), f"{same}/{len(prompts)} identical"
+    # the asset's own check, against the replies regeneration stored, agrees
+    assert trained["vllm_generations_same_as_target"] == len(prompts)
 
 
 def test_a_rerun_with_identical_inputs_reuses_checkpoint_and_measurement(trained: dict) -> None:

@@ -166,6 +166,8 @@ def trained_speculator(
             config.vllm_max_tokens, not config.retrain, config.measure_untrained_in_vllm,
         )  # fmt: skip
         metadata.update(measurement_metadata(measured.trained, measured.trained_estimate))
+        if measured.same_as_target is not None:
+            metadata["vllm_generations_same_as_target"] = measured.same_as_target
         if measured.untrained:
             metadata.update(
                 measurement_metadata(measured.untrained, measured.untrained_estimate, "untrained_")

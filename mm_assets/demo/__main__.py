@@ -93,10 +93,13 @@ def _acceptance_table(meta: dict) -> str:
         lines.append(
             f"      {name:<10}{measured:>15.3f}  {'[' + positions + ']':<26}{estimate:>9.3f}"
         )
+    prompts = meta.get("vllm_prompts", 0)
     lines.append(
-        f"      ({meta.get('vllm_prompts', 0)} of {meta['held_out_replies']} held-out replies, "
-        f"greedy; estimate over all of them: {meta['acceptance_length_estimate']:.3f})"
+        f"      ({prompts} of {meta['held_out_replies']} held-out replies, greedy; estimate "
+        f"over all of them: {meta['acceptance_length_estimate']:.3f})"
     )
+    if (same := meta.get("vllm_generations_same_as_target")) is not None:
+        lines.append(f"      lossless: {same} of {prompts} generations equal the target's own")
     return "\n".join(lines)
 
 

@@ -48,6 +48,8 @@ class HeldOutReply:
     reply: int
     """Index among the row's supervised replies (`TrainResult.held_out_replies`)."""
     prompt: list[dict[str, Any]]
+    target_ids: list[int] | None
+    """What the target generated for this prompt without a draft (regenerated replies)."""
 
 
 def held_out_replies(
@@ -57,19 +59,35 @@ def held_out_replies(
     each with the chat prompt it answers, images included: the same replies the offline
     estimate covers, so the two compare like for like."""
     wanted = {sample_id_of(row_id) for row_id in replayed}
+    columns = ["sample_id", "turns", "reply_turns", "reply_token_ids"]
     conversations = {
-        row["sample_id"]: json.loads(row["turns"])
-        for row in tables.iter_rows("target_responses", partition, ["sample_id", "turns"])
+        row["sample_id"]: row
+        for row in tables.iter_rows("target_responses", partition, columns)
         if row["sample_id"] in wanted
     }
     replies = []
     for row_id, walks in replayed.items():
-        turns = conversations.get(sample_id_of(row_id), [])
-        prompts = reply_prompts(turns, turn_index_of(row_id))
-        for reply, prompt in list(enumerate(prompts))[: len(walks)]:
+        row = conversations.get(sample_id_of(row_id))
+        if row is None:
+            continue
+        generated = dict(zip(row["reply_turns"] or [], row["reply_token_ids"] or [], strict=True))
+        prompts = reply_prompts(json.loads(row["turns"]), turn_index_of(row_id))
+        for reply, (turn, prompt) in list(enumerate(prompts))[: len(walks)]:
             if prompt and len(replies) < limit:
-                replies.append(HeldOutReply(row_id, reply, to_vllm_messages(prompt)))
+                messages = to_vllm_messages(prompt)
+                replies.append(HeldOutReply(row_id, reply, messages, generated.get(turn)))
     return replies
+
+
+def same_as_target(replies: list[HeldOutReply], generations: list[list[int]]) -> int | None:
+    """How many generations with the draft equal the target's own reply to the prompt
+    (over their common length: the two may stop at different `max_tokens`): lossless
+    speculative decoding, checked without serving the target again. None when the
+    replies are the dataset's, not the target's."""
+    pairs = [(r.target_ids, g) for r, g in zip(replies, generations, strict=True)]
+    if any(target is None for target, _ in pairs):
+        return None
+    return sum(target[: len(g)] == g[: len(target)] for target, g in pairs)
 
 
 def measured_acceptance(
@@ -116,6 +134,8 @@ class DraftMeasurements:
     trained_estimate: AcceptanceSummary
     untrained: Measurement | None
     untrained_estimate: AcceptanceSummary
+    same_as_target: int | None
+    """Generations with the trained draft equal to the target's own (`same_as_target`)."""
 
 
 def measure_drafts(
@@ -148,9 +168,11 @@ def measure_drafts(
         walks = [replayed[reply.row_id][reply.reply] for reply in replies]
         return summarize(walks, job.settings.ttt_steps, max_tokens)
 
+    trained = measure(outcome.checkpoint, outcome.weights_sha256)
     return DraftMeasurements(
-        measure(outcome.checkpoint, outcome.weights_sha256),
+        trained,
         estimate(outcome.result.held_out_replies),
         measure(job.untrained_dir, outcome.untrained_sha256) if untrained else None,
         estimate(outcome.untrained_replies),
+        same_as_target(replies, trained.generations),
     )

@@ -305,11 +305,11 @@ def image_urls(messages: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def reply_prompts(turns: list[Turn], turn_index: int | None = None) -> list[list[Turn]]:
-    """The prompts a training row's replies answer, in order: the conversation up to each
-    assistant turn (earlier replies as stored; empty for an opening assistant turn), or
-    only up to `turn_index` for a per-turn row."""
+def reply_prompts(turns: list[Turn], turn_index: int | None = None) -> list[tuple[int, list[Turn]]]:
+    """The prompts a training row's replies answer, in order, each with its assistant
+    turn's index: the conversation up to that turn (earlier replies as stored; empty for
+    an opening assistant turn), or only up to `turn_index` for a per-turn row."""
     indices = [i for i, turn in enumerate(turns) if turn["role"] == "assistant"]
     if turn_index is not None:
         indices = [i for i in indices if i == turn_index]
-    return [turns[:i] for i in indices]
+    return [(i, turns[:i]) for i in indices]
