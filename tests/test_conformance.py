@@ -113,7 +113,12 @@ def test_speculators_loads_our_checkpoint_and_computes_our_loss(
     config = checkpoint_config(cfg, [1, 2, 3], str(verifier), ["LlamaForCausalLM"], 3, {})
     save_checkpoint(model, config, ckpt)
     batch_file = tmp_path / "batch.safetensors"
-    save_file({k: v.contiguous() for k, v in fields.items()}, str(batch_file))
+    # speculators takes layer L at every position; ours holds the supervised ones only,
+    # and the others never reach the loss, so zeros stand in for them
+    full = torch.zeros(len(batch.input_ids), 64)
+    full[batch.loss_mask] = batch.last_hidden
+    oracle_fields = {**fields, "last_hidden": full}
+    save_file({k: v.contiguous() for k, v in oracle_fields.items()}, str(batch_file))
 
     env = {**os.environ, "PYTHONPATH": str(ORACLE)}
     proc = subprocess.run(

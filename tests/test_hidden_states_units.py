@@ -125,7 +125,8 @@ def test_plan_skips_cached_and_duplicate_rows(tmp_path: Path) -> None:
         {"row_id": "b", "sample_id": "b", "input_ids": [3, 4, 5], "image_hashes": []},
         {"row_id": "c", "sample_id": "c", "input_ids": [1, 2], "image_hashes": []},
     ]
-    blobs.put_tensors(_tensors(3), settings.key([3, 4, 5], []))
+    rows = [{**row, "loss_mask": [0] + [1] * (len(row["input_ids"]) - 1)} for row in rows]
+    blobs.put_tensors(_tensors(3), settings.key([3, 4, 5], [], [0, 1, 1]))
     plan = plan_extraction(rows, settings, blobs)
     assert plan.missing == {"a"} and plan.cache_hits == 2 and plan.missing_tokens == 2
 
@@ -134,9 +135,12 @@ def test_disk_budget_refuses_what_cannot_fit(tmp_path: Path, monkeypatch) -> Non
     blobs = BlobStore(tmp_path)
     settings = HiddenStatesLayout("t", [2, 16, 29, 32], 4096, "bfloat16")
     rows = [
-        {"row_id": str(i), "sample_id": str(i), "input_ids": [i] * 8192, "image_hashes": []}
+        {
+            "row_id": str(i), "sample_id": str(i), "input_ids": [i] * 8192, "image_hashes": [],
+            "loss_mask": [0] * 4096 + [1] * 4096,
+        }
         for i in range(10)
-    ]
+    ]  # fmt: skip
     plan = plan_extraction(rows, settings, blobs)
     needed = estimate_bytes(81920, 4, 4096, "bfloat16")
     assert needed > 4 * 4096 * 2 * 81920  # ~2.7 GB for ten 8k-token rows
@@ -213,7 +217,7 @@ def test_store_response_moves_a_valid_file_into_the_blob_store(tmp_path: Path) -
     tensors = _tensors(5)
     source = _response_file(tmp_path, tensors)
     request = ExtractionRequest("r", [0, 1, 2, 3, 4])
-    key = layout.key(request.input_ids, [])
+    key = layout.key(request.input_ids, [], [0, 0, 1, 1, 1])
     stored = store_response(request, ExtractionResponse(list(range(5)), str(source)), key,
                             layout, blobs)  # fmt: skip
     assert stored == blobs.path(key) and blobs.has(key)

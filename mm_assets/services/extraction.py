@@ -33,6 +33,13 @@ from mm_assets.domain.model.hidden_state_checks import (
     check_prompt_ids,
     validate_tensors,
 )
+from mm_assets.domain.model.hidden_state_codec import (
+    decode,
+    encode,
+    max_relative_error,
+    stored_error,
+)
+from mm_assets.domain.model.hidden_state_format import ERROR_KEY
 from mm_assets.domain.model.hidden_states import (
     LAYER_CONVENTION,
     ExtractionSettings,
@@ -56,6 +63,7 @@ class PlannedRow:
     sample_id: str
     key: str
     num_tokens: int
+    num_supervised: int
 
 
 @dataclass
@@ -68,6 +76,10 @@ class Plan:
         return sum(r.num_tokens for r in self.rows if r.row_id in self.missing)
 
     @property
+    def missing_supervised(self) -> int:
+        return sum(r.num_supervised for r in self.rows if r.row_id in self.missing)
+
+    @property
     def cache_hits(self) -> int:
         return len(self.rows) - len(self.missing)
 
@@ -77,8 +89,11 @@ def plan_extraction(rows: Iterable[dict], layout: HiddenStatesLayout, blobs: Blo
     planned, missing = [], set()
     seen_keys: set[str] = set()
     for row in rows:
-        key = layout.key(row["input_ids"], row["image_hashes"] or [])
-        planned.append(PlannedRow(row["row_id"], row["sample_id"], key, len(row["input_ids"])))
+        key = layout.key(row["input_ids"], row["image_hashes"] or [], row["loss_mask"])
+        supervised = sum(row["loss_mask"])
+        planned.append(
+            PlannedRow(row["row_id"], row["sample_id"], key, len(row["input_ids"]), supervised)
+        )
         if not blobs.has(key) and key not in seen_keys:
             missing.add(row["row_id"])
         seen_keys.add(key)  # identical rows share one blob and one request
@@ -105,17 +120,26 @@ def manifest_rows(
             "dtype": layout.dtype,
             "hidden_size": layout.hidden_size,
             "target_fingerprint": layout.target_fingerprint,
+            "storage_dtype": layout.storage.dtype.value,
+            "final_layer": layout.storage.final_layer.value,
+            "max_rel_error": [0.0] * 4 if layout.storage.is_native else stored_error(path),
         }
 
 
 def requests_for(
-    rows: Iterable[dict], missing: set[str], image_token_id: int | None
+    rows: Iterable[dict],
+    missing: set[str],
+    image_token_id: int | None,
+    loss_masks: dict[str, list[int]] | None = None,
 ) -> Iterator[ExtractionRequest]:
     """Requests for the missing rows; a row with images carries their URLs (from its
-    `messages`) and its ids with the placeholder runs collapsed."""
+    `messages`) and its ids with the placeholder runs collapsed. With `loss_masks`, each
+    request's row mask is put there until its response is stored (compact formats)."""
     for row in rows:
         if row["row_id"] not in missing:
             continue
+        if loss_masks is not None:
+            loss_masks[row["row_id"]] = row["loss_mask"]
         ids = list(row["input_ids"])
         urls = tuple(image_urls(json.loads(row["messages"]))) if row["messages"] else ()
         if urls and image_token_id is None:
@@ -137,12 +161,13 @@ class DiskBudgetError(RuntimeError):
 
 def check_disk_budget(plan: Plan, layout: HiddenStatesLayout, blobs: BlobStore) -> int:
     """Refuse to start when the missing samples cannot fit on the blob store's disk."""
-    needed = layout.estimate(plan.missing_tokens) if plan.missing else 0
+    needed = layout.estimate(plan.missing_tokens, plan.missing_supervised) if plan.missing else 0
     free = blobs.free_bytes()
     if needed > free * 0.95:
         raise DiskBudgetError(
             f"hidden states for {len(plan.missing)} samples ({plan.missing_tokens} tokens × "
-            f"{len(layout.layer_ids)} layers × {layout.hidden_size} × {layout.dtype}) "
+            f"{len(layout.layer_ids)} layers × {layout.hidden_size} × {layout.dtype}, "
+            f"stored as {layout.storage.name}) "
             f"need ~{human_bytes(needed)} but {blobs.dir} has {human_bytes(free)} free; "
             "free space, point MM_ASSETS_HOME at a larger disk, or lower max_samples"
         )
@@ -181,8 +206,10 @@ def store_response(
     blobs: BlobStore,
     path_map: Callable[[str], str] = lambda p: p,
     lock_timeout_s: float = LOCK_TIMEOUT_S,
+    loss_mask: list[int] | None = None,
 ) -> Path:
-    """Verify one response and its file, then move the file into the blob store."""
+    """Verify one response and its file, then move the file into the blob store — in
+    another storage format, encoded once here, with its decoding error recorded."""
     from safetensors.torch import load_file
 
     source = Path(path_map(response.hidden_states_path))
@@ -193,11 +220,17 @@ def store_response(
         hidden = validate_tensors(
             tensors, request.input_ids, len(layout.layer_ids), layout.hidden_size, layout.dtype
         )
+        token_ids = tensors["token_ids"][: hidden.shape[0]]
+        if not layout.storage.is_native:
+            if loss_mask is None:
+                raise ValueError(f"{layout.storage.name} needs the row's loss mask")
+            encoded, metadata = encode(hidden, token_ids, layout.storage, loss_mask)
+            errors = max_relative_error(hidden, decode(encoded, metadata))
+            return blobs.put_tensors(encoded, key, {**metadata, ERROR_KEY: json.dumps(errors)})
         if hidden.shape[0] == tensors["hidden_states"].shape[0]:
             return blobs.put_file(source, key)
         # an untruncated render: keep the row's prefix only
-        kept = {"hidden_states": hidden, "token_ids": tensors["token_ids"][: hidden.shape[0]]}
-        return blobs.put_tensors(kept, key)
+        return blobs.put_tensors({"hidden_states": hidden, "token_ids": token_ids}, key)
     finally:
         _discard(source)
 
@@ -247,16 +280,21 @@ def run_extraction(
     blobs: BlobStore,
     log: Callable[[str], None] = lambda line: None,
     path_map: Callable[[str], str] = lambda p: p,
+    loss_masks: dict[str, list[int]] | None = None,
 ) -> RunTally:
     """Send the missing rows and store what comes back; per-sample problems are
-    collected as rejections, a dead server raises `CircuitOpen`."""
+    collected as rejections, a dead server raises `CircuitOpen`. `loss_masks` are the
+    rows' masks as `requests_for` fills them (compact formats need them)."""
     keys = {r.row_id: r.key for r in plan.rows}
     tally = RunTally()
     progress = Progress(log, "hidden states", len(plan.missing), every_s=10.0)
     started = time.perf_counter()
 
     def store(request: ExtractionRequest, response: ExtractionResponse) -> Path:
-        return store_response(request, response, keys[request.row_id], layout, blobs, path_map)
+        mask = loss_masks.pop(request.row_id, None) if loss_masks is not None else None
+        return store_response(
+            request, response, keys[request.row_id], layout, blobs, path_map, loss_mask=mask
+        )
 
     async def handle(request: ExtractionRequest, outcome: ExtractionResponse | Exception) -> None:
         await asyncio.get_running_loop().run_in_executor(
@@ -330,9 +368,10 @@ class PartitionExtraction:
         engine = self.engine.for_target(facts)
         layer_ids = self.target.layer_ids(self.settings.layer_ids)
         layout = HiddenStatesLayout(
-            self.target.fingerprint, layer_ids, facts.hidden_size, engine.options.dtype
-        )
-        columns = ["row_id", "sample_id", "input_ids", "image_hashes"]
+            self.target.fingerprint, layer_ids, facts.hidden_size, engine.options.dtype,
+            self.settings.storage,
+        )  # fmt: skip
+        columns = ["row_id", "sample_id", "input_ids", "image_hashes", "loss_mask"]
         rows = self.tables.iter_rows(TOKENIZED, self.partition, columns)
         plan = plan_extraction(rows, layout, self.blobs)
         needed = check_disk_budget(plan, layout, self.blobs)
@@ -370,13 +409,15 @@ class PartitionExtraction:
                 session.base_urls, settings.concurrency, settings.request_timeout_s,
                 settings.max_retries, settings.breaker_failures, engine.api_key,
             )  # fmt: skip
-            columns = ["row_id", "input_ids", "messages"]
+            columns = ["row_id", "input_ids", "messages", "loss_mask"]
             rows = self.tables.iter_rows(TOKENIZED, self.partition, columns)
-            requests = requests_for(rows, report.plan.missing, self.target.facts.image_token_id)
+            masks = None if report.layout.storage.is_native else {}
+            image_token = self.target.facts.image_token_id
+            requests = requests_for(rows, report.plan.missing, image_token, masks)
             try:
                 report.tally = run_extraction(
                     client, requests, report.plan, report.layout, self.blobs, self.log,
-                    engine.map_path,
+                    engine.map_path, masks,
                 )  # fmt: skip
             except CircuitOpen as exc:
                 raise ServerUnavailable(

@@ -47,12 +47,14 @@ class BlobStore:
         move_into_place(src, dest)
         return dest
 
-    def put_tensors(self, tensors: dict[str, torch.Tensor], key: str) -> Path:
+    def put_tensors(
+        self, tensors: dict[str, torch.Tensor], key: str, metadata: dict[str, str] | None = None
+    ) -> Path:
         from safetensors.torch import save_file
 
         dest = self.path(key)
         with atomic_path(dest) as tmp:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata)
         return dest
 
     def put_json(self, value: Any, key: str) -> Path:

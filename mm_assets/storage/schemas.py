@@ -94,6 +94,9 @@ MANIFEST = pa.schema(
         ("dtype", pa.string()),
         ("hidden_size", pa.int32()),
         ("target_fingerprint", pa.string()),
+        ("storage_dtype", pa.string()),  # native, bf16, fp8_e4m3
+        ("final_layer", pa.string()),  # all, needed
+        ("max_rel_error", pa.list_(pa.float32())),  # per layer, decoded vs received
     ]
 )
 

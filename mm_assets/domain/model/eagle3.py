@@ -179,6 +179,31 @@ class StepStats:
     valid: torch.Tensor  # [N] bool, counted positions
 
 
+@dataclass
+class _Teacher:
+    """The target's distributions where the loss reads them. `last_hidden` holds layer L
+    at the `loss_mask` positions only (a minority of multimodal rows); `slot` maps a
+    position of the batch to its row."""
+
+    log_p: torch.Tensor  # [M, draft vocab]
+    top: torch.Tensor  # [M]
+    slot: torch.Tensor  # [N]
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, draft: Eagle3Draft, last_hidden: torch.Tensor, loss_mask: torch.Tensor):
+        needed = loss_mask.nonzero().squeeze(-1)
+        if last_hidden.shape[0] != needed.numel():
+            raise ValueError(
+                f"last_hidden has {last_hidden.shape[0]} rows for {needed.numel()} "
+                "supervised positions; pass layer L at the loss_mask positions only"
+            )
+        slot = torch.zeros(loss_mask.shape[0], dtype=torch.long, device=loss_mask.device)
+        slot[needed] = torch.arange(needed.numel(), device=loss_mask.device)
+        logits = draft.verifier_lm_head(draft.verifier_norm(last_hidden)).float()
+        return cls(F.log_softmax(logits, dim=-1), logits.argmax(-1), slot)
+
+
 class Eagle3Draft(nn.Module):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
@@ -253,14 +278,7 @@ class Eagle3Draft(nn.Module):
         exactly that token — what acceptance depends on; without it, agreement with the
         teacher's best token inside the draft vocabulary."""
         n = input_ids.shape[0]
-        # the teacher is read only where the loss is (a minority of multimodal rows)
-        needed = loss_mask.nonzero().squeeze(-1)
-        slot = torch.zeros(n, dtype=torch.long, device=input_ids.device)
-        slot[needed] = torch.arange(needed.numel(), device=input_ids.device)
-        with torch.no_grad():
-            teacher = self.verifier_lm_head(self.verifier_norm(last_hidden[needed])).float()
-            log_p = F.log_softmax(teacher, dim=-1)
-            teacher_top = teacher.argmax(-1)
+        teacher = _Teacher.of(self, last_hidden, loss_mask)
         hidden = self.fc(aux_hidden)
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         ids = input_ids
@@ -278,16 +296,17 @@ class Eagle3Draft(nn.Module):
             logits = self.lm_head(self.norm(hidden[at])).float()
             if self.cfg.norm_output:
                 hidden = self.norm(hidden)
-            rows = slot[shifted[at]]
-            kl = (log_p[rows].exp() * (log_p[rows] - F.log_softmax(logits, dim=-1))).sum(-1)
+            rows = teacher.slot[shifted[at]]
+            log_p = teacher.log_p[rows]
+            kl = (log_p.exp() * (log_p - F.log_softmax(logits, dim=-1))).sum(-1)
             step_loss = kl.sum() / (at.numel() + 1e-5) * decay**step
             total = total + step_loss
             proposed = logits.argmax(-1)
             correct = torch.zeros_like(valid)
             if target_greedy is None:
-                correct[at] = proposed == teacher_top[rows]
+                correct[at] = proposed == teacher.top[rows]
             else:
-                correct[at] = self.to_target_ids(proposed) == target_greedy[shifted[at]]
+                correct[at] = self.to_target_ids(proposed) == target_greedy[rows]
             stats.append(StepStats(step_loss.detach(), correct, valid))
             ids = torch.cat([ids[1:], ids.new_zeros(1)])
         return total, stats

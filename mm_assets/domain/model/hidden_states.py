@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
 from mm_assets.common.hashing import json_sha256
+from mm_assets.domain.model.hidden_state_format import (
+    FinalLayer,
+    StorageDtype,
+    StorageFormat,
+    needed_positions,
+)
 from mm_assets.domain.model.request_settings import RequestSettings
 
 LAYER_CONVENTION = "residual_after_k_layers;L=pre_final_norm"
@@ -118,21 +125,35 @@ def resolve_dtype(requested: str, facts: TextConfigFacts) -> str:
 
 @dataclass(frozen=True)
 class HiddenStatesLayout:
-    """What one stored sample holds: `[T, len(layer_ids), hidden_size]` in `dtype`, from
-    the target with this fingerprint. Part of every cache key and manifest row."""
+    """What one stored sample holds: `[T, len(layer_ids), hidden_size]` received in
+    `dtype` from the target with this fingerprint, stored in `storage`'s format. Part of
+    every cache key and manifest row."""
 
     target_fingerprint: str
     layer_ids: list[int]
     hidden_size: int
     dtype: str
+    storage: StorageFormat = field(default_factory=StorageFormat)
 
-    def key(self, input_ids: Sequence[int], image_hashes: Sequence[str]) -> str:
-        return cache_key(
+    def key(
+        self, input_ids: Sequence[int], image_hashes: Sequence[str], loss_mask: Sequence[int]
+    ) -> str:
+        """The native format keeps the keys it always had (switching back to it reuses
+        its blobs); another format adds its name, and `needed` the positions it keeps."""
+        key = cache_key(
             self.target_fingerprint, self.layer_ids, self.dtype, input_ids, image_hashes
         )
+        if self.storage.is_native:
+            return key
+        kept = (
+            needed_positions(loss_mask) if self.storage.final_layer == FinalLayer.NEEDED else None
+        )
+        return json_sha256([key, self.storage.name, kept])
 
-    def estimate(self, tokens: int) -> int:
-        return estimate_bytes(tokens, len(self.layer_ids), self.hidden_size, self.dtype)
+    def estimate(self, tokens: int, supervised: int) -> int:
+        if self.storage.is_native:
+            return estimate_bytes(tokens, len(self.layer_ids), self.hidden_size, self.dtype)
+        return self.storage.estimate_bytes(tokens, supervised, self.hidden_size, self.dtype)
 
 
 class ExtractionSettings(RequestSettings):
@@ -144,3 +165,16 @@ class ExtractionSettings(RequestSettings):
     max_rejection_ratio: float = Field(
         default=0.01, ge=0, le=1, description="The blocking check fails above this share."
     )
+    storage_dtype: Literal["native", "bf16", "fp8_e4m3"] = Field(
+        default="native",
+        description="native (the target's dtype, speculators' layout), bf16, or fp8_e4m3 "
+        "with one scale per token and layer.",
+    )
+    final_layer: Literal["all", "needed"] = Field(
+        default="all",
+        description="all, or needed: the last layer only where the loss reads it.",
+    )
+
+    @property
+    def storage(self) -> StorageFormat:
+        return StorageFormat(StorageDtype(self.storage_dtype), FinalLayer(self.final_layer))

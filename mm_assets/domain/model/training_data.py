@@ -14,8 +14,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
+from mm_assets.domain.model.hidden_state_codec import StoredStates, decode
+from mm_assets.domain.model.hidden_state_format import needed_positions
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION
 
 
@@ -42,7 +44,7 @@ class Batch:
     input_ids: torch.Tensor  # [N] long
     loss_mask: torch.Tensor  # [N] bool
     aux_hidden: torch.Tensor  # [N, 3 * H] target hidden states at the 3 auxiliary ids
-    last_hidden: torch.Tensor  # [N, H] target's last layer before the final norm
+    last_hidden: torch.Tensor  # [M, H] last layer before the final norm, where loss_mask
     position_ids: torch.Tensor  # [N] restarting at 0 for each sample
     segment: torch.Tensor  # [N] sample index within the batch
 
@@ -92,18 +94,44 @@ def pack(refs: Sequence[SampleRef], batch_tokens: int) -> list[list[SampleRef]]:
     return batches
 
 
+def read_states(path: str) -> StoredStates:
+    """A blob in any format this code knows, decoded to float32 (see hidden_state_format)."""
+    with safe_open(path, framework="pt") as blob:
+        tensors = {name: blob.get_tensor(name) for name in blob.keys()}  # noqa: SIM118 (not iterable)
+        return decode(tensors, blob.metadata())
+
+
+def final_states(stored: StoredStates, ref: SampleRef) -> torch.Tensor:
+    """Layer L at the positions 1..T-1 the (shifted) loss reads, in order; refused when
+    the blob kept other positions (stored for another loss mask)."""
+    wanted = torch.tensor(needed_positions(ref.loss_mask), dtype=torch.long)
+    wanted = wanted[(wanted >= 1) & (wanted < ref.num_tokens)]
+    kept = stored.final_positions
+    if kept is None:
+        return stored.final[wanted]
+    rows = torch.searchsorted(kept, wanted).clamp(max=max(len(kept) - 1, 0))
+    if len(wanted) and (len(kept) == 0 or not torch.equal(kept[rows], wanted)):
+        raise ValueError(
+            f"{ref.path} keeps layer L at other positions than row {ref.row_id}'s loss mask "
+            "reads (stored with final_layer=needed for another mask); rematerialize "
+            "hidden_states"
+        )
+    return stored.final[rows]
+
+
 def load_batch(refs: Sequence[SampleRef]) -> Batch:
     """Read and shift each sample as EAGLE-3 training expects: the draft at position t
-    reads the target's state at t and token t+1, so tokens, last-layer states and the mask
-    drop their first entry, auxiliary states their last, and positions start at 1."""
+    reads the target's state at t and token t+1, so tokens and the mask drop their first
+    entry, auxiliary states their last, and positions start at 1. Layer L is kept only
+    where the shifted mask is set (all the loss reads), whatever the blob's format."""
     ids, masks, aux, last, pos, seg = [], [], [], [], [], []
     for index, ref in enumerate(refs):
-        hidden = load_file(ref.path)["hidden_states"].float()  # [T, 4, H]
+        stored = read_states(ref.path)
         n = ref.num_tokens
         ids.append(torch.tensor(ref.input_ids[1:], dtype=torch.long))
         masks.append(torch.tensor(ref.loss_mask[1:], dtype=torch.bool))
-        aux.append(hidden[: n - 1, :3].reshape(n - 1, -1))
-        last.append(hidden[1:n, 3])
+        aux.append(stored.aux[: n - 1].reshape(n - 1, -1))
+        last.append(final_states(stored, ref))
         pos.append(torch.arange(1, n))
         seg.append(torch.full((n - 1,), index))
     return Batch(
