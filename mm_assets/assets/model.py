@@ -40,8 +40,10 @@ def hidden_states(
 ) -> dg.MaterializeResult:
     """Per-row hidden states `[T, n_layers, H]` of the target, from vLLM's
     `extract_hidden_states` method, stored by content key (target, layer ids, dtype,
-    input ids, image hashes) so unchanged rows are never requested twice. vLLM's prompt
-    token ids are checked against the stored ones for every row. The manifest table
+    input ids, image hashes, storage format) so unchanged rows are never requested twice.
+    vLLM's prompt token ids are checked against the stored ones for every row. Stored as
+    received (`native`, speculators' layout) or compact (`storage_dtype`, `final_layer`),
+    encoded once on arrival with its error recorded. The manifest table
     `hidden_states_manifest` maps rows to blobs; rejected rows go to
     `hidden_states_rejections` with their reason."""
     from mm_assets.services.extraction import PartitionExtraction
@@ -78,6 +80,10 @@ def extraction_metadata(report: "ExtractionReport") -> dict[str, Any]:
         "layer_ids": layout.layer_ids,
         "layer_convention": LAYER_CONVENTION,
         "dtype": layout.dtype,
+        "storage_format": layout.storage.name,
+        "stored_bytes_per_token": round(report.stored.bytes / max(report.stored.tokens, 1), 1),
+        "bytes_vs_bf16_layout": round(report.stored.bf16_layout_ratio(layout.hidden_size), 4),
+        "max_rel_error_per_layer": [float(f"{e:.3g}") for e in report.stored.max_rel_error],
         "target_fingerprint": layout.target_fingerprint,
         "server": report.server,
         "server_startup_s": report.startup_s if report.startup_s is not None else "n/a",

@@ -322,6 +322,30 @@ def run_extraction(
     return tally
 
 
+@dataclass
+class StoredTotals:
+    """Every stored row of the partition (cached or new), as the manifest lists them."""
+
+    rows: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    max_rel_error: list[float] = field(default_factory=lambda: [0.0] * 4)
+
+    def count(self, rows: Iterable[dict]) -> Iterator[dict]:
+        for row in rows:
+            self.rows += 1
+            self.tokens += row["num_tokens"]
+            self.bytes += row["bytes"]
+            self.max_rel_error = [
+                max(a, b) for a, b in zip(self.max_rel_error, row["max_rel_error"], strict=True)
+            ]
+            yield row
+
+    def bf16_layout_ratio(self, hidden_size: int) -> float:
+        """Stored bytes per token over speculators' bf16 layout (4 layers x H x 2 bytes)."""
+        return self.bytes / max(self.tokens * 4 * hidden_size * 2, 1)
+
+
 class ServerUnavailable(RuntimeError):
     """vLLM stopped answering mid-run; what was stored is kept for the rerun."""
 
@@ -338,6 +362,7 @@ class ExtractionReport:
     manifest: WrittenTable | None = None
     startup_s: float | None = None
     server_rss_bytes: int | None = None
+    stored: StoredTotals = field(default_factory=StoredTotals)
 
     @property
     def rejection_ratio(self) -> float:
@@ -383,7 +408,7 @@ class PartitionExtraction:
         if plan.missing:
             self._request_missing(engine, report)
         rejected = {r["row_id"] for r in report.tally.rejections}
-        manifest = manifest_rows(plan, rejected, layout, self.blobs)
+        manifest = report.stored.count(manifest_rows(plan, rejected, layout, self.blobs))
         report.manifest = self.tables.write(
             "hidden_states_manifest", self.partition, manifest, schemas.MANIFEST
         )

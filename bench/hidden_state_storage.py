@@ -1,0 +1,199 @@
+"""Hidden-state storage formats: bytes, extraction and training speed, and acceptance.
+
+On the demo's two on-policy partitions (a demo home where `make demo` has run), for the
+native layout and the compact `fp8_e4m3` + `final_layer: needed`:
+
+- bytes per token stored, against speculators' bf16 layout `n_layers x H x 2` (the
+  reference is that formula, so the ratio means the same on any machine); the other
+  formats' bytes come from encoding the native blobs with the same encoder;
+- extraction tokens/s of the `hidden_states` asset (the request phase it reports), one
+  extraction server for the whole run, formats alternating round by round, fresh blobs
+  each round;
+- training tokens/s reading each format, and the acceptance of the drafts trained on
+  each (same seed and settings: the demo's), estimated offline and measured by vLLM on
+  the same held-out prompts.
+
+Prints a Markdown block for BENCHMARKS.md, then the results as JSON.
+`.venv/bin/python -m bench.hidden_state_storage --home DEMO_HOME [--rounds R]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+PARTITIONS = ("demo_sharegpt4v_coco", "demo_sharegpt")
+FORMATS = {
+    "native": {},
+    "fp8_e4m3/needed": {"storage_dtype": "fp8_e4m3", "final_layer": "needed"},
+}
+OTHER_FORMATS = ("bf16/all", "bf16/needed", "fp8_e4m3/all")
+TABLES = ("tokenized_samples", "token_frequencies", "target_responses")
+CONCURRENCY = 8
+
+
+def _copy_tables(home: Path, root: Path) -> None:
+    for partition in PARTITIONS:
+        for table in TABLES:
+            name = Path("tables") / table / f"dataset={partition}" / "data.parquet"
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(home / name, root / name)
+
+
+def _materialize(asset: str, partition: str, root: Path, vllm: Any, config: dict) -> dict:
+    import dagster as dg
+
+    from mm_assets.assets.resources import StorageResource
+    from mm_assets.definitions import defs
+
+    result = dg.materialize(
+        [defs.get_assets_def(asset)],
+        partition_key=partition,
+        resources={**defs.resources, "storage": StorageResource(root=str(root)), "vllm": vllm},
+        run_config={"ops": {asset: {"config": config}}},
+        instance=dg.DagsterInstance.ephemeral(),
+    )
+    (mat,) = result.asset_materializations_for_node(asset)
+    return {k: v.value for k, v in mat.metadata.items()}
+
+
+def _encoded_bytes(root: Path, partition: str, hidden_size: int) -> dict[str, float]:
+    """Bytes/token over the bf16 layout for the other formats, from the native blobs."""
+    from safetensors.torch import load_file, save
+
+    from mm_assets.domain.model.hidden_state_codec import encode
+    from mm_assets.domain.model.hidden_state_format import FinalLayer, StorageDtype, StorageFormat
+    from mm_assets.storage import TableStore
+
+    tables = TableStore(root)
+    masks = {r["row_id"]: r["loss_mask"] for r in tables.iter_rows("tokenized_samples", partition)}
+    totals = dict.fromkeys(OTHER_FORMATS, 0)
+    tokens = 0
+    for row in tables.iter_rows("hidden_states_manifest", partition):
+        native = load_file(row["path"])
+        tokens += row["num_tokens"]
+        for name in OTHER_FORMATS:
+            dtype, final = name.split("/")
+            fmt = StorageFormat(StorageDtype(dtype), FinalLayer(final))
+            tensors, metadata = encode(
+                native["hidden_states"], native["token_ids"], fmt, masks[row["row_id"]]
+            )
+            totals[name] += len(save(tensors, {**metadata, "max_rel_error": "[0,0,0,0]"}))
+    return {name: total / (tokens * 4 * hidden_size * 2) for name, total in totals.items()}
+
+
+def _training_figures(meta: dict) -> dict:
+    keys = (
+        "train_tokens_per_s", "acceptance_length_estimate", "vllm_acceptance_length",
+        "vllm_acceptance_length_estimate", "vllm_prompts",
+    )  # fmt: skip
+    return {k: meta[k] for k in keys}
+
+
+def run(home: Path, rounds: int) -> dict:
+    os.environ["MM_ASSETS_HOME"] = str(home)
+    os.environ.setdefault("DAGSTER_HOME", str(home / "dagster_home"))
+    from mm_assets.assets.resources import VllmResource
+    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
+    from mm_assets.demo.__main__ import DEMO_RUN_CONFIG
+    from mm_assets.domain.model.hidden_states import default_layer_ids
+
+    scratch = Path(tempfile.mkdtemp(prefix="mm_assets_storage_bench_"))
+    roots = {name: scratch / name.replace("/", "_") for name in FORMATS}
+    for root in roots.values():
+        _copy_tables(home, root)
+    extraction: dict[str, dict[str, list]] = {f: {p: [] for p in PARTITIONS} for f in FORMATS}
+    metadata: dict[str, dict[str, dict]] = {f: {} for f in FORMATS}
+    server = ManagedVllmServer(
+        str(home / "demo" / "target"),
+        extraction_args(default_layer_ids(8), scratch / "incoming", "auto"),
+        home / "demo" / "coco",
+        scratch / "vllm.log",
+        EngineOptions(dtype="float32", kv_cache_gib=2.0),
+    )
+    with server as base_url:
+        external = VllmResource(base_urls=[base_url])
+        for partition in PARTITIONS:  # warm-up: first-call costs are not throughput
+            _materialize("hidden_states", partition, scratch / "warmup", external, {})
+        for _ in range(rounds):
+            for name, storage in FORMATS.items():
+                shutil.rmtree(roots[name] / "blobs", ignore_errors=True)
+                for partition in PARTITIONS:
+                    config = {**storage, "concurrency": CONCURRENCY}
+                    meta = _materialize("hidden_states", partition, roots[name], external, config)
+                    extraction[name][partition].append(meta["tokens_per_s"])
+                    metadata[name][partition] = meta
+    trained: dict[str, dict[str, dict]] = {f: {} for f in FORMATS}
+    settings = DEMO_RUN_CONFIG["ops"]["trained_speculator"]["config"]
+    managed = VllmResource(dtype="float32")
+    for name in FORMATS:
+        for partition in PARTITIONS:
+            config = {**settings, "measure_untrained_in_vllm": False, "retrain": True}
+            trained[name][partition] = _materialize(
+                "trained_speculator", partition, roots[name], managed, config
+            )
+    results: dict[str, Any] = {"rounds": rounds, "concurrency": CONCURRENCY, "partitions": {}}
+    for partition in PARTITIONS:
+        native, compact = (metadata[f][partition] for f in FORMATS)
+        speed = {f: statistics.median(extraction[f][partition]) for f in FORMATS}
+        other = _encoded_bytes(roots["native"], partition, 64)
+        results["partitions"][partition] = {
+            "bytes_vs_bf16_layout": {
+                "native (fp32 demo)": native["bytes_vs_bf16_layout"],
+                "fp8_e4m3/needed": compact["bytes_vs_bf16_layout"],
+                **{k: round(v, 4) for k, v in other.items()},
+            },
+            "max_rel_error_fp8_needed": compact["max_rel_error_per_layer"],
+            "extraction_tokens_per_s": {f: extraction[f][partition] for f in FORMATS},
+            "extraction_ratio": speed["fp8_e4m3/needed"] / speed["native"],
+            "training": {f: _training_figures(trained[f][partition]) for f in FORMATS},
+        }
+    shutil.rmtree(scratch, ignore_errors=True)
+    return results
+
+
+def markdown(results: dict, command: str) -> str:
+    today = datetime.date.today().isoformat()
+    lines = [f"Measured {today}; `{command}`.", ""]
+    lines.append("| partition | format | bytes / bf16 layout | extraction tok/s (rounds) | "
+                 "train tok/s | estimate | vLLM measured |")  # fmt: skip
+    lines.append("|---|---|---:|---|---:|---:|---:|")
+    for partition, r in results["partitions"].items():
+        for fmt in FORMATS:
+            key = "native (fp32 demo)" if fmt == "native" else fmt
+            t = r["training"][fmt]
+            speeds = ", ".join(f"{s:,.0f}" for s in r["extraction_tokens_per_s"][fmt])
+            lines.append(
+                f"| `{partition}` | {fmt} | {r['bytes_vs_bf16_layout'][key]:.3f} | {speeds} | "
+                f"{t['train_tokens_per_s']:,.0f} | {t['vllm_acceptance_length_estimate']:.3f} | "
+                f"{t['vllm_acceptance_length']:.3f} |"
+            )
+        for fmt in OTHER_FORMATS:
+            lines.append(
+                f"| `{partition}` | {fmt} | {r['bytes_vs_bf16_layout'][fmt]:.3f} | | | | |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--home", type=Path, default=Path(".mm_assets"))
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    results = run(args.home.resolve(), args.rounds)
+    command = (
+        f".venv/bin/python -m bench.hidden_state_storage --home {args.home} --rounds {args.rounds}"
+    )
+    print(markdown(results, command))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
