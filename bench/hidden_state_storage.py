@@ -107,7 +107,7 @@ def run(home: Path, rounds: int) -> dict:
 
     scratch = Path(tempfile.mkdtemp(prefix="mm_assets_storage_bench_"))
     roots = {name: scratch / name.replace("/", "_") for name in FORMATS}
-    for root in roots.values():
+    for root in [*roots.values(), scratch / "warmup"]:
         _copy_tables(home, root)
     extraction: dict[str, dict[str, list]] = {f: {p: [] for p in PARTITIONS} for f in FORMATS}
     metadata: dict[str, dict[str, dict]] = {f: {} for f in FORMATS}
