@@ -175,10 +175,10 @@ def test_a_received_file_is_stored_compactly_with_its_error(tmp_path: Path) -> N
     )  # fmt: skip
     with safe_open(str(path), framework="pt") as blob:
         assert set(blob.keys()) == {
-            "aux", "aux_scale", "final", "final_scale", "final_positions", "token_ids",
+            "aux", "aux_scale", "final", "final_scale", "final_runs", "token_ids",
         }  # fmt: skip
         assert blob.metadata()["dtype"] == "fp8_e4m3"
-        assert blob.get_tensor("final_positions").tolist() == [3, 4]
+        assert blob.get_tensor("final_runs").tolist() == [[3, 5]]
     errors = stored_error(path)
     assert errors == json.loads(json.dumps(errors)) and 0 < max(errors) <= FP8_BOUND
     assert not source.exists()

@@ -226,7 +226,8 @@ def store_response(
                 raise ValueError(f"{layout.storage.name} needs the row's loss mask")
             encoded, metadata = encode(hidden, token_ids, layout.storage, loss_mask)
             errors = max_relative_error(hidden, decode(encoded, metadata))
-            return blobs.put_tensors(encoded, key, {**metadata, ERROR_KEY: json.dumps(errors)})
+            recorded = json.dumps([float(f"{e:.4g}") for e in errors])
+            return blobs.put_tensors(encoded, key, {**metadata, ERROR_KEY: recorded})
         if hidden.shape[0] == tensors["hidden_states"].shape[0]:
             return blobs.put_file(source, key)
         # an untruncated render: keep the row's prefix only

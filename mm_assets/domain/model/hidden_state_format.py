@@ -19,7 +19,8 @@ not needed, so two options shrink it:
   multimodal row, then keep their three auxiliary layers only.
 
 A compact blob holds `aux` `[T, 3, H]`, `final` `[M, H]`, `token_ids` (int32), and as
-needed `aux_scale` `[T, 3]`, `final_scale` `[M]` and `final_positions` `[M]`; its
+needed `aux_scale` `[T, 3]`, `final_scale` `[M]` and `final_runs` `[R, 2]` (the kept
+positions as start/end runs); its
 safetensors metadata names the format, which the reader checks. Encoding and decoding
 live in `hidden_state_codec` (torch); this module is what configuration and keys need.
 """
@@ -74,9 +75,8 @@ class StorageFormat:
         scale = 2 if self.dtype == StorageDtype.FP8_E4M3 else 0
         final_rows = supervised if self.final_layer == FinalLayer.NEEDED else tokens
         per_layer_row = hidden_size * element + scale
-        ids = 8 if self.is_native else 4
-        positions = 4 * final_rows if self.final_layer == FinalLayer.NEEDED else 0
-        return tokens * (3 * per_layer_row + ids) + final_rows * per_layer_row + positions
+        ids = 8 if self.is_native else 4  # (the kept positions are a few runs per row)
+        return tokens * (3 * per_layer_row + ids) + final_rows * per_layer_row
 
 
 def needed_positions(loss_mask: Sequence[int]) -> list[int]:
