@@ -113,10 +113,10 @@ def _training_figures(meta: dict) -> dict:
         "train_tokens_per_s", "acceptance_length_estimate", "vllm_acceptance_length",
         "vllm_acceptance_length_estimate", "vllm_prompts",
     )  # fmt: skip
-    return {k: meta[k] for k in keys}
+    return {k: meta.get(k, float("nan")) for k in keys}
 
 
-def run(home: Path, rounds: int) -> dict:
+def run(home: Path, rounds: int, train: bool = True) -> dict:
     os.environ["MM_ASSETS_HOME"] = str(home)
     os.environ.setdefault("DAGSTER_HOME", str(home / "dagster_home"))
     from mm_assets.assets.resources import VllmResource
@@ -152,7 +152,7 @@ def run(home: Path, rounds: int) -> dict:
     trained: dict[str, dict[str, dict]] = {f: {} for f in FORMATS}
     settings = DEMO_RUN_CONFIG["ops"]["trained_speculator"]["config"]
     managed = VllmResource(dtype="float32")
-    for name in FORMATS:
+    for name in FORMATS if train else ():
         for partition in PARTITIONS:
             config = {**settings, "measure_untrained_in_vllm": False, "retrain": True}
             trained[name][partition] = _materialize(
@@ -173,7 +173,7 @@ def run(home: Path, rounds: int) -> dict:
             "max_rel_error_fp8_needed": compact["max_rel_error_per_layer"],
             "extraction_tokens_per_s": {f: extraction[f][partition] for f in FORMATS},
             "extraction_ratio": speed["fp8_e4m3/needed"] / speed["native"],
-            "training": {f: _training_figures(trained[f][partition]) for f in FORMATS},
+            "training": {f: _training_figures(trained[f].get(partition, {})) for f in FORMATS},
         }
     shutil.rmtree(scratch, ignore_errors=True)
     return results
@@ -206,8 +206,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--home", type=Path, default=Path(".mm_assets"))
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-training", action="store_true", help="bytes and extraction only")
     args = parser.parse_args()
-    results = run(args.home.resolve(), args.rounds)
+    home = args.home.resolve()
+    if not (home / "tables" / "target_responses").is_dir():
+        raise SystemExit(f"{home} holds no demo run: run `make demo` first (or pass --home)")
+    results = run(home, args.rounds, train=not args.no_training)
     command = (
         f".venv/bin/python -m bench.hidden_state_storage --home {args.home} --rounds {args.rounds}"
     )

@@ -24,6 +24,7 @@ def main() -> None:
         "regeneration_throughput",
         "cached_rerun",
         "cli_overhead",
+        "hidden_state_storage",  # on the demo home: after `make demo`
     ):
         out = subprocess.run(
             [sys.executable, "-m", f"bench.{name}"],

@@ -14,10 +14,10 @@ from safetensors.torch import save_file
 from mm_assets.clients.vllm_client import ExtractionRequest, ExtractionResponse
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 from mm_assets.domain.model.hidden_state_codec import (
+    StoredStates,
     UnknownFormat,
     decode,
     encode,
-    max_relative_error,
     stored_error,
 )
 from mm_assets.domain.model.hidden_state_format import (
@@ -35,6 +35,17 @@ from mm_assets.storage.blobs import BlobStore
 
 FP8_NEEDED = StorageFormat(StorageDtype.FP8_E4M3, FinalLayer.NEEDED)
 FP8_BOUND, BF16_BOUND = FP8_ERROR_BOUND, BF16_ERROR_BOUND
+
+
+def max_relative_error(hidden: torch.Tensor, stored: StoredStates) -> list[float]:
+    """The reference the encoder's own record is checked against: per layer, the largest
+    error of a decoded element relative to its (token, layer) row's absolute maximum."""
+    final = hidden[:, 3] if stored.final_positions is None else hidden[stored.final_positions, 3]
+    pairs = [(hidden[:, k], stored.aux[:, k]) for k in range(3)] + [(final, stored.final)]
+    return [
+        float(((got - ref).abs() / ref.abs().amax(-1, keepdim=True).clamp_min(1e-30)).max())
+        for ref, got in pairs
+    ]
 
 
 def _states(t: int = 40, h: int = 64, seed: int = 0) -> torch.Tensor:
@@ -60,6 +71,8 @@ def test_decoding_stays_within_the_formats_bound(fmt: StorageFormat, bound: floa
     stored = decode(tensors, metadata)
     errors = max_relative_error(states, stored)
     assert len(errors) == 4 and max(errors) <= bound and max(errors) > 0
+    # what the encoder recorded is what decoding gives
+    assert json.loads(metadata["max_rel_error"]) == pytest.approx(errors, rel=1e-3)
     assert torch.equal(stored.aux[5], torch.zeros(3, 64))  # a zero row stays exact
     kept = 15 if fmt.final_layer == FinalLayer.NEEDED else 40
     assert stored.final.shape == (kept, 64)

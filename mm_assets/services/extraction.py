@@ -33,13 +33,7 @@ from mm_assets.domain.model.hidden_state_checks import (
     check_prompt_ids,
     validate_tensors,
 )
-from mm_assets.domain.model.hidden_state_codec import (
-    decode,
-    encode,
-    max_relative_error,
-    stored_error,
-)
-from mm_assets.domain.model.hidden_state_format import ERROR_KEY
+from mm_assets.domain.model.hidden_state_codec import encode, stored_error
 from mm_assets.domain.model.hidden_states import (
     LAYER_CONVENTION,
     ExtractionSettings,
@@ -225,9 +219,7 @@ def store_response(
             if loss_mask is None:
                 raise ValueError(f"{layout.storage.name} needs the row's loss mask")
             encoded, metadata = encode(hidden, token_ids, layout.storage, loss_mask)
-            errors = max_relative_error(hidden, decode(encoded, metadata))
-            recorded = json.dumps([float(f"{e:.4g}") for e in errors])
-            return blobs.put_tensors(encoded, key, {**metadata, ERROR_KEY: recorded})
+            return blobs.put_tensors(encoded, key, metadata)
         if hidden.shape[0] == tensors["hidden_states"].shape[0]:
             return blobs.put_file(source, key)
         # an untruncated render: keep the row's prefix only

@@ -43,31 +43,47 @@ def _positions(runs: torch.Tensor) -> torch.Tensor:
     return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
 
 
-def _fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 values and bf16 scales, one per row of the last dimension."""
-    amax = x.float().abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(torch.bfloat16)
-    q = (x.float() / scale.float().unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
-    return q.to(torch.float8_e4m3fn), scale
+def _quantize(
+    x: torch.Tensor, dtype: StorageDtype
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`x` in the storage dtype (fp8: with a bf16 scale per row of the last dimension),
+    and each row's largest decoding error relative to the row's maximum — computed from
+    the very dequantization `decode` does, in the same pass."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    if dtype == StorageDtype.FP8_E4M3:
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(torch.bfloat16)
+        stored = (x / scale.float().unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        decoded = stored.float() * scale.float().unsqueeze(-1)
+    else:
+        scale, stored = None, x.to(torch.bfloat16)
+        decoded = stored.float()
+    error = (decoded - x).abs().amax(dim=-1) / amax.clamp_min(torch.finfo(torch.float32).tiny)
+    return stored, scale, error
 
 
 def encode(
     hidden: torch.Tensor, token_ids: torch.Tensor, fmt: StorageFormat, loss_mask: Sequence[int]
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The compact tensors and metadata for `[T, 4, H]` states (not for `native`)."""
+    """The compact tensors and metadata for `[T, 4, H]` states (not for `native`); the
+    metadata records the largest decoding error per layer (`ERROR_KEY`)."""
+    if fmt.dtype == StorageDtype.NATIVE:
+        raise ValueError("native states are stored as received, not encoded")
     aux, final = hidden[:, :3], hidden[:, 3]
     tensors: dict[str, torch.Tensor] = {"token_ids": token_ids.to(torch.int32)}
     if fmt.final_layer == FinalLayer.NEEDED:
         positions = torch.tensor(needed_positions(loss_mask[: hidden.shape[0]]), dtype=torch.long)
         final = final[positions]
         tensors["final_runs"] = _runs(positions)
-    if fmt.dtype == StorageDtype.FP8_E4M3:
-        tensors["aux"], tensors["aux_scale"] = _fp8(aux)
-        tensors["final"], tensors["final_scale"] = _fp8(final)
-    else:
-        low = torch.bfloat16 if fmt.dtype == StorageDtype.BF16 else hidden.dtype
-        tensors["aux"], tensors["final"] = aux.to(low), final.to(low)
-    metadata = {"format": FORMAT_TAG, "dtype": fmt.dtype.value, "final_layer": fmt.final_layer}
+    tensors["aux"], aux_scale, aux_error = _quantize(aux, fmt.dtype)
+    tensors["final"], final_scale, final_error = _quantize(final, fmt.dtype)
+    if aux_scale is not None and final_scale is not None:
+        tensors["aux_scale"], tensors["final_scale"] = aux_scale, final_scale
+    errors = [*aux_error.amax(dim=0).tolist(), float(final_error.max()) if final.numel() else 0.0]
+    metadata = {
+        "format": FORMAT_TAG, "dtype": fmt.dtype.value, "final_layer": fmt.final_layer.value,
+        ERROR_KEY: json.dumps([float(f"{e:.4g}") for e in errors]),
+    }  # fmt: skip
     return tensors, metadata
 
 
@@ -99,24 +115,6 @@ def decode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
     runs = tensors.get("final_runs")
     positions = None if runs is None else _positions(runs)
     return StoredStates(aux, final, positions)
-
-
-def max_relative_error(hidden: torch.Tensor, stored: StoredStates) -> list[float]:
-    """Per layer (3 auxiliary, then L): the largest error of a decoded element, relative
-    to the absolute maximum of its (token, layer) row. 0 for an exact copy."""
-    original = hidden.float()
-    final = original[:, 3]
-    if stored.final_positions is not None:
-        final = final[stored.final_positions]
-    pairs = [(original[:, k], stored.aux[:, k]) for k in range(3)] + [(final, stored.final)]
-    errors = []
-    for ref, got in pairs:
-        if ref.numel() == 0:
-            errors.append(0.0)
-            continue
-        scale = ref.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-        errors.append(float(((got - ref).abs() / scale).max()))
-    return errors
 
 
 def stored_error(path: Path | str) -> list[float]:
