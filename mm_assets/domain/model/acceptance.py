@@ -6,8 +6,8 @@ leading correct part and adds one token, and the next verification starts after 
 So easy stretches are crossed in few verifications and hard ones in many; averaging a
 per-position accuracy over every token instead (the product of conditional accuracies
 at each position) weighs the easy stretches too much and overestimates acceptance: on
-the demo's multimodal partition 1.79 against a vLLM measurement of 1.57, while this
-replay gives 1.56 on the same replies.
+the demo's multimodal partition it read 1.91 over the replies vLLM then generated from
+(1.79 over all held-out replies), vLLM measured 1.57, and this replay gives 1.56.
 
 The replay reads the test-time-training statistics of a held-out row: at each position,
 how many leading draft steps proposed the target's own greedy token. Along each
