@@ -27,10 +27,11 @@ import json
 import random
 from pathlib import Path
 
-import torch
 from tokenizers import Tokenizer, pre_tokenizers, trainers
 from tokenizers.models import BPE
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LlamaTokenizerFast
+
+from mm_assets.demo.target import random_model
 
 __all__ = ["INST_CHAT_TEMPLATE", "build_sentencepiece_target", "sentencepiece_tokenizer"]
 
@@ -190,11 +191,7 @@ def build_sentencepiece_target(
         tie_word_embeddings=False,
         dtype="float32",
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
-    with torch.no_grad():
-        for embedding in (model.get_input_embeddings(), model.get_output_embeddings()):
-            embedding.weight[len(tokenizer) :].zero_()
+    model = random_model(LlamaForCausalLM, config, len(tokenizer), seed)
     model.generation_config = GenerationConfig(
         bos_token_id=ids[BOS], eos_token_id=ids[EOS], do_sample=False
     )

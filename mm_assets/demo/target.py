@@ -178,6 +178,21 @@ def _text_config(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
     }
 
 
+def random_model(
+    model_cls: type[PreTrainedModel], config: PreTrainedConfig, vocab_in_use: int, seed: int
+) -> PreTrainedModel:
+    """A seeded float32 init whose embedding rows past the tokenizer's `vocab_in_use`
+    (vocab padding) are zeroed, as in trained checkpoints: a zero logit never beats the
+    best of hundreds of random ones, so greedy decoding cannot emit ids that the
+    tokenizer would silently decode to nothing."""
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for embedding in (model.get_input_embeddings(), model.get_output_embeddings()):
+            embedding.weight[vocab_in_use:].zero_()
+    return model
+
+
 def _save_random_model(
     model_cls: type[PreTrainedModel],
     config: PreTrainedConfig,
@@ -185,17 +200,8 @@ def _save_random_model(
     out_dir: Path,
     seed: int,
 ) -> None:
-    """Seeded float32 init plus a greedy generation config that stops on <|im_end|>.
-
-    Embedding rows past the tokenizer (vocab padding) are zeroed, as in trained checkpoints:
-    a zero logit never beats the best of hundreds of random ones, so greedy decoding cannot
-    emit ids that the tokenizer would silently decode to nothing.
-    """
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32).eval()
-    with torch.no_grad():
-        for embedding in (model.get_input_embeddings(), model.get_output_embeddings()):
-            embedding.weight[len(tokenizer) :].zero_()
+    """`random_model` plus a greedy generation config that stops on <|im_end|>."""
+    model = random_model(model_cls, config, len(tokenizer), seed)
     model.generation_config = GenerationConfig(
         bos_token_id=_token_id(tokenizer, PAD_TOKEN),
         eos_token_id=[_token_id(tokenizer, EOS_TOKEN), _token_id(tokenizer, PAD_TOKEN)],
