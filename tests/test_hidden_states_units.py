@@ -28,7 +28,6 @@ from mm_assets.domain.model.hidden_states import (
     HiddenStatesLayout,
     cache_key,
     default_layer_ids,
-    estimate_bytes,
     target_fingerprint,
     text_config_facts,
     validate_layer_ids,
@@ -110,9 +109,10 @@ def test_validate_tensors_rejects(tensors, ids, problem) -> None:
     assert info.value.reason is problem
 
 
-def test_validate_tensors_rejects_non_finite_values() -> None:
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_validate_tensors_rejects_non_finite_values(value: float) -> None:
     tensors = _tensors(4)
-    tensors["hidden_states"][2, 1, 3] = float("nan")
+    tensors["hidden_states"][2, 1, 3] = value
     with pytest.raises(HiddenStatesRejected, match="from token 2"):
         validate_tensors(tensors, [0, 1, 2, 3], 4, 8, "float32")
 
@@ -142,7 +142,7 @@ def test_disk_budget_refuses_what_cannot_fit(tmp_path: Path, monkeypatch) -> Non
         for i in range(10)
     ]  # fmt: skip
     plan = plan_extraction(rows, settings, blobs)
-    needed = estimate_bytes(81920, 4, 4096, "bfloat16")
+    needed = settings.estimate(81920, 40960, 10)
     assert needed > 4 * 4096 * 2 * 81920  # ~2.7 GB for ten 8k-token rows
     monkeypatch.setattr(BlobStore, "free_bytes", lambda self: needed // 2)
     with pytest.raises(DiskBudgetError, match="free space"):

@@ -156,7 +156,7 @@ class DiskBudgetError(RuntimeError):
 
 def check_disk_budget(plan: Plan, layout: HiddenStatesLayout, blobs: BlobStore) -> int:
     """Refuse to start when the missing samples cannot fit on the blob store's disk."""
-    needed = layout.estimate(plan.missing_tokens, plan.missing_supervised) if plan.missing else 0
+    needed = layout.estimate(plan.missing_tokens, plan.missing_supervised, len(plan.missing))
     free = blobs.free_bytes()
     if needed > free * 0.95:
         raise DiskBudgetError(

@@ -36,6 +36,8 @@ ERROR_KEY = "max_rel_error"
 FP8_ERROR_BOUND = 16 / 448 * (1 + 2**-8)
 BF16_ERROR_BOUND = 2**-8
 NATIVE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# A blob's safetensors header plus the filesystem block it partly fills (an upper bound)
+BLOB_OVERHEAD_BYTES = 4096
 
 
 class StorageDtype(StrEnum):
@@ -68,15 +70,17 @@ class StorageFormat:
         return 2 if self.dtype == StorageDtype.BF16 else 1
 
     def estimate_bytes(
-        self, tokens: int, supervised: int, hidden_size: int, native_dtype: str
+        self, tokens: int, supervised: int, hidden_size: int, native_dtype: str, blobs: int = 0
     ) -> int:
-        """Bytes on disk for rows of `tokens` tokens, `supervised` of them in the loss."""
+        """Bytes on disk for `blobs` rows of `tokens` tokens in all, `supervised` of them
+        in the loss (the disk budget's estimate, and the bench's formula at any width)."""
         element = self.element_bytes(native_dtype)
         scale = 2 if self.dtype == StorageDtype.FP8_E4M3 else 0
         final_rows = supervised if self.final_layer == FinalLayer.NEEDED else tokens
         per_layer_row = hidden_size * element + scale
         ids = 8 if self.is_native else 4  # (the kept positions are a few runs per row)
-        return tokens * (3 * per_layer_row + ids) + final_rows * per_layer_row
+        body = tokens * (3 * per_layer_row + ids) + final_rows * per_layer_row
+        return body + blobs * BLOB_OVERHEAD_BYTES
 
 
 def needed_positions(loss_mask: Sequence[int]) -> list[int]:

@@ -19,6 +19,7 @@ from pydantic import Field
 
 from mm_assets.common.hashing import json_sha256
 from mm_assets.domain.model.hidden_state_format import (
+    NATIVE_BYTES,
     FinalLayer,
     StorageDtype,
     StorageFormat,
@@ -27,7 +28,6 @@ from mm_assets.domain.model.hidden_state_format import (
 from mm_assets.domain.model.request_settings import RequestSettings
 
 LAYER_CONVENTION = "residual_after_k_layers;L=pre_final_norm"
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _SAMPLE_CHUNK = 1 << 16
 _SMALL_FILE = 64 << 20
 
@@ -101,12 +101,6 @@ def cache_key(
     )
 
 
-def estimate_bytes(num_tokens: int, num_layers: int, hidden_size: int, dtype: str) -> int:
-    """Bytes on disk for `num_tokens` tokens (+ int64 token ids and a small header)."""
-    per_token = num_layers * hidden_size * DTYPE_BYTES[dtype] + 8
-    return num_tokens * per_token + 4096
-
-
 def human_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1024 or unit == "TB":
@@ -118,8 +112,8 @@ def human_bytes(n: float) -> str:
 def resolve_dtype(requested: str, facts: TextConfigFacts) -> str:
     """`auto` means the target config's dtype; only dtypes the store knows are allowed."""
     dtype = facts.dtype if requested == "auto" else requested
-    if dtype not in DTYPE_BYTES:
-        raise ValueError(f"dtype {dtype!r} unsupported for hidden states; use {list(DTYPE_BYTES)}")
+    if dtype not in NATIVE_BYTES:
+        raise ValueError(f"dtype {dtype!r} unsupported for hidden states; use {list(NATIVE_BYTES)}")
     return dtype
 
 
@@ -150,10 +144,9 @@ class HiddenStatesLayout:
         )
         return json_sha256([key, self.storage.name, kept])
 
-    def estimate(self, tokens: int, supervised: int) -> int:
-        if self.storage.is_native:
-            return estimate_bytes(tokens, len(self.layer_ids), self.hidden_size, self.dtype)
-        return self.storage.estimate_bytes(tokens, supervised, self.hidden_size, self.dtype)
+    def estimate(self, tokens: int, supervised: int, blobs: int) -> int:
+        """Bytes `blobs` new rows will take on disk in this layout's format."""
+        return self.storage.estimate_bytes(tokens, supervised, self.hidden_size, self.dtype, blobs)
 
 
 class ExtractionSettings(RequestSettings):
