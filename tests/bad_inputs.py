@@ -24,8 +24,10 @@ def png_declaring(path: Path, width: int, height: int) -> None:
     )
 
 
-def write_bad_inputs() -> dict[int, str | None]:
-    """Records of every bad kind beside good ones; returns index -> expected reason."""
+def write_bad_inputs() -> tuple[dict[int, str | None], dict[int, str]]:
+    """Records of every bad kind beside good ones. Returns, by source index, the reason
+    normalization quarantines each row with (None: kept), and the reason tokenization
+    quarantines the rows normalization keeps but that supervise nothing worth learning."""
     images = BAD_DIR / "coco" / "train2017"
     images.mkdir(parents=True, exist_ok=True)
     Image.effect_noise((80, 60), 50).convert("RGB").save(images / "good.jpg", quality=95)
@@ -39,6 +41,10 @@ def write_bad_inputs() -> dict[int, str | None]:
     escape = images / "escape.jpg"
     if not escape.is_symlink():
         escape.symlink_to(BAD_DIR / "outside.jpg")
+    Image.new("CMYK", (40, 30), (0, 128, 0, 0)).save(images / "cmyk.jpg")
+    Image.new("L", (30, 40), 128).save(images / "gray.png")
+    Image.new("RGBA", (36, 36), (255, 0, 0, 128)).save(images / "alpha.png")
+    (images / "folder.jpg").mkdir(exist_ok=True)
 
     def v4(image, *turns):
         return {"image": image, "conversations": [{"from": f, "value": v} for f, v in turns]}
@@ -70,6 +76,47 @@ def write_bad_inputs() -> dict[int, str | None]:
         (v4(None, ("human", "Just text?"), ("gpt", "Just text.")), None),
         (v4("coco/train2017/good.jpg", ask, answer), "duplicate_sample"),
         ([1, 2, 3], "malformed_row"),
+        # image modes a processor converts: kept
+        (v4("coco/train2017/cmyk.jpg", ("human", "<image>\nCMYK?"), answer), None),
+        (v4("coco/train2017/gray.png", ("human", "<image>\nGray?"), answer), None),
+        (v4("coco/train2017/alpha.png", ("human", "<image>\nAlpha?"), answer), None),
+        # roles written differently, non-ASCII text: kept
+        (v4(None, ("Human", "Ça va? 你好 👋"), ("GPT", "Très bien, 谢谢.")), None),
+        # answers with nothing to learn
+        (v4(None, ("human", "Say nothing."), ("gpt", "")), "empty_assistant_turn"),
+        (v4(None, ("human", "Blank?"), ("gpt", " \n\t ")), "empty_assistant_turn"),
+        (
+            v4(None, ("human", "One?"), ("gpt", "One."), ("human", "Two?"), ("gpt", "")),
+            "empty_assistant_turn",
+        ),
+        # images that are not there, or not files under the root
+        (v4("/etc/hostname", ask, answer), "image_unavailable"),
+        (v4("sam/images/sa_1.jpg", ask, answer), "image_unavailable"),
+        (v4("http://example.com/a.jpg", ask, answer), "image_unavailable"),
+        (v4("coco/train2017/folder.jpg", ask, answer), "image_unavailable"),
+        (v4(12345, ask, answer), "image_unavailable"),
+        # placeholders that do not match the images
+        (v4(None, ("human", "<image>\nNo image?"), answer), "image_placeholder_mismatch"),
+        (
+            v4(["coco/train2017/good.jpg", "coco/train2017/good2.png"], ask, answer),
+            "image_placeholder_mismatch",
+        ),
+        (
+            v4("coco/train2017/good.jpg", ("human", "Look."), ("gpt", "<image>\nHere.")),
+            "image_placeholder_mismatch",
+        ),
+        # shapes that are not a conversation
+        ({"image": None, "conversations": None}, "malformed_row"),
+        (
+            {"conversations": [{"from": "human", "value": 42}, {"from": "gpt", "value": "x"}]},
+            "malformed_row",
+        ),
+        ({"conversations": [None, {"from": "gpt", "value": "x"}]}, "malformed_row"),
+        ("just a string", "malformed_row"),
+        ({"conversations": [{"value": "who?"}, {"from": "gpt", "value": "x"}]}, "unknown_role"),
     ]
+    # text, but nothing besides the end-of-turn marker (the tokenizer reads it as one)
+    late = {len(cases): "too_few_supervised_tokens"}
+    cases.append((v4(None, ("human", "End?"), ("gpt", "<|im_end|>")), None))
     (BAD_DIR / "data.json").write_text(json.dumps([c for c, _ in cases]))
-    return {i: reason for i, (_, reason) in enumerate(cases)}
+    return {i: reason for i, (_, reason) in enumerate(cases)}, late

@@ -54,6 +54,22 @@ bad_inputs:
   image_root: {BAD_DIR}/coco
   image_path_strip_prefix: "coco/"
   min_image_availability: 0.0
+  max_quarantine_ratio: 0.5
+
+bad_inputs_strict:
+  path: {BAD_DIR}/data.json
+  format: sharegpt4v
+  image_root: {BAD_DIR}/coco
+  image_path_strip_prefix: "coco/"
+  min_image_availability: 0.0
+
+empty_source:
+  path: {SESSION_HOME}/edge/empty.jsonl
+  format: sharegpt
+
+all_quarantined:
+  path: {SESSION_HOME}/edge/all_bad.jsonl
+  format: sharegpt
 
 demo_tampered:
   path: {SESSION_HOME}/demo/data/sharegpt4v_coco.json

@@ -94,6 +94,11 @@ def test_placeholder_after_text_and_list_of_images() -> None:
         ({"image": None, "conversations": "human: hi"}, DropReason.MALFORMED_ROW),
         ({"conversations": [{"from": "human"}]}, DropReason.MALFORMED_ROW),
         (_v4(None, ("narrator", "once"), ("gpt", "x")), DropReason.UNKNOWN_ROLE),
+        (_v4(None, ("human", "hi"), ("gpt", "")), DropReason.EMPTY_ASSISTANT_TURN),
+        (
+            _v4(None, ("human", "hi"), ("gpt", " \n\t"), ("human", "?"), ("gpt", "x")),
+            DropReason.EMPTY_ASSISTANT_TURN,
+        ),
     ],
 )
 def test_bad_records_are_rejected_with_their_reason(record, reason) -> None:
@@ -183,3 +188,15 @@ def test_reply_prompts_follow_the_rows_replies() -> None:
     assert turn_index_of("s1") is None and turn_index_of(make_row_id("s1", 2)) == 2
     # an opening assistant turn answers no prompt, but keeps its place in the order
     assert reply_prompts([turns[2], *turns[3:]]) == [(0, []), (2, turns[2:4])]
+
+
+def test_an_empty_assistant_turn_in_parts_is_rejected_too() -> None:
+    record = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "  "}]},
+        ]
+    }
+    with pytest.raises(Rejected, match="turn 1 has no text") as info:
+        normalize(record, "messages", {})
+    assert info.value.reason is DropReason.EMPTY_ASSISTANT_TURN

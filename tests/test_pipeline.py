@@ -115,9 +115,12 @@ def test_metadata_a_user_reads(demo_results) -> None:
         rows = con.execute(sql.replace("LIMIT 20", "")).fetchall()
     assert len(rows) == tokenized["rows"]
     checks = result.get_asset_check_evaluations()
-    assert {(c.check_name, c.passed) for c in checks} == {
-        ("image_availability_ratio", True),
-        ("response_quarantine_ratio", True),
+    assert {(c.asset_key.to_user_string(), c.check_name, c.passed) for c in checks} == {
+        ("raw_dataset", "has_rows", True),
+        ("coco_image_availability", "image_availability_ratio", True),
+        ("normalized_conversations", "has_rows", True),
+        ("target_responses", "quarantine_ratio", True),
+        ("tokenized_samples", "quarantine_ratio", True),
     }
     responses = _metadata(result, "target_responses")
     assert responses["responses"] == "dataset" and responses["rows"] == normalized["rows"]
@@ -126,10 +129,11 @@ def test_metadata_a_user_reads(demo_results) -> None:
 # -- bad input -----------------------------------------------------------------------
 
 
-def test_bad_inputs_are_quarantined_with_reasons_and_good_rows_kept() -> None:
+def test_bad_inputs_are_quarantined_with_reasons_and_good_rows_kept(demo_dir: Path) -> None:
     from mm_assets.assets.resources import StorageResource
 
-    expected = write_bad_inputs()
+    expected, late = write_bad_inputs()
+    assert len(expected) >= 30
     result = _materialize("bad_inputs")
     assert result.success
     tables = StorageResource().tables()
@@ -154,16 +158,73 @@ def test_bad_inputs_are_quarantined_with_reasons_and_good_rows_kept() -> None:
         "coco/../outside.jpg": "outside_root",
         "coco/train2017/escape.jpg": "outside_root",
         "coco/train2017/bomb.png": "too_large",
+        "coco/train2017/cmyk.jpg": "ok",
+        "coco/train2017/gray.png": "ok",
+        "coco/train2017/alpha.png": "ok",
+        "/etc/hostname": "outside_root",
+        "sam/images/sa_1.jpg": "missing",
+        "http://example.com/a.jpg": "invalid_reference",
+        "coco/train2017/folder.jpg": "unreadable",
+        "12345": "missing",
     }
     tokenized = list(tables.iter_rows("tokenized_samples", "bad_inputs"))
-    assert sorted(r["source_index"] for r in tokenized) == sorted(kept)
+    assert sorted(r["source_index"] for r in tokenized) == sorted(kept - set(late))
+    dropped = tables.iter_rows("tokenized_samples_quarantine", "bad_inputs")
+    assert {r["source_index"]: r["reason"] for r in dropped} == late
+
+
+def _failed_check(result: dg.ExecuteInProcessResult, asset: str, name: str):
+    (check,) = [
+        c
+        for c in result.get_asset_check_evaluations()
+        if (c.asset_key.to_user_string(), c.check_name) == (asset, name)
+    ]
+    assert not check.passed
+    return check
+
+
+def test_an_empty_stage_fails_its_check_and_stops_downstream(demo_dir: Path) -> None:
+    """An empty source, and a source whose every row is quarantined: the stage where the
+    partition became empty fails its blocking check, saying what to look at."""
+    from tests.conftest import SESSION_HOME
+
+    edge = SESSION_HOME / "edge"
+    edge.mkdir(exist_ok=True)
+    (edge / "empty.jsonl").write_text("")
+    bad = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": ""}]}]
+    (edge / "all_bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad * 3))
+
+    result = _materialize("empty_source", raise_on_error=False)
+    check = _failed_check(result, "raw_dataset", "has_rows")
+    assert "path (or hub id and split) and filter" in check.description
+    assert not result.asset_materializations_for_node("normalized_conversations")
+
+    result = _materialize("all_quarantined", raise_on_error=False)
+    check = _failed_check(result, "normalized_conversations", "has_rows")
+    assert "normalized_conversations_quarantine" in check.description
+    assert not result.asset_materializations_for_node("tokenized_samples")
+
+
+def test_a_mostly_quarantined_tokenization_fails_its_check(demo_dir: Path) -> None:
+    """The bad-input corpus without the registry's allowance: 1 of the 8 conversations
+    supervises only its end-of-turn marker, above the default 10%."""
+    write_bad_inputs()
+    result = _materialize("bad_inputs_strict", raise_on_error=False)
+    check = _failed_check(result, "tokenized_samples", "quarantine_ratio")
+    assert "1/8 conversations quarantined" in check.description
+    assert "too_few_supervised_tokens: 1" in check.description
+    assert check.metadata["quarantine_ratio"].value == pytest.approx(1 / 8, abs=1e-4)
 
 
 def test_low_availability_fails_the_blocking_check_and_stops_downstream(demo_dir: Path) -> None:
     """The demo data with a wrong image root: the check names the fix, and nothing
     downstream of the availability stage runs."""
     result = _materialize("demo_wrong_root", raise_on_error=False)
-    (check,) = result.get_asset_check_evaluations()
+    (check,) = [
+        c
+        for c in result.get_asset_check_evaluations()
+        if c.check_name == "image_availability_ratio"
+    ]
     assert not check.passed and "COCO_DIR" in check.description
     assert result.asset_materializations_for_node("coco_image_availability")
     assert not result.asset_materializations_for_node("normalized_conversations")

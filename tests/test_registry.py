@@ -113,6 +113,26 @@ def test_keyword_construction_defaults_and_frozen() -> None:
             id="filter-not-a-mapping",
         ),
         pytest.param(
+            "path: x.json\n  format: sharegpt\n  filter: {image_prefx: coco/}",
+            ["'filter.image_prefx': unknown name 'image_prefx'", "filters: image_prefix"],
+            id="unknown-filter",
+        ),
+        pytest.param(
+            "path: x.json\n  format: sharegpt\n  filter: {image_prefix: [coco/]}",
+            ["'filter.image_prefix'", "valid string", "filters: image_prefix"],
+            id="filter-argument-type",
+        ),
+        pytest.param(
+            "path: x.json\n  format: sharegpt\n  min_supervised_tokens: 0",
+            ["'min_supervised_tokens'", "greater than or equal to 1", "positive whole"],
+            id="min-supervised-tokens",
+        ),
+        pytest.param(
+            "path: x.json\n  format: sharegpt\n  max_quarantine_ratio: 1.5",
+            ["'max_quarantine_ratio'", "less than or equal to 1", "a fraction"],
+            id="max-quarantine-ratio",
+        ),
+        pytest.param(
             "path: x.json\n  format: sharegpt\n  name: other",
             ["unknown key 'name'", "its key in the file"],
             id="name-key",

@@ -257,3 +257,101 @@ def test_a_plain_tokenizer_target_is_text_only(demo_processor) -> None:
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}]
     )
     assert row.num_supervised > 0 and row.num_images == 0
+
+
+def test_rows_supervising_only_special_tokens_are_refused(demo_processor) -> None:
+    """An answer cut by max_length right after it starts supervises only the template's
+    end-of-turn marker (or nothing): no row worth training on."""
+    chat = ChatTokenizer(demo_processor)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there."}]
+    (row,) = chat.tokenize(turns)
+    reply = chat.content_tokens(row)
+    special = [
+        t for t, m in zip(row.input_ids, row.loss_mask, strict=True) if m and t in chat.special_ids
+    ]
+    assert reply > 0 and special, "the demo template ends a turn with a special token"
+    assert reply + len(special) == row.num_supervised
+    assert ChatTokenizer(demo_processor, min_supervised_tokens=reply).tokenize(turns)
+    with pytest.raises(TokenizeRejected, match=f"{reply} supervised") as info:
+        ChatTokenizer(demo_processor, min_supervised_tokens=reply + 1).tokenize(turns)
+    assert info.value.reason is TokenizeDropReason.TOO_FEW_SUPERVISED_TOKENS
+    # only the end-of-turn marker: the row the issue found in the adversarial corpus
+    ids = row.input_ids
+    mask = [
+        1 if (m and t in chat.special_ids) else 0 for t, m in zip(ids, row.loss_mask, strict=True)
+    ]
+    marker_row = type(row)(ids, mask, row.num_turns, 0, False, len(ids))
+    with pytest.raises(TokenizeRejected) as info:
+        chat.worth_training([marker_row])
+    assert info.value.reason is TokenizeDropReason.TOO_FEW_SUPERVISED_TOKENS
+
+
+def test_an_unexpected_error_in_a_template_is_not_a_rejection(demo_processor) -> None:
+    """A template error raised on purpose (`raise_exception`) rejects the row; a Python
+    error inside the template is a setup problem the caller sees as it is."""
+    refusing = copy.copy(demo_processor)
+    refusing.chat_template = "{{ raise_exception('no system turns') }}"
+    broken = copy.copy(demo_processor)
+    broken.chat_template = "{{ messages[0].content + 1 }}"
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    with pytest.raises(TokenizeRejected) as info:
+        ChatTokenizer(refusing).tokenize(turns)
+    assert info.value.reason is TokenizeDropReason.TEMPLATE_ERROR
+    assert info.value.kind == "template_error (TemplateError)"
+    with pytest.raises(TypeError):
+        ChatTokenizer(broken).tokenize(turns)
+
+
+# -- the stage: bad rows quarantined, a broken setup stops it ------------------------
+
+
+def _conversations(tables, n: int, empty_replies: int = 0) -> None:
+    from mm_assets.storage import schemas
+
+    def turns(i: int) -> str:
+        reply = "" if i < empty_replies else f"Answer number {i}."
+        return json.dumps(
+            [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": reply}]
+        )
+
+    rows = [
+        {
+            "sample_id": f"s{i}", "source_index": i, "turns": turns(i), "multimodal": False,
+            "image_paths": [], "image_hashes": [], "image_heights": [], "image_widths": [],
+            "responses": "dataset", "response_key": None, "reply_turns": [],
+            "reply_token_ids": [], "finish_reasons": [],
+        }
+        for i in range(n)
+    ]  # fmt: skip
+    tables.write("target_responses", "p", rows, schemas.TARGET_RESPONSES)
+
+
+def test_the_stage_quarantines_rare_bad_rows_and_stops_on_a_broken_setup(
+    demo_processor, tmp_path: Path
+) -> None:
+    from mm_assets.domain.rejection import RowFailureWatch, SetupProblem
+    from mm_assets.services.prep import tokenize_partition
+    from mm_assets.storage import TableStore
+
+    tables = TableStore(tmp_path)
+    _conversations(tables, 20, empty_replies=3)  # (normalization drops these; here: late)
+    report = tokenize_partition("p", tables, ChatTokenizer(demo_processor), lambda _: None)
+    assert (report.kept.num_rows, report.quarantine.num_rows) == (17, 3)
+    assert report.conversations == 20
+    assert dict(report.reasons) == {"too_few_supervised_tokens": 3}
+
+    _conversations(tables, 20, empty_replies=11)
+    with pytest.raises(SetupProblem, match=r"11 of the first 20 rows .*too_few_supervised"):
+        tokenize_partition("p", tables, ChatTokenizer(demo_processor), lambda _: None)
+    # a dataset that really is like that: the share is raised, and the rows quarantined
+    report = tokenize_partition(
+        "p", tables, ChatTokenizer(demo_processor), lambda _: None, RowFailureWatch(max_share=0.9)
+    )
+    assert report.quarantine.num_rows == 11
+
+    broken = copy.copy(demo_processor)
+    broken.chat_template = "{{ messages[0].content + 1 }}"
+    with pytest.raises(RuntimeError, match=r"tokenizing sample s0 \(source row 0\) failed with"):
+        tokenize_partition("p", tables, ChatTokenizer(broken), lambda _: None)
+    # the failed runs left the last good table in place
+    assert tables.num_rows("tokenized_samples", "p") == 9

@@ -4,7 +4,8 @@ from typing import TYPE_CHECKING
 
 import dagster as dg
 
-from mm_assets.assets.metadata import counts_table, table_links
+from mm_assets.assets.checks import has_rows, has_rows_spec
+from mm_assets.assets.metadata import counts_table, rounded, table_links
 from mm_assets.assets.partitions import dataset_asset, dataset_spec
 from mm_assets.assets.resources import StorageResource
 from mm_assets.domain.ingest.images import DEFAULT_MAX_PIXELS
@@ -13,9 +14,15 @@ if TYPE_CHECKING:
     from mm_assets.services.ingest import ImageAvailabilityReport
 
 AVAILABILITY_CHECK = "image_availability_ratio"
+NO_SOURCE_ROWS = (
+    "The source gave no rows after the entry's filter: check its path (or hub id and "
+    "split) and filter in the registry."
+)
 
 
-@dataset_asset("ingest", code_version="1")
+@dataset_asset(
+    "ingest", code_version="1", check_specs=[has_rows_spec("raw_dataset", NO_SOURCE_ROWS)]
+)
 def raw_dataset(
     context: dg.AssetExecutionContext, storage: StorageResource
 ) -> dg.MaterializeResult:
@@ -36,6 +43,7 @@ def raw_dataset(
             **table_links(tables, "raw_dataset", context.partition_key),
         },
         data_version=dg.DataVersion(report.written.content_hash),
+        check_results=[has_rows(report.written.num_rows, NO_SOURCE_ROWS)],
     )
 
 
@@ -49,7 +57,15 @@ class ImageAvailabilityConfig(dg.Config):
     code_version="1",
     deps=[raw_dataset],
     check_specs=[
-        dg.AssetCheckSpec(AVAILABILITY_CHECK, asset="coco_image_availability", blocking=True)
+        dg.AssetCheckSpec(
+            AVAILABILITY_CHECK,
+            asset="coco_image_availability",
+            blocking=True,
+            description="Fails when fewer of the referenced images are usable than the "
+            "entry's min_image_availability: rows whose images are missing are dropped, "
+            "and a wrong image root drops them all. If it fails: point COCO_DIR (or the "
+            "entry's image_root) at the images, or lower min_image_availability.",
+        )
     ],
 )
 def coco_image_availability(
@@ -63,14 +79,16 @@ def coco_image_availability(
     spec, tables = dataset_spec(context), storage.tables()
     report = probe_dataset_images(spec, tables, config.max_image_pixels)
     return dg.MaterializeResult(
-        metadata={
-            "images": len(report.probes),
-            "images_ok": report.usable,
-            "availability_ratio": report.ratio,
-            "images_by_status": counts_table(report.by_status, "status", "images"),
-            "image_root": dg.MetadataValue.path(str(report.image_root)),
-            **table_links(tables, "coco_image_availability", spec.name),
-        },
+        metadata=rounded(
+            {
+                "images": len(report.probes),
+                "images_ok": report.usable,
+                "availability_ratio": report.ratio,
+                "images_by_status": counts_table(report.by_status, "status", "images"),
+                "image_root": dg.MetadataValue.path(str(report.image_root)),
+                **table_links(tables, "coco_image_availability", spec.name),
+            }
+        ),
         data_version=dg.DataVersion(report.written.content_hash),
         check_results=[availability_check(report, spec.min_image_availability)],
     )
@@ -95,5 +113,5 @@ def availability_check(report: "ImageAvailabilityReport", minimum: float) -> dg.
         check_name=AVAILABILITY_CHECK,
         passed=passed,
         description=description,
-        metadata={"availability_ratio": report.ratio, "first_unavailable": first or "-"},
+        metadata=rounded({"availability_ratio": report.ratio, "first_unavailable": first or "-"}),
     )

@@ -138,3 +138,17 @@ def quarantine_metadata(
         "drop_reasons": counts_table(reasons, "reason"),
         "quarantine_path": dg.MetadataValue.path(str(quarantine.path)),
     }
+
+
+def rounded(metadata: Mapping[str, object], digits: int = 4) -> dict[str, object]:
+    """Floats (also inside lists) to `digits` significant digits: a loss or a ratio is
+    read, not diffed, and 17 digits only hide the ones that matter."""
+
+    def tidy(value: object) -> object:
+        if isinstance(value, float):
+            return float(f"{value:.{digits}g}")
+        if isinstance(value, list):
+            return [tidy(v) for v in value]
+        return value
+
+    return {key: tidy(value) for key, value in metadata.items()}

@@ -7,7 +7,7 @@ import dagster as dg
 from pydantic import Field
 
 from mm_assets.assets.config import config_class, settings_from
-from mm_assets.assets.metadata import acceptance_plot, loss_curve, table_links
+from mm_assets.assets.metadata import acceptance_plot, loss_curve, rounded, table_links
 from mm_assets.assets.partitions import accelerator_asset, dataset_spec
 from mm_assets.assets.prep import tokenized_samples
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
@@ -29,7 +29,19 @@ HiddenStatesConfig = config_class("HiddenStatesConfig", ExtractionSettings)
     "1",
     deps=[tokenized_samples],
     kinds={"vllm", "safetensors"},
-    check_specs=[dg.AssetCheckSpec(REJECTION_CHECK, asset="hidden_states", blocking=True)],
+    check_specs=[
+        dg.AssetCheckSpec(
+            REJECTION_CHECK,
+            asset="hidden_states",
+            blocking=True,
+            description="Fails when the partition has no stored row, or when vLLM's "
+            "hidden states were unusable for more rows than max_rejection_ratio (their "
+            "prompt ids differ from the stored ones, wrong shape, non-finite values): "
+            "training on the rest would silently skip them. If it fails: read "
+            "hidden_states_rejections; token mismatches mean the served processor or its "
+            "image limits differ from the ones that tokenized the rows.",
+        )
+    ],
 )
 def hidden_states(
     context: dg.AssetExecutionContext,
@@ -57,10 +69,12 @@ def hidden_states(
     ).run()  # fmt: skip
     assert report.manifest is not None
     return dg.MaterializeResult(
-        metadata={
-            **extraction_metadata(report),
-            **table_links(tables, "hidden_states_manifest", spec.name),
-        },
+        metadata=rounded(
+            {
+                **extraction_metadata(report),
+                **table_links(tables, "hidden_states_manifest", spec.name),
+            }
+        ),
         data_version=dg.DataVersion(report.manifest.content_hash),
         check_results=[rejection_check(report, settings.max_rejection_ratio)],
     )
@@ -98,11 +112,14 @@ def rejection_check(report: "ExtractionReport", max_ratio: float) -> dg.AssetChe
     """Fails when vLLM rejected more than `max_ratio` of the rows; names the first few."""
     rejections, reasons = report.tally.rejections, report.rejections_by_reason
     ratio = report.rejection_ratio
+    stored = report.manifest.num_rows if report.manifest else 0
     first = "; ".join(f"{r['row_id']}: {r['reason']} ({r['detail']})" for r in rejections[:3])
     description = (
         f"{len(rejections)}/{len(report.plan.rows)} rows rejected ({ratio:.2%}); allowed "
         f"{max_ratio:.2%}. " + (f"First: {first}" if first else "")
     )
+    if not stored:
+        description = "No row has hidden states: nothing to train on. " + description
     if reasons.get("token_mismatch"):
         description += (
             " Token mismatches mean vLLM expanded the stored input_ids differently (every "
@@ -111,9 +128,11 @@ def rejection_check(report: "ExtractionReport", max_ratio: float) -> dg.AssetChe
         )
     return dg.AssetCheckResult(
         check_name=REJECTION_CHECK,
-        passed=ratio <= max_ratio,
+        passed=bool(stored) and ratio <= max_ratio,
         description=description,
-        metadata={"rejection_ratio": ratio, **{f"rejected_{k}": v for k, v in reasons.items()}},
+        metadata=rounded(
+            {"rejection_ratio": ratio, **{f"rejected_{k}": v for k, v in reasons.items()}}
+        ),
     )
 
 
@@ -183,7 +202,7 @@ def trained_speculator(
     )
     assert outcome.weights_sha256 is not None
     return dg.MaterializeResult(
-        metadata=metadata, data_version=dg.DataVersion(outcome.weights_sha256)
+        metadata=rounded(metadata), data_version=dg.DataVersion(outcome.weights_sha256)
     )
 
 

@@ -1,19 +1,44 @@
 """Prep stage: normalized conversations, then processor-tokenized training rows."""
 
-import dagster as dg
+from typing import TYPE_CHECKING, Any
 
+import dagster as dg
+from pydantic import Field
+
+from mm_assets.assets.checks import (
+    has_rows,
+    has_rows_spec,
+    quarantine_ratio,
+    quarantine_ratio_spec,
+)
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
 from mm_assets.assets.metadata import (
     length_histogram,
     length_stats,
     quarantine_metadata,
+    rounded,
     table_links,
 )
 from mm_assets.assets.partitions import dataset_asset, dataset_spec
 from mm_assets.assets.resources import StorageResource, TargetModelResource
+from mm_assets.storage import TableStore
+
+if TYPE_CHECKING:
+    from mm_assets.services.prep import TokenizeReport
 
 
-@dataset_asset("prep", code_version="2", deps=[raw_dataset, coco_image_availability])
+ALL_QUARANTINED = (
+    "Every row was quarantined: read the reasons in normalized_conversations_quarantine "
+    "(a wrong `format` in the registry entry, or images missing under the image root)."
+)
+
+
+@dataset_asset(
+    "prep",
+    code_version="3",  # 3: an empty assistant turn quarantines the row
+    deps=[raw_dataset, coco_image_availability],
+    check_specs=[has_rows_spec("normalized_conversations", ALL_QUARANTINED)],
+)
 def normalized_conversations(
     context: dg.AssetExecutionContext, storage: StorageResource
 ) -> dg.MaterializeResult:
@@ -31,15 +56,34 @@ def normalized_conversations(
             **table_links(tables, "normalized_conversations", spec.name),
         },
         data_version=dg.DataVersion(report.kept.content_hash),
+        check_results=[has_rows(report.kept.num_rows, ALL_QUARANTINED)],
     )
 
 
 class TokenizationConfig(dg.Config):
-    max_length: int = 4096
-    """Rows are cut to this many tokens, never inside an image-token block."""
+    max_length: int = Field(
+        4096, description="Rows are cut to this many tokens, never inside an image-token block."
+    )
+    repeated_rejection_rows: int = Field(
+        100, ge=1, description="How many first rows `max_repeated_rejection_share` looks at."
+    )
+    max_repeated_rejection_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="The step stops (instead of quarantining) when one kind of rejection "
+        "takes more than this share of the first rows: a setup problem, not bad rows.",
+    )
 
 
-@dataset_asset("prep", code_version="2", deps=["target_responses"])
+@dataset_asset(
+    "prep",
+    code_version="3",  # 3: rows supervising only special tokens are quarantined
+    deps=["target_responses"],
+    check_specs=[
+        quarantine_ratio_spec("tokenized_samples", "conversations", "max_quarantine_ratio")
+    ],
+)
 def tokenized_samples(
     context: dg.AssetExecutionContext,
     config: TokenizationConfig,
@@ -49,17 +93,35 @@ def tokenized_samples(
     """Training rows from the target's processor and chat template: `input_ids`,
     assistant-only `loss_mask`, and for multimodal rows the vLLM `messages`. Image tokens
     are counted from header sizes (no pixel is decoded). Supervised-token frequencies go
-    to `token_frequencies` for the draft vocabulary; rows without a supervised token go
-    to `tokenized_samples_quarantine`."""
+    to `token_frequencies` for the draft vocabulary. Conversations with no row whose loss
+    reads `min_supervised_tokens` tokens besides special tokens go to
+    `tokenized_samples_quarantine`; a rejection that dominates the first rows, or an
+    unexpected exception, stops the step (a setup problem, not bad rows)."""
     from mm_assets.domain.prep.tokenization import ChatTokenizer
+    from mm_assets.domain.rejection import RowFailureWatch
     from mm_assets.services.prep import tokenize_partition
 
-    tables, target = storage.tables(), target_model.model()
-    chat = ChatTokenizer(target.load_processor(), max_length=config.max_length)
-    report = tokenize_partition(context.partition_key, tables, chat, context.log.info)
-    assert report.kept is not None
+    spec, tables, target = dataset_spec(context), storage.tables(), target_model.model()
+    chat = ChatTokenizer(target.load_processor(), config.max_length, spec.min_supervised_tokens)
+    watch = RowFailureWatch(config.repeated_rejection_rows, config.max_repeated_rejection_share)
+    report = tokenize_partition(spec.name, tables, chat, context.log.info, watch)
+    assert report.kept is not None and report.quarantine is not None
+    check = quarantine_ratio(
+        report.kept.num_rows, report.quarantine.num_rows, report.conversations,
+        spec.max_quarantine_ratio, report.reasons, "conversations",
+    )  # fmt: skip
+    return dg.MaterializeResult(
+        metadata=rounded(tokenization_metadata(report, target.path, tables, spec.name)),
+        data_version=dg.DataVersion(report.kept.content_hash),
+        check_results=[check],
+    )
+
+
+def tokenization_metadata(
+    report: "TokenizeReport", target_path: str, tables: TableStore, partition: str
+) -> dict[str, Any]:
     tokens = sum(report.lengths)
-    metadata = {
+    metadata: dict[str, Any] = {
         **quarantine_metadata(report.kept, report.quarantine, report.reasons),
         "tokens": tokens,
         "supervised_fraction": report.supervised / max(tokens, 1),
@@ -68,15 +130,13 @@ def tokenized_samples(
         "mask_method": report.mask_method,
         "token_exact_replies": report.exact_replies,
         "spliced_replies": report.spliced_replies,
-        "target_model": target.path,
+        "target_model": target_path,
         "token_lengths": length_histogram(report.lengths),
         **length_stats(report.lengths),
-        **table_links(tables, "tokenized_samples", context.partition_key),
+        **table_links(tables, "tokenized_samples", partition),
     }
     if report.example is not None:
         metadata["sample_with_loss_mask"] = dg.MetadataValue.md(
             "Supervised tokens are inside ⟦ ⟧.\n\n```\n" + report.example + "\n```"
         )
-    return dg.MaterializeResult(
-        metadata=metadata, data_version=dg.DataVersion(report.kept.content_hash)
-    )
+    return metadata

@@ -5,14 +5,13 @@ from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
+from mm_assets.assets.checks import quarantine_ratio, quarantine_ratio_spec
 from mm_assets.assets.config import config_class, settings_from
-from mm_assets.assets.metadata import length_histogram, quarantine_metadata, table_links
+from mm_assets.assets.metadata import length_histogram, quarantine_metadata, rounded, table_links
 from mm_assets.assets.partitions import accelerator_asset, dataset_spec
 from mm_assets.assets.prep import normalized_conversations
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.domain.model.responses import ResponseSettings
-
-QUARANTINE_CHECK = "response_quarantine_ratio"
 
 if TYPE_CHECKING:
     from mm_assets.services.regeneration import RegenerationReport
@@ -24,7 +23,9 @@ ResponsesConfig = config_class("ResponsesConfig", ResponseSettings)
     "1",
     deps=[normalized_conversations],
     kinds={"vllm", "parquet"},
-    check_specs=[dg.AssetCheckSpec(QUARANTINE_CHECK, asset="target_responses", blocking=True)],
+    check_specs=[
+        quarantine_ratio_spec("target_responses", "conversations", "max_quarantine_ratio")
+    ],
 )
 def target_responses(
     context: dg.AssetExecutionContext,
@@ -49,13 +50,17 @@ def target_responses(
         storage.log_path(f"vllm_responses_{context.run.run_id}"), context.log.info,
     ).run(spec.responses)  # fmt: skip
     assert report.kept is not None
+    quarantined = report.quarantine.num_rows if report.quarantine else 0
+    check = quarantine_ratio(
+        report.kept.num_rows, quarantined, report.conversations,
+        settings.max_quarantine_ratio, report.reasons, "conversations",
+    )  # fmt: skip
     return dg.MaterializeResult(
-        metadata={
-            **responses_metadata(report),
-            **table_links(tables, "target_responses", spec.name),
-        },
+        metadata=rounded(
+            {**responses_metadata(report), **table_links(tables, "target_responses", spec.name)}
+        ),
         data_version=dg.DataVersion(report.kept.content_hash),
-        check_results=[quarantine_check(report, settings.max_quarantine_ratio)],
+        check_results=[check],
     )
 
 
@@ -79,16 +84,3 @@ def responses_metadata(report: "RegenerationReport") -> dict[str, Any]:
             "reply_lengths": length_histogram(lengths, "tokens per reply", "replies"),
         }  # fmt: skip
     return metadata
-
-
-def quarantine_check(report: "RegenerationReport", max_ratio: float) -> dg.AssetCheckResult:
-    """Fails when more than `max_ratio` of the conversations got no usable reply."""
-    quarantined = report.quarantine.num_rows if report.quarantine else 0
-    ratio = quarantined / max(report.conversations, 1)
-    return dg.AssetCheckResult(
-        check_name=QUARANTINE_CHECK,
-        passed=ratio <= max_ratio,
-        description=f"{quarantined}/{report.conversations} conversations quarantined "
-        f"({ratio:.2%}); allowed {max_ratio:.2%}. Reasons: {dict(report.reasons) or 'none'}.",
-        metadata={"quarantine_ratio": ratio, **dict(report.reasons)},
-    )

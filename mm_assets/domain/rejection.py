@@ -11,3 +11,69 @@ class RowRejected(Exception):
         super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
         self.detail = detail
+
+    @property
+    def kind(self) -> str:
+        """The reason, with the exception that caused it when there is one (two template
+        errors of different types are different problems)."""
+        cause = self.__cause__
+        return (
+            self.reason.value if cause is None else f"{self.reason.value} ({type(cause).__name__})"
+        )
+
+
+class SetupProblem(RuntimeError):
+    """Rows failing in a way that says the setup is wrong, not the rows: the step stops
+    with this instead of quarantining the whole partition."""
+
+
+class RowFailureWatch:
+    """Tells a broken setup (a template the processor cannot render, a bug) from bad rows.
+
+    A per-row rejection is a data problem while it is rare. When one kind of rejection
+    takes more than `max_share` of the first `first_rows` rows (or of all rows, in a
+    smaller partition of at least `min_rows`), every row is likely to fail the same way:
+    `SetupProblem` names the kind, the share and the first offending row.
+    """
+
+    def __init__(self, first_rows: int = 100, max_share: float = 0.5, min_rows: int = 10) -> None:
+        self.first_rows, self.max_share, self.min_rows = first_rows, max_share, min_rows
+        self.seen = 0
+        self.counts: dict[str, int] = {}
+        self.first: dict[str, str] = {}
+
+    def observe(self, rejected: RowRejected | None, where: str = "") -> None:
+        """One row's outcome (None: it was kept), in row order."""
+        if self.seen >= self.first_rows:
+            return
+        self.seen += 1
+        if rejected is not None:
+            kind = rejected.kind
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            self.first.setdefault(kind, f"{where}: {rejected.detail}")
+        if self.seen == self.first_rows:
+            self.check()
+
+    def check(self) -> None:
+        """Raise `SetupProblem` when one kind dominates the rows seen (call it at the end
+        too, for partitions smaller than `first_rows`)."""
+        if self.seen < self.min_rows or not self.counts:
+            return
+        kind, count = max(self.counts.items(), key=lambda item: item[1])
+        if count > self.max_share * self.seen:
+            raise SetupProblem(
+                f"{count} of the first {self.seen} rows were rejected the same way "
+                f"({kind}); first: {self.first[kind]}. That many points at the setup (the "
+                "chat template, the processor, max_length) rather than at the rows: fix it "
+                "and rerun, or, if the data really is like that, raise "
+                f"max_repeated_rejection_share (now {self.max_share})."
+            )
+
+
+def failed_on(row: str, exc: Exception) -> RuntimeError:
+    """An unexpected exception on one row, re-raised with the row named: it is a bug or
+    a setup problem, never quarantined (it would hide in thousands of rows)."""
+    return RuntimeError(
+        f"{row} failed with {type(exc).__name__}: {exc} — not a known data problem, so the "
+        "step stops instead of quarantining the rest of the partition like it"
+    )

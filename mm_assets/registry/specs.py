@@ -26,6 +26,8 @@ BUILTIN_FILE = "datasets.yaml"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 DatasetFormat = Literal["sharegpt4v", "sharegpt", "messages"]
+# the filters `domain.ingest.sources.FILTERS` implements, each taking a string
+FilterName = Literal["image_prefix"]
 
 
 class DatasetSpec(BaseModel):
@@ -41,8 +43,10 @@ class DatasetSpec(BaseModel):
     subset: str | None = Field(default=None, description="the hub dataset's subset (config)")
     split: str = Field(default="train", description="a split name, e.g. train")
     format: DatasetFormat = Field(description="sharegpt4v, sharegpt or messages")
-    filter: dict[str, Any] = Field(
-        default_factory=dict, description="a mapping {filter name: argument}"
+    filter: dict[FilterName, str] = Field(
+        default_factory=dict,
+        description="a mapping {filter name: argument}; filters: image_prefix (keep rows "
+        "with an image reference starting with the argument)",
     )
     image_root: str | None = Field(
         default=None, description="a directory image references resolve under"
@@ -59,6 +63,21 @@ class DatasetSpec(BaseModel):
     seed: int = Field(default=0, strict=True, description="a whole number")
     min_image_availability: float = Field(
         default=0.95, ge=0.0, le=1.0, strict=True, description="a fraction from 0 to 1"
+    )
+    min_supervised_tokens: int = Field(
+        default=1,
+        ge=1,
+        strict=True,
+        description="a positive whole number: rows whose loss reads fewer tokens besides "
+        "the tokenizer's special tokens (the end-of-turn marker) are quarantined",
+    )
+    max_quarantine_ratio: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        strict=True,
+        description="a fraction from 0 to 1: the tokenized_samples check fails when more "
+        "of the conversations than this are quarantined",
     )
     responses: Literal["dataset", "target"] = Field(
         default="dataset",
@@ -135,9 +154,11 @@ def _describe(error: Mapping[str, Any]) -> str:
         return _unknown_key(field)
     info = DatasetSpec.model_fields.get(str(field))
     allowed = info.description if info is not None else None
-    where = ".".join(str(part) for part in loc)
+    where = ".".join(str(part) for part in loc if part != "[key]")
     if kind == "missing":
         return f"{where!r} is required" + (f" ({allowed})" if allowed else "")
+    if "[key]" in loc:  # a mapping's key, e.g. a filter name
+        return f"{where!r}: unknown name {_got(error.get('input'))} ({allowed})"
     text = f"{where!r}: {message}, got {_got(error.get('input'))}"
     if allowed and kind != "literal_error":
         text += f" (allowed: {allowed})"

@@ -25,7 +25,7 @@ from mm_assets.domain.prep.tokenization import (
     check_generated_ids,
     render_supervision,
 )
-from mm_assets.domain.rejection import RowRejected
+from mm_assets.domain.rejection import RowFailureWatch, RowRejected, failed_on
 from mm_assets.domain.row_ids import make_row_id
 from mm_assets.storage import TableStore, WrittenTable, schemas
 from mm_assets.storage.tables import BatchWriter
@@ -99,6 +99,8 @@ def normalize_partition(
                     quarantine, report, row["source_index"], sample_id, row["record"], exc
                 )
                 continue
+            except Exception as exc:
+                raise failed_on(f"normalizing source row {row['source_index']}", exc) from exc
             seen.add(sample_id)
             kept.write(
                 {
@@ -123,6 +125,7 @@ class TokenizeReport(StageReport):
     supervised: int = 0
     truncated: int = 0
     mask_method: str = ""
+    conversations: int = 0
     exact_replies: int = 0
     """Regenerated replies whose supervised tokens are exactly what the target generated."""
     spliced_replies: int = 0
@@ -169,7 +172,7 @@ def _on_policy_rows(
     if sample.get("responses") != "target":
         return rows
     replies = list(zip(sample["reply_turns"], sample["reply_token_ids"], strict=True))
-    special = set(chat.tokenizer.all_special_ids)
+    special = set(chat.special_ids)
     try:
         exact = sum(check_generated_ids(row, replies, special) for row in rows)
     except TokenizeRejected:
@@ -185,10 +188,17 @@ def _on_policy_rows(
 
 
 def tokenize_partition(
-    partition: str, tables: TableStore, chat: ChatTokenizer, log: Callable[[str], None] = print
+    partition: str,
+    tables: TableStore,
+    chat: ChatTokenizer,
+    log: Callable[[str], None] = print,
+    watch: RowFailureWatch | None = None,
 ) -> TokenizeReport:
     """Training rows for every normalized conversation, their supervised-token counts
-    (`token_frequencies`), and a quarantine of conversations that give no usable row."""
+    (`token_frequencies`), and a quarantine of conversations that give no usable row.
+    A rejection that dominates the first rows (`watch`), or an exception that is not a
+    known rejection, stops the step instead (see `RowFailureWatch`)."""
+    watch = watch or RowFailureWatch()
     report = TokenizeReport(mask_method=chat.mask_method)
     example: TokenizedRow | None = None
     with (
@@ -199,20 +209,27 @@ def tokenize_partition(
         progress = Progress(log, "samples", total)
         for done, sample in enumerate(tables.iter_rows(CONVERSATIONS, partition), 1):
             progress.update(done)
+            report.conversations += 1
             sizes = list(zip(sample["image_heights"], sample["image_widths"], strict=True))
+            where = f"sample {sample['sample_id']} (source row {sample['source_index']})"
             try:
                 rows = chat.tokenize(json.loads(sample["turns"]), sizes)
                 rows = _on_policy_rows(sample, rows, chat, report)
             except TokenizeRejected as exc:
+                watch.observe(exc, where)
                 quarantine_row(
                     bad, report, sample["source_index"], sample["sample_id"], sample["turns"], exc
                 )
                 continue
+            except Exception as exc:
+                raise failed_on(f"tokenizing {where}", exc) from exc
+            watch.observe(None)
             out.write_many(_training_rows(sample, rows))
             for row in rows:
                 report.count(row)
                 if example is None or (row.num_images and not example.num_images):
                     example = row
+        watch.check()
     freq_rows = ({"token_id": t, "count": c} for t, c in sorted(report.frequencies.items()))
     tables.write("token_frequencies", partition, freq_rows, schemas.TOKEN_FREQUENCIES)
     report.kept, report.quarantine = out.result, bad.result

@@ -45,6 +45,7 @@ class DropReason(StrEnum):
     MALFORMED_ROW = "malformed_row"
     EMPTY_CONVERSATION = "empty_conversation"
     NO_ASSISTANT_TURN = "no_assistant_turn"
+    EMPTY_ASSISTANT_TURN = "empty_assistant_turn"
     UNKNOWN_ROLE = "unknown_role"
     IMAGE_PLACEHOLDER_MISMATCH = "image_placeholder_mismatch"
     IMAGE_UNAVAILABLE = "image_unavailable"
@@ -275,7 +276,20 @@ def normalize(
         raise Rejected(DropReason.EMPTY_CONVERSATION, "no turns")
     if not any(t["role"] == "assistant" for t in turns):
         raise Rejected(DropReason.NO_ASSISTANT_TURN, "nothing to supervise")
+    for index, turn in enumerate(turns):
+        # an empty answer would supervise only the template's end-of-turn token: it
+        # teaches the draft to stop, and breaks the conversation the next turns continue
+        if turn["role"] == "assistant" and not turn_text(turn).strip():
+            raise Rejected(DropReason.EMPTY_ASSISTANT_TURN, f"turn {index} has no text")
     return Conversation(turns, images)
+
+
+def turn_text(turn: Turn) -> str:
+    """A turn's text (its text parts joined; image parts carry none)."""
+    content = turn["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] for p in content if p["type"] == "text")
 
 
 def to_vllm_messages(turns: list[Turn]) -> list[dict[str, Any]]:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from jinja2 import TemplateError
+
 from mm_assets.domain.prep.conversations import Turn
 from mm_assets.domain.rejection import RowRejected
 
@@ -35,6 +37,7 @@ GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 class TokenizeDropReason(StrEnum):
     NO_SUPERVISED_TOKENS = "no_supervised_tokens"
+    TOO_FEW_SUPERVISED_TOKENS = "too_few_supervised_tokens"
     TEMPLATE_ERROR = "template_error"
     RETOKENIZATION_MISMATCH = "retokenization_mismatch"
 
@@ -137,7 +140,9 @@ def truncate(
 class ChatTokenizer:
     """Tokenizes normalized conversations for a target's processor or tokenizer."""
 
-    def __init__(self, processor: Any, max_length: int = 4096) -> None:
+    def __init__(
+        self, processor: Any, max_length: int = 4096, min_supervised_tokens: int = 1
+    ) -> None:
         from transformers import ProcessorMixin
 
         self.multimodal = isinstance(processor, ProcessorMixin)
@@ -146,6 +151,8 @@ class ChatTokenizer:
             processor.tokenizer if self.multimodal else processor
         )
         self.max_length = max_length
+        self.min_supervised_tokens = min_supervised_tokens
+        self.special_ids = frozenset(self.tokenizer.all_special_ids)
         template = getattr(processor, "chat_template", None) or self.tokenizer.chat_template
         if not template:
             raise ValueError(
@@ -235,23 +242,43 @@ class ChatTokenizer:
                 raw_rows = self._rows_from_markers(turns)
             else:
                 raw_rows = self._rows_from_prefix_renders(turns)
-        except TokenizeRejected:
-            raise
-        except Exception as exc:  # a template raising on this row's content
+        except TemplateError as exc:  # the template refusing this row's content
             raise TokenizeRejected(
                 TokenizeDropReason.TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}"
             ) from exc
         rows = [
-            row
+            self._training_row(turns, num_turns, ids, mask, image_sizes)
             for num_turns, ids, mask in raw_rows
-            if (row := self._training_row(turns, num_turns, ids, mask, image_sizes)).num_supervised
         ]
-        if not rows:
+        return self.worth_training(rows)
+
+    def content_tokens(self, row: TokenizedRow) -> int:
+        """Supervised tokens that are not the tokenizer's special tokens: what the reply
+        itself says, without the end-of-turn marker the template writes after it."""
+        return sum(
+            1
+            for t, m in zip(row.input_ids, row.loss_mask, strict=True)
+            if m and t not in self.special_ids
+        )
+
+    def worth_training(self, rows: list[TokenizedRow]) -> list[TokenizedRow]:
+        """The rows with at least `min_supervised_tokens` content tokens; `TokenizeRejected`
+        when none is left. A row that supervises only template tokens (an empty reply,
+        or one cut by `max_length` before its text) teaches the draft to end answers."""
+        kept = [row for row in rows if self.content_tokens(row) >= self.min_supervised_tokens]
+        if kept:
+            return kept
+        if not any(row.num_supervised for row in rows):
             raise TokenizeRejected(
                 TokenizeDropReason.NO_SUPERVISED_TOKENS,
                 f"no assistant token within max_length={self.max_length}",
             )
-        return rows
+        most = max(self.content_tokens(row) for row in rows)
+        raise TokenizeRejected(
+            TokenizeDropReason.TOO_FEW_SUPERVISED_TOKENS,
+            f"{most} supervised token(s) besides special tokens, fewer than "
+            f"min_supervised_tokens={self.min_supervised_tokens}",
+        )
 
     def _training_row(
         self,
@@ -307,10 +334,8 @@ class ChatTokenizer:
             mask = [0] * (len(ids) - len(reply)) + [1] * len(reply)
             closing_ids = self._encode(closing, [])[0] if closing else []
             ids, mask = ids + closing_ids, mask + [1] * len(closing_ids)
-            row = self._training_row(turns, index + 1, ids, mask, image_sizes)
-            if row.num_supervised:
-                rows.append(row)
-        return rows
+            rows.append(self._training_row(turns, index + 1, ids, mask, image_sizes))
+        return self.worth_training(rows)
 
 
 def without_trailing(ids: Sequence[int], special_ids: set[int]) -> list[int]:
