@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench import tokenize_lazy_vs_pixels, tokenize_memory, train_speed
+from bench import raw_memory, tokenize_lazy_vs_pixels, tokenize_memory, train_speed
 
 
 def main() -> None:
@@ -16,6 +16,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results["tokenize_lazy_vs_pixels"] = tokenize_lazy_vs_pixels.run(300, Path(tmp) / "speed")
         results["tokenize_memory"] = tokenize_memory.run(Path(tmp) / "memory")
+        results["raw_memory"] = raw_memory.run(Path(tmp) / "raw")  # ~1.3 GB of sources
         (Path(tmp) / "train").mkdir()
         results["train_speed"] = train_speed.run(Path(tmp) / "train")
     # fresh processes: each sets its own homes and datasets before mm_assets is imported

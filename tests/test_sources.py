@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Iterator
 from pathlib import Path
 
-from mm_assets.domain.ingest.sources import build_filter, load_rows, read_hub, read_local, subsample
+import pytest
+
+from mm_assets.domain.ingest import sources
+from mm_assets.domain.ingest.sources import (
+    RawRow,
+    build_filter,
+    load_rows,
+    read_hub,
+    read_local,
+    subsample,
+)
 from mm_assets.registry import DatasetSpec
 
 
@@ -61,3 +73,132 @@ def test_hub_code_path_reads_through_load_dataset(tmp_path: Path) -> None:
     (tmp_path / "train.jsonl").write_text('{"q": "a"}\n{"q": "b"}\n')
     rows = list(read_hub(str(tmp_path), None, "train"))
     assert [r.record["q"] for r in rows] == ["a", "b"]
+
+
+def _mixed_records(count: int) -> list[dict]:
+    """Every third record is a `sam/` image, which the `coco/` filter drops."""
+    return [
+        {"id": i, "image": f"{'sam' if i % 3 == 0 else 'coco'}/{i}.jpg", "score": i / 7}
+        for i in range(count)
+    ]
+
+
+def _spec(path: Path, max_samples: int | None, seed: int = 0) -> DatasetSpec:
+    return DatasetSpec(
+        name="d",
+        format="sharegpt4v",
+        path=str(path),
+        filter={"image_prefix": "coco/"},
+        max_samples=max_samples,
+        seed=seed,
+    )
+
+
+@pytest.mark.parametrize("count", [40, 301])
+@pytest.mark.parametrize("seed", [0, 1, 17])
+@pytest.mark.parametrize("max_samples", [1, 13, 26, 27, 500, None])
+def test_streaming_selection_equals_sampling_the_filtered_list(
+    tmp_path: Path, count: int, seed: int, max_samples: int | None
+) -> None:
+    """The two-pass selection keeps exactly the rows the in-memory formula kept, so no
+    existing partition's rows (or their source_index) change."""
+    records = _mixed_records(count)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    filtered = [(i, r) for i, r in enumerate(records) if r["image"].startswith("coco/")]
+    if max_samples is None or len(filtered) <= max_samples:
+        expected = filtered
+    else:
+        chosen = sorted(random.Random(seed).sample(range(len(filtered)), max_samples))
+        expected = [filtered[i] for i in chosen]
+
+    loaded = load_rows(_spec(path, max_samples, seed))
+
+    assert [(r.source_index, r.record) for r in loaded.rows] == expected
+    assert (loaded.total, loaded.after_filter) == (count, len(filtered))
+
+
+@pytest.mark.parametrize(("max_samples", "reads"), [(None, 1), (13, 1), (12, 2), (3, 2)])
+def test_the_source_is_read_twice_only_when_it_is_subsampled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_samples: int | None, reads: int
+) -> None:
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(_mixed_records(20)))  # 13 rows pass the filter
+    calls: list[Path] = []
+    real = sources.read_local
+
+    def counted(p: Path) -> Iterator[RawRow]:
+        calls.append(p)
+        return real(p)
+
+    monkeypatch.setattr(sources, "read_local", counted)
+
+    loaded = load_rows(_spec(path, max_samples))
+
+    assert len(calls) == reads
+    assert len(loaded.rows) == min(13, max_samples or 13)
+
+
+def test_a_source_that_changes_between_the_two_reads_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _mixed_records(20)))
+    real = sources.read_local
+
+    def growing(p: Path) -> Iterator[RawRow]:
+        yield from real(p)
+        path.write_text(path.read_text() + json.dumps({"image": "coco/new.jpg"}) + "\n")
+
+    monkeypatch.setattr(sources, "read_local", growing)
+    with pytest.raises(RuntimeError, match="changed between its two reads"):
+        load_rows(_spec(path, 5))
+
+
+def test_json_list_and_jsonl_give_the_same_rows_as_json_loads(tmp_path: Path) -> None:
+    """The streaming list reader decodes numbers and text as `json.loads` does, so the
+    stored `record` text is what it was when the whole file was loaded at once."""
+    records = [
+        {"id": 1, "f": 1.0, "e": 1e5, "tiny": 5e-324, "neg": -0.0, "big": 2**62, "sum": 0.1 + 0.2},
+        {"text": 'café ☃ 😀 \u0000\t"q"', "nested": [None, True, [], {"k": [1.5, "x"]}]},
+        "a bare string",
+        42,
+    ]
+    as_list, as_lines = tmp_path / "d.json", tmp_path / "d.jsonl"
+    as_list.write_text(json.dumps(records, indent=2, ensure_ascii=True))
+    as_lines.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    expected = [(i, json.dumps(r, ensure_ascii=False)) for i, r in enumerate(records)]
+
+    for path in (as_list, as_lines):
+        assert [(r.source_index, r.record_json()) for r in read_local(path)] == expected
+    first = next(read_local(as_list)).record
+    assert {k: type(v) for k, v in first.items()} == {k: type(v) for k, v in records[0].items()}
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ('[{"a": 1}, {"a": 2}, {"a": ]', "after record 2"),
+        ('[{"a": 1}', "after record 1"),
+        ('[{"a": 1}] trailing', "after record 1"),
+        ('[{"a": NaN}]', "after record 0"),
+        ('{"a": [{"b": 1}]}', "holds an object"),
+        ("  \n", "holds nothing"),
+    ],
+)
+def test_a_malformed_json_list_names_the_file(tmp_path: Path, content: str, says: str) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=says) as error:
+        list(read_local(path))
+    assert str(path) in str(error.value)
+    assert ".jsonl" in str(error.value)  # the way out when the file is otherwise fine
+
+
+def test_the_registry_allows_exactly_the_filters_implemented() -> None:
+    from typing import get_args
+
+    from mm_assets.domain.ingest.sources import FILTERS
+    from mm_assets.registry.specs import FilterName
+
+    assert set(FILTERS) == set(get_args(FilterName))

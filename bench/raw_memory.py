@@ -1,0 +1,212 @@
+"""Peak RSS of materializing `raw_dataset` from a 100k- vs a 1M-row local source.
+
+ShareGPT4V ships as one ~1.2M-record JSON list, and an entry with `max_samples: 50000`
+must not hold the whole source to keep 50,000 rows of it. Each measurement is a fresh
+process running the real ingest path (`services.ingest.load_raw_dataset` into a
+`TableStore`) on a synthetic ShareGPT4V-like source: 80% of the rows reference a `coco/`
+image and are kept by the entry's `image_prefix: coco/` filter, the rest reference `sam/`
+images. Every source is written twice, as a `.json` list and as `.jsonl`. `ru_maxrss` in
+the child is its peak; the goal is peak(1M) / peak(100k) <= 1.2 for both formats. The
+written table's hash shows both formats (and two commits) select the same rows.
+
+`.venv/bin/python -m bench.raw_memory` (~1 min on 2 cores, ~1.5 with `--baseline`). The
+sources go to a temporary directory and are deleted after use: 65 MB per format at 100k
+rows, 646 MB per format at 1M rows (~1.3 GB on disk at once). `--sizes 1000 10000` for a
+quick try.
+`--baseline DIR` also measures another checkout with this venv (e.g. one unpacked by
+`git archive <commit> | tar -x -C DIR`) on each source right after this one, so the two
+share the machine's load: on a busy machine their timings compare, the absolutes do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = (100_000, 1_000_000)
+FORMATS = (".json", ".jsonl")
+MAX_SAMPLES = 50_000
+SEED = 0
+COCO_SHARE = 0.8
+REPO = Path(__file__).resolve().parents[1]
+
+_SENTENCES = (
+    "The image shows a {c} bus parked beside a busy street with people waiting nearby.",
+    "In the foreground a {c} umbrella shelters a small table set for two.",
+    "Several {c} kites fly above a wide beach under a clear afternoon sky.",
+    "A cat with {c} fur sleeps on a windowsill next to a potted plant.",
+    "The kitchen counter holds a {c} kettle, a cutting board and a bowl of fruit.",
+)
+_COLOURS = ("red", "green", "blue", "yellow", "white", "black", "grey", "orange")
+
+
+def _record(i: int, rng: random.Random) -> dict:
+    """One ShareGPT4V-like record: an image reference and a question with a ~300-700
+    character answer (the size of ShareGPT4V's detailed captions is similar)."""
+    if rng.random() < COCO_SHARE:
+        image = f"coco/train2017/{rng.randrange(600_000):012d}.jpg"
+    else:
+        image = f"sam/images/sa_{rng.randrange(300_000)}.jpg"
+    answer = " ".join(
+        rng.choice(_SENTENCES).format(c=rng.choice(_COLOURS)) for _ in range(rng.randint(4, 9))
+    )
+    return {
+        "id": f"{i:09d}",
+        "image": image,
+        "conversations": [
+            {"from": "human", "value": "<image>\nWhat do you see happening in this image?"},
+            {"from": "gpt", "value": answer},
+        ],
+    }
+
+
+def write_sources(directory: Path, rows: int) -> dict[str, Path]:
+    """The same records as `<rows>.json` (a list) and `<rows>.jsonl`, written a record at a
+    time so generating 1M rows does not need the memory the bench is measuring."""
+    rng = random.Random(SEED)
+    paths = {fmt: directory / f"source_{rows}{fmt}" for fmt in FORMATS}
+    with (
+        open(paths[".json"], "w", encoding="utf-8") as as_list,
+        open(paths[".jsonl"], "w", encoding="utf-8") as as_lines,
+    ):
+        as_list.write("[\n")
+        for i in range(rows):
+            text = json.dumps(_record(i, rng), ensure_ascii=False)
+            as_list.write(("" if i == 0 else ",\n") + text)
+            as_lines.write(text + "\n")
+        as_list.write("\n]\n")
+    return paths
+
+
+def _child(source: Path, root: Path) -> None:
+    """Runs in the fresh process: one `raw_dataset` materialization, then its peak RSS."""
+    from mm_assets.registry import DatasetSpec
+    from mm_assets.services.ingest import load_raw_dataset
+    from mm_assets.storage import TableStore
+
+    spec = DatasetSpec(
+        name="bench_raw",
+        path=str(source),
+        format="sharegpt4v",
+        filter={"image_prefix": "coco/"},
+        max_samples=MAX_SAMPLES,
+        seed=SEED,
+    )
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    started = time.perf_counter()
+    report = load_raw_dataset(spec, TableStore(root))
+    seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    print(
+        json.dumps(
+            {
+                "peak_rss_mb": round(after.ru_maxrss / 1024, 1),
+                "rss_after_imports_mb": round(before.ru_maxrss / 1024, 1),
+                "seconds": round(seconds, 1),
+                "cpu_seconds": round(cpu, 1),
+                "source_rows": report.source_rows,
+                "rows_after_filter": report.rows_after_filter,
+                "rows_written": report.written.num_rows,
+                "table_sha256": report.written.content_hash[:16],
+            }
+        )
+    )
+
+
+def measure(source: Path, root: Path, repo: Path = REPO) -> dict:
+    """One fresh process materializing `raw_dataset` with `repo`'s code (this file runs
+    as a script there, so `mm_assets` is imported from `repo`, not from this checkout)."""
+    script = [sys.executable, str(Path(__file__).resolve())]
+    proc = subprocess.run(
+        [*script, "--child", str(source), "--root", str(root)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+    )
+    if proc.returncode:
+        raise RuntimeError(f"measuring {source} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(directory: Path, sizes: tuple[int, ...] = SIZES, baseline: Path | None = None) -> dict:
+    """Figures per checkout ("this", and "baseline" when given), format and size."""
+    directory.mkdir(parents=True, exist_ok=True)
+    repos = {"this": REPO, **({"baseline": baseline} if baseline else {})}
+    results: dict = {"max_samples": MAX_SAMPLES, "checkouts": {name: {} for name in repos}}
+    for rows in sizes:
+        for fmt, path in write_sources(directory, rows).items():
+            for name, repo in repos.items():
+                store = directory / f"store_{name}_{rows}{fmt.replace('.', '_')}"
+                figures = measure(path, store, repo)
+                figures["file_mb"] = round(path.stat().st_size / 2**20, 1)
+                by_format = results["checkouts"][name].setdefault(fmt, {"rows": {}})
+                by_format["rows"][rows] = figures
+            path.unlink()
+    for by_format in (f for c in results["checkouts"].values() for f in c.values()):
+        small, large = by_format["rows"][min(sizes)], by_format["rows"][max(sizes)]
+        by_format["ratio"] = round(large["peak_rss_mb"] / small["peak_rss_mb"], 3)
+    return results
+
+
+def markdown(results: dict, command: str) -> str:
+    today = datetime.date.today().isoformat()
+    lines = [
+        f"Measured {today}; `{command}`; `max_samples: {results['max_samples']}`.",
+        "",
+        "| checkout | format | source rows | file | after filter | peak RSS | over imports "
+        "| seconds (CPU) | table hash |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    checkouts = results["checkouts"]
+    for name, formats in checkouts.items():
+        for fmt, by_format in formats.items():
+            for rows, f in by_format["rows"].items():
+                lines.append(
+                    f"| {name} | `{fmt}` | {rows:,} | {f['file_mb']:,.0f} MB | "
+                    f"{f['rows_after_filter']:,} | {f['peak_rss_mb']:,.0f} MB | "
+                    f"{f['peak_rss_mb'] - f['rss_after_imports_mb']:,.0f} MB | "
+                    f"{f['seconds']:.1f} ({f['cpu_seconds']:.1f}) | `{f['table_sha256']}` |"
+                )
+    lines.append("")
+    for name, formats in checkouts.items():
+        ratios = ", ".join(f"`{fmt}` **{f['ratio']:.2f}**" for fmt, f in formats.items())
+        lines.append(f"- {name}: peak RSS, largest / smallest source: {ratios} (goal <= 1.2)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs=2, default=SIZES, metavar=("SMALL", "LARGE"))
+    parser.add_argument("--baseline", type=Path, help="another checkout to measure too")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args.child, args.root)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run(Path(tmp), tuple(args.sizes), args.baseline)
+    command = ".venv/bin/python -m bench.raw_memory"
+    if tuple(args.sizes) != SIZES:
+        command += " --sizes " + " ".join(map(str, args.sizes))
+    if args.baseline:
+        command += f" --baseline {args.baseline}"
+    print(markdown(results, command))
+    print()
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
