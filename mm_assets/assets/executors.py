@@ -10,6 +10,9 @@ step code, and ~12 s with the fork server preloading nothing heavy.
 `MM_ASSETS_EXECUTOR=multiprocess` gives each step its own process instead (forked from
 that preloading server): a step's memory is then returned to the system when it ends,
 which matters on a shared box where a long run holds a GPU between steps.
+
+Either way the run's executor runs under a pool watch (`pool.py`): while a step waits for a
+slot of its pool (the accelerator), slots held by runs whose worker died are freed.
 """
 
 from __future__ import annotations
@@ -18,16 +21,19 @@ import os
 
 import dagster as dg
 
+from mm_assets.assets.pool import watch_pools_of
+
 PRELOADED = ["mm_assets.definitions", "mm_assets.services.preload"]
 
 
 def step_executor() -> dg.ExecutorDefinition:
-    """The executor `MM_ASSETS_EXECUTOR` names: `in_process` (default) or `multiprocess`."""
+    """The executor `MM_ASSETS_EXECUTOR` names: `in_process` (default) or `multiprocess`,
+    under a watch that frees pool slots held by dead runs."""
     choice = os.environ.get("MM_ASSETS_EXECUTOR", "in_process")
     if choice == "in_process":
-        return dg.in_process_executor
+        return watch_pools_of(dg.in_process_executor)
     if choice == "multiprocess":
-        return dg.multiprocess_executor.configured(
+        return watch_pools_of(dg.multiprocess_executor).configured(
             {"start_method": {"forkserver": {"preload_modules": PRELOADED}}}
         )
     raise ValueError(f"MM_ASSETS_EXECUTOR={choice!r}: use in_process or multiprocess")

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import dagster as dg
 
 from mm_assets.assets.automation import materialize_on_change
+from mm_assets.assets.pool import WATCH_KEY, taking_watch, watch_resource
 from mm_assets.registry import DatasetSpec, load_registry
 
 # Steps that hold the accelerator (a vLLM server, training) share one pool; its limit is
 # the instance's `concurrency.pools` setting (dagster.yaml: one at a time by default).
 ACCELERATOR_POOL = "accelerator"
+# Frees the pool's slots held by dead runs while a step waits (pool.py). One object for all
+# the accelerator assets: Dagster requires a resource key to mean the same object everywhere.
+ACCELERATOR_WATCH = watch_resource([ACCELERATOR_POOL])
 
 REGISTRY = load_registry()
 dataset_partitions = dg.StaticPartitionsDefinition(sorted(REGISTRY))
@@ -46,7 +51,20 @@ def dataset_asset(
 def accelerator_asset(
     code_version: str, deps: Sequence[Any], kinds: set[str], **extra: Any
 ) -> Callable[..., dg.AssetsDefinition]:
-    """A `model` asset whose step holds the accelerator (a vLLM server, training)."""
-    return dataset_asset(
-        "model", code_version, deps=deps, kinds=kinds, pool=ACCELERATOR_POOL, **extra
-    )
+    """A `model` asset whose step holds the accelerator (a vLLM server, training). It takes
+    the pool's watch as a resource, so that its runs free the slots dead runs hold."""
+
+    def decorate(fn: Callable[..., Any]) -> dg.AssetsDefinition:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", dg.BetaWarning)  # `resource_defs` of `dg.asset`
+            return dataset_asset(
+                "model",
+                code_version,
+                deps=deps,
+                kinds=kinds,
+                pool=ACCELERATOR_POOL,
+                resource_defs={WATCH_KEY: ACCELERATOR_WATCH},
+                **extra,
+            )(taking_watch(fn))
+
+    return decorate

@@ -1,0 +1,294 @@
+"""Dead runs release what they hold (`mm_assets/assets/pool.py`).
+
+A run killed with SIGKILL while its step holds the accelerator pool's slot stays STARTED and
+keeps the slot; the next run's accelerator step must still start, unless a server the dead
+run started still runs. The end-to-end tests (slow) run tiny assets made with the product's
+own `accelerator_asset` decorator and executor (the `defs` below, loaded by `dagster asset
+materialize -m tests.test_pool`), in a Dagster home with the repo's dagster.yaml (pool limit
+1), so nothing waits on vLLM. The others judge holders in a temporary instance, and check
+that the product's assets and executor carry the watch."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from mm_assets.assets import pool
+from mm_assets.assets.executors import step_executor
+from mm_assets.assets.partitions import (
+    ACCELERATOR_POOL,
+    ACCELERATOR_WATCH,
+    REGISTRY,
+    accelerator_asset,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+PARTITION = sorted(REGISTRY)[0]
+
+
+@accelerator_asset("1", deps=[], kinds={"python"})
+def holds_the_accelerator(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+    """Holds the accelerator's slot until its run is killed."""
+    time.sleep(600)
+    return dg.MaterializeResult()
+
+
+@accelerator_asset("1", deps=[], kinds={"python"})
+def serves_on_the_accelerator(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+    """Holds the slot, with a "server" in its own session, as the managed vLLM server."""
+    subprocess.Popen(["sleep", "600"], start_new_session=True)
+    time.sleep(600)
+    return dg.MaterializeResult()
+
+
+@accelerator_asset("1", deps=[], kinds={"python"})
+def needs_the_accelerator(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
+    return dg.MaterializeResult()
+
+
+defs = dg.Definitions(
+    assets=[holds_the_accelerator, serves_on_the_accelerator, needs_the_accelerator],
+    executor=step_executor(),
+)
+
+
+def _home(tmp_path: Path) -> Path:
+    """A Dagster home with the repo's instance config: accelerator pool limit 1."""
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copyfile(REPO / "dagster.yaml", home / "dagster.yaml")
+    return home
+
+
+def _claimed(instance: dg.DagsterInstance) -> list[str]:
+    info = instance.event_log_storage.get_concurrency_info(ACCELERATOR_POOL)
+    return [slot.run_id for slot in info.claimed_slots if slot.run_id]
+
+
+def _materialize(asset: str) -> list[str]:
+    return [str(BIN / "dagster"), "asset", "materialize", "-m", "tests.test_pool",
+            "--partition", PARTITION, "--select", asset]  # fmt: skip
+
+
+def _holding(instance: dg.DagsterInstance, asset: str) -> bool:
+    """Whether a run holds the slot and its step has started (and started its server)."""
+    for run_id in _claimed(instance):
+        if instance.all_logs(run_id, of_type=dg.DagsterEventType.STEP_START):
+            return asset != "serves_on_the_accelerator" or bool(pool.processes_of(run_id))
+    return False
+
+
+def _killed_while_holding(asset: str, tmp_path: Path) -> tuple[dict, dg.DagsterInstance, str]:
+    """Materialize `asset` from the CLI until its step holds the accelerator's slot, then
+    SIGKILL the CLI's process group, as the OOM killer or a preempted node would. Returns
+    the environment of that Dagster home, its instance and the dead run's id."""
+    home = _home(tmp_path)
+    env = {**os.environ, "DAGSTER_HOME": str(home)}
+    instance = dg.DagsterInstance.local_temp(str(home))
+    log = open(tmp_path / "holder.log", "wb")  # noqa: SIM115 - closed below
+    holder = subprocess.Popen(_materialize(asset), cwd=REPO, env=env, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not _holding(instance, asset) and holder.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    os.killpg(holder.pid, signal.SIGKILL)
+    holder.wait()
+    log.close()
+    assert _claimed(instance), (tmp_path / "holder.log").read_text()[-3000:]
+    (dead,) = _claimed(instance)
+    assert instance.get_run_by_id(dead).status == dg.DagsterRunStatus.STARTED  # the bug's state
+    return env, instance, dead
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["dagster asset materialize", "dg.materialize"])
+def test_a_run_killed_holding_the_accelerator_frees_it_for_the_next(
+    tmp_path: Path, launch: str
+) -> None:
+    """The next run's step starts within a minute, from the CLI (the code location's
+    executor) or from Python (Dagster's in-process executor, as the demo's runs)."""
+    env, instance, dead = _killed_while_holding("holds_the_accelerator", tmp_path)
+    launched = time.time()
+    if launch == "dg.materialize":
+        assets = [needs_the_accelerator]
+        assert dg.materialize(assets, instance=instance, partition_key=PARTITION).success
+    else:
+        proc = subprocess.run(_materialize("needs_the_accelerator"), cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=240)  # fmt: skip
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        assert f"Freed the slots of run {dead}" in proc.stdout + proc.stderr
+    (waiting,) = [r for r in instance.get_runs() if r.run_id != dead]
+    starts = instance.all_logs(waiting.run_id, of_type=dg.DagsterEventType.STEP_START)
+    assert starts and starts[0].timestamp - launched < 60
+    messages = [e.user_message for e in instance.all_logs(waiting.run_id)]
+    assert any(m.startswith(f"Freed the slots of run {dead}") and "is gone" in m for m in messages)
+    assert instance.get_run_by_id(dead).status == dg.DagsterRunStatus.FAILURE
+    assert instance.get_run_by_id(waiting.run_id).status == dg.DagsterRunStatus.SUCCESS
+    assert not _claimed(instance)
+
+
+@pytest.mark.slow
+def test_a_server_the_killed_run_left_holds_the_slot_until_stopped(tmp_path: Path) -> None:
+    """The killed worker's "server" lives on in its own session: the next run names it and
+    waits; once it is stopped, the next run's step starts."""
+    env, instance, dead = _killed_while_holding("serves_on_the_accelerator", tmp_path)
+    ((server, _),) = pool.processes_of(dead)
+    pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    waiting = subprocess.Popen(_materialize("needs_the_accelerator"), cwd=REPO, env=env, **pipe)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+            f"`kill {server}`" in (e.user_message or "")
+            for run in instance.get_runs() if run.run_id != dead
+            for e in instance.all_logs(run.run_id)
+        ):  # fmt: skip
+            time.sleep(0.5)
+        assert _claimed(instance) == [dead]
+    finally:
+        os.kill(server, signal.SIGKILL)
+    out, _ = waiting.communicate(timeout=120)
+    assert waiting.returncode == 0, out[-3000:]
+    assert f"`kill {server}`" in out and f"Freed the slots of run {dead}" in out
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def info(self, msg: str) -> None:
+        self.lines.append(msg)
+
+    def warning(self, msg: str) -> None:
+        self.lines.append(msg)
+
+
+def _started_run(instance: dg.DagsterInstance) -> dg.DagsterRun:
+    run = dg.DagsterRun("a_job", run_id=str(uuid.uuid4()), status=dg.DagsterRunStatus.STARTED)
+    return instance.add_run(run)
+
+
+def _held_slot(home: Path) -> tuple[dg.DagsterInstance, dg.DagsterRun, dg.DagsterRun]:
+    """An instance where one run holds the accelerator's only slot and another waits."""
+    home.mkdir()
+    shutil.copyfile(REPO / "dagster.yaml", home / "dagster.yaml")
+    instance = dg.DagsterInstance.local_temp(str(home))
+    storage = instance.event_log_storage
+    storage.set_concurrency_slots(ACCELERATOR_POOL, 1)
+    holder, waiting = _started_run(instance), _started_run(instance)
+    assert storage.claim_concurrency_slot(ACCELERATOR_POOL, holder.run_id, "hold").is_claimed
+    assert not storage.claim_concurrency_slot(ACCELERATOR_POOL, waiting.run_id, "need").is_claimed
+    return instance, holder, waiting
+
+
+def _record(instance: dg.DagsterInstance, run: dg.DagsterRun, worker: pool.Worker) -> None:
+    data = pool.EngineEventData(metadata=worker.metadata())
+    instance.report_engine_event(f"{pool.RECORD_MESSAGE} (pid {worker.pid})", run, data)
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_a_holder_not_known_dead_is_named_and_kept(tmp_path: Path) -> None:
+    """A holder that recorded nothing, or ran on another machine, is named once with the
+    command that frees it; one alive here is waited for. None loses its slot."""
+    instance, holder, waiting = _held_slot(tmp_path / "home")
+    log = _Log()
+    watch = pool.PoolWatch(instance, waiting, [ACCELERATOR_POOL], log)
+    watch.sweep()
+    watch.sweep()
+    assert len(log.lines) == 1 and pool.release_command(holder.run_id) in log.lines[0]
+    elsewhere = pool.Machine("another-host", "boot", "pid:[1]")
+    _record(instance, holder, pool.Worker(os.getpid(), time.time(), elsewhere))
+    verdict = pool.judge(instance, holder.run_id)
+    assert verdict.action == "ask" and "another-host" in verdict.reason
+    _record(instance, holder, pool.Worker(os.getpid(), time.time(), pool.Machine.this()))
+    assert pool.judge(instance, holder.run_id).action == "wait"  # this process lives
+    watch.sweep()
+    assert _claimed(instance) == [holder.run_id]
+    assert instance.get_run_by_id(holder.run_id).status == dg.DagsterRunStatus.STARTED
+
+
+def test_a_holder_dead_here_is_failed_and_its_slot_handed_on(tmp_path: Path) -> None:
+    instance, holder, waiting = _held_slot(tmp_path / "home")
+    _record(instance, holder, pool.Worker(_dead_pid(), time.time() - 5, pool.Machine.this()))
+    log = _Log()
+    pool.PoolWatch(instance, waiting, [ACCELERATOR_POOL], log).sweep()
+    assert instance.get_run_by_id(holder.run_id).status == dg.DagsterRunStatus.FAILURE
+    assert log.lines[-1].startswith(f"Freed the slots of run {holder.run_id}")
+    storage = instance.event_log_storage
+    assert storage.claim_concurrency_slot(ACCELERATOR_POOL, waiting.run_id, "need").is_claimed
+
+
+def test_what_a_dead_worker_left_running_keeps_its_slot(tmp_path: Path) -> None:
+    """A process the holder's worker started (its vLLM server, in its own session) outlives
+    the worker: the slot stays, and the log says which pid to stop; once it is gone, the
+    slot is freed."""
+    instance, holder, waiting = _held_slot(tmp_path / "home")
+    log, other = _Log(), _started_run(instance)
+    with pool.watching(instance, other, [ACCELERATOR_POOL], log):
+        assert os.environ[pool.RUN_ENV] == other.run_id  # what a worker's children inherit
+    assert pool.RUN_ENV not in os.environ
+    env = {**os.environ, pool.RUN_ENV: holder.run_id}
+    server = subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
+    _record(instance, holder, pool.Worker(_dead_pid(), time.time() - 5, pool.Machine.this()))
+    watch = pool.PoolWatch(instance, waiting, [ACCELERATOR_POOL], log)
+    try:
+        watch.sweep()
+        verdict = pool.judge(instance, holder.run_id)
+        assert verdict.action == "stuck" and verdict.pids == (server.pid,)
+        assert f"`kill {server.pid}`" in log.lines[-1]
+        assert _claimed(instance) == [holder.run_id]
+    finally:
+        server.kill()
+        server.wait()
+    watch.sweep()
+    assert log.lines[-1].startswith(f"Freed the slots of run {holder.run_id}")
+    assert not _claimed(instance)
+
+
+def test_a_pid_taken_by_a_newer_process_is_not_the_worker() -> None:
+    assert pool.process_alive(os.getpid(), time.time())
+    assert not pool.process_alive(os.getpid(), recorded_at=0.0)  # started after the record
+    assert not pool.process_alive(_dead_pid(), time.time())
+
+
+def test_release_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    instance, holder, _ = _held_slot(tmp_path / "home")
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
+    _record(instance, holder, pool.Worker(os.getpid(), time.time(), pool.Machine.this()))
+    assert pool.main(["release", holder.run_id]) == 1  # alive here: refused
+    assert "Stop it first" in capsys.readouterr().err
+    assert pool.main(["release", holder.run_id, "--force"]) == 0
+    assert not _claimed(instance)
+    assert instance.get_run_by_id(holder.run_id).status == dg.DagsterRunStatus.FAILURE
+
+
+def test_the_products_accelerator_steps_carry_the_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways into a run: the code location's executor (CLI, UI, daemon), in process or
+    multiprocess, and a resource every accelerator asset takes (`dg.materialize`, the
+    demo's `execute_in_process`)."""
+    from mm_assets.definitions import defs as product
+
+    assert pool.is_watched(product.executor)
+    assert pool.is_watched(product.resolve_implicit_global_asset_job_def().executor_def)
+    monkeypatch.setenv("MM_ASSETS_EXECUTOR", "multiprocess")
+    assert pool.is_watched(step_executor())
+    assets = [a for a in product.assets or [] if isinstance(a, dg.AssetsDefinition)]
+    in_pool = {a.key.to_user_string(): a for a in assets if a.op.pool == ACCELERATOR_POOL}
+    assert set(in_pool) == {"target_responses", "hidden_states", "trained_speculator"}
+    for asset in in_pool.values():
+        assert asset.resource_defs[pool.WATCH_KEY] is ACCELERATOR_WATCH
+        assert pool.WATCH_KEY in asset.required_resource_keys
