@@ -564,3 +564,38 @@ def test_rss_bytes_counts_the_process_tree(tmp_path: Path) -> None:
         assert process.stdout is not None
         process.stdout.close()
     assert server.rss_bytes() == 0
+
+
+def test_a_guarded_command_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """The managed server's guard: when the process that started it is SIGKILLed (its
+    stop() never runs), the command and its children end too; the server runs in its
+    own session, so nothing else would stop it."""
+    pids = tmp_path / "pids"
+    starter = subprocess.Popen(
+        [
+            sys.executable, "-c",
+            "import os, subprocess, sys, time\n"
+            "guard = subprocess.Popen([sys.executable, '-m', 'mm_assets.clients.parent_guard',"
+            " str(os.getpid()), '--', 'sleep', '600'], start_new_session=True)\n"
+            f"time.sleep(1.5); open({str(pids)!r}, 'w').write(str(guard.pid)); time.sleep(600)",
+        ]
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not pids.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    guard = psutil.Process(int(pids.read_text()))
+    (sleeper,) = guard.children()
+    assert sleeper.cmdline()[:2] == ["sleep", "600"]
+    starter.kill()
+    starter.wait()
+    _, alive = psutil.wait_procs([guard, sleeper], timeout=15)
+    assert not alive
+
+
+def test_a_guarded_command_reports_its_exit_status() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "mm_assets.clients.parent_guard", str(os.getpid()), "--",
+         sys.executable, "-c", "raise SystemExit(3)"],
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 3

@@ -31,7 +31,8 @@ def test_failed_write_keeps_the_previous_version_and_leaves_no_temp(tmp_path: Pa
         out.write({"id": 2, "name": "new"})
         raise RuntimeError("crash mid-write")
     assert [r["name"] for r in store.iter_rows("things", "p")] == ["old"]
-    assert sorted(p.name for p in first.path.parent.iterdir()) == ["data.parquet"]
+    assert sorted(p.name for p in first.path.parent.iterdir()) == [".snapshots", "data.parquet"]
+    assert [p.name for p in (first.path.parent / ".snapshots").iterdir()] == [f"{0:020d}.parquet"]
 
 
 def test_content_hash_tracks_content(tmp_path: Path) -> None:

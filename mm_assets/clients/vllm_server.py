@@ -183,9 +183,11 @@ class ManagedVllmServer:
         self.port = free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
+        # behind a guard that ends the server when this process dies without stopping it
+        guarded = [sys.executable, "-m", "mm_assets.clients.parent_guard", str(os.getpid()), "--"]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                self.command(),
+                guarded + self.command(),
                 env=self.environment(),
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -3,17 +3,37 @@
 Every writer (tables, blobs, reuse records, training state, checkpoints) writes to a
 temporary name in the destination's directory, flushes it to disk, renames it over the
 destination and then flushes the directory entry: a reader sees the old version or the
-new one, never half of one, even after a power loss.
+new one, never half of one, even after a power loss. Directories created on the way are
+flushed into their parents too, or a power loss could drop the directory and the file in it.
+
+A write that runs out of space (ENOSPC, EDQUOT) raises `DiskFullError`, which names the
+path, the bytes it needed and had, and the fix; the previous version stays in place and
+the temporary file is removed, so a full disk never costs the last good version.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from mm_assets.common.crashpoints import crash_point
+
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# Libraries that wrap the OS error keep only its text (safetensors' SafetensorError).
+_DISK_FULL_TEXTS = ("no space left on device", "disk quota exceeded", "os error 28")
+# Others lose even that (torch.save raises a bare RuntimeError): a failure with less than
+# this much left on the destination's filesystem is taken for a full disk.
+_NEARLY_FULL_BYTES = 1 << 20
+
+
+class DiskFullError(OSError):
+    """A write ran out of disk space; the previous version of the file is intact."""
 
 
 def fsync_path(path: Path) -> None:
@@ -25,39 +45,176 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def make_dirs(path: Path) -> None:
+    """`mkdir -p` that flushes each directory it creates into its parent."""
+    if path.is_dir():
+        return
+    make_dirs(path.parent)
+    try:
+        path.mkdir()
+    except FileExistsError:  # made by a concurrent writer, or not a directory (fails later)
+        return
+    fsync_path(path.parent)
+
+
 def _temporary_sibling(path: Path, suffix: str = "tmp") -> Path:
-    return path.with_name(f".{path.name}.{uuid.uuid4().hex}.{suffix}")
+    """`.<name>.<pid>-<random>.<suffix>`: the writer's pid tells a sweep whether the
+    file is still being written or was left by a process that died."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex}.{suffix}")
+
+
+_TEMPORARY = re.compile(r"^\..+\.(\d+)-[0-9a-f]{32}\.(tmp|old)$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: Path) -> int:
+    """Remove the temporaries in `directory` whose writer died (a kill between a write
+    and its rename); a live writer's are kept. Returns how many were removed."""
+    removed = 0
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        if not entry.name.startswith("."):
+            continue
+        match = _TEMPORARY.match(entry.name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            Path(entry.path).unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def _free_bytes(path: Path) -> int:
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _size(path: Path) -> int:
+    """Bytes under `path` (a file or a tree); 0 when it is gone."""
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _is_disk_full(exc: BaseException, directory: Path) -> bool:
+    if not isinstance(exc, Exception):
+        return False
+    if isinstance(exc, OSError) and exc.errno in _DISK_FULL_ERRNOS:
+        return True
+    if any(text in str(exc).lower() for text in _DISK_FULL_TEXTS):
+        return True
+    try:
+        return _free_bytes(directory) < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def _disk_full_error(final: Path, written: int, needed: int | None, free: int) -> DiskFullError:
+    if needed:
+        need = f"needs ~{_human(needed)}"
+    elif written:
+        need = f"needs more than the {_human(written)} written before it failed"
+    else:
+        need = "needs more than was free"
+    kept = "the previous version is intact" if final.exists() else "nothing was left there"
+    return DiskFullError(
+        errno.ENOSPC,
+        f"no space left on device writing {final}: it {need}, and {_human(free)} was free "
+        f"on that filesystem when the write began; {kept} and the partial file was removed. "
+        "Free space there, or point MM_ASSETS_HOME at a larger disk, then rerun.",
+    )
 
 
 @contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
-    """A temporary path beside `final` to write to; on success it replaces `final`
-    (fsync'd, renamed, directory fsync'd), on error it is removed."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temporary_sibling(final)
+def _replacing(final: Path, tmp: Path | None, expected_bytes: int | None) -> Iterator[None]:
+    """On error: remove `tmp`, and turn a full disk into a `DiskFullError`."""
+    free = _free_bytes(final.parent)
     try:
+        yield
+    except BaseException as exc:
+        written = _size(tmp) if tmp else 0
+        full = _is_disk_full(exc, final.parent)  # before removing: the partial file fills it
+        if tmp and tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp:
+            tmp.unlink(missing_ok=True)
+        if full:
+            raise _disk_full_error(final, written, expected_bytes, free) from exc
+        raise
+
+
+@contextmanager
+def atomic_path(final: Path, expected_bytes: int | None = None) -> Iterator[Path]:
+    """A temporary path beside `final` to write to; on success it replaces `final`
+    (fsync'd, renamed, directory fsync'd), on error it is removed. `expected_bytes`, when
+    the caller knows it, goes into the message of a `DiskFullError`."""
+    tmp = _temporary_sibling(final)
+    with _replacing(final, tmp, expected_bytes):
+        make_dirs(final.parent)
+        remove_stale_temporaries(final.parent)
         yield tmp
         fsync_path(tmp)
+        crash_point("before_rename")
         os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     fsync_path(final.parent)
 
 
 def atomic_write_text(final: Path, text: str) -> None:
-    with atomic_path(final) as tmp:
-        tmp.write_text(text)
+    data = text.encode()
+    with atomic_path(final, len(data)) as tmp, open(tmp, "wb") as out:
+        out.write(data)
 
 
 def move_into_place(source: Path, final: Path) -> None:
     """Move a finished file to `final`: a rename on the same filesystem, else a copy to
-    a temporary sibling and a rename, so `final` is never partial."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(source, final)
-    except OSError:
-        with atomic_path(final) as tmp:
+    a temporary sibling and a rename, so `final` is never partial.
+
+    The source's data is flushed before the rename: it was written by another process
+    (the vLLM connector) that does not fsync, and a filesystem may persist the rename
+    before the data, so a power loss could leave `final` empty or short, which a
+    content-addressed store would then reuse as a complete blob."""
+    size = source.stat().st_size
+    with _replacing(final, None, size):  # a failed rename leaves `final` as it was
+        make_dirs(final.parent)
+        remove_stale_temporaries(final.parent)
+        fsync_path(source)
+        crash_point("before_rename")
+        try:
+            os.replace(source, final)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            cross_device = True
+        else:
+            cross_device = False
+    if cross_device:
+        with atomic_path(final, size) as tmp:
             shutil.copyfile(source, tmp)
         source.unlink(missing_ok=True)
         return
@@ -67,21 +224,25 @@ def move_into_place(source: Path, final: Path) -> None:
 @contextmanager
 def atomic_directory(final: Path) -> Iterator[Path]:
     """A temporary directory to fill; on success it replaces `final` whole (the old
-    version is moved aside first, then removed), on error it is removed."""
-    final.parent.mkdir(parents=True, exist_ok=True)
+    version is moved aside first, then removed; put back if the swap fails), on error
+    it is removed."""
     tmp = _temporary_sibling(final)
-    tmp.mkdir()
-    try:
+    old = _temporary_sibling(final, "old")
+    with _replacing(final, tmp, None):
+        make_dirs(final.parent)
+        remove_stale_temporaries(final.parent)
+        tmp.mkdir()
         yield tmp
-        for file in tmp.iterdir():
-            fsync_path(file)
+        for path in tmp.rglob("*"):
+            fsync_path(path)
         fsync_path(tmp)
-        old = _temporary_sibling(final, "old")
         if final.exists():
             os.replace(final, old)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            if old.exists():
+                os.replace(old, final)
+            raise
     fsync_path(final.parent)
     shutil.rmtree(old, ignore_errors=True)

@@ -17,6 +17,7 @@ from typing import Any
 from mm_assets.clients.vllm_generation import generate_greedy
 from mm_assets.clients.vllm_metrics import spec_decode_counters
 from mm_assets.clients.vllm_server import speculative_decoding_args
+from mm_assets.common.crashpoints import crash_point
 from mm_assets.common.hashing import file_sha256, json_sha256
 from mm_assets.domain.model.acceptance import AcceptanceSummary, summarize
 from mm_assets.domain.model.hidden_states import text_config_facts
@@ -115,6 +116,7 @@ def measured_acceptance(
     args = speculative_decoding_args(draft_dir, speculative_tokens)
     with engine.server(target, args, image_root, log_path) as url:
         before = spec_decode_counters(url)
+        crash_point("measurement")
         generations = generate_greedy(url, prompts, max_tokens)
         counters = spec_decode_counters(url).minus(before)
     measured = Measurement(

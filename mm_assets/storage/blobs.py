@@ -2,18 +2,25 @@
 
 A blob is named by its content key, so a rerun, a reordered dataset or an edit of other
 rows finds every unchanged sample already stored. Files arrive by rename from a directory
-on the same filesystem (`incoming_dir`), so a blob is either complete or absent.
+on the same filesystem (`incoming_dir`), so a blob is either complete or absent; a put
+that runs out of space raises `DiskFullError` and leaves no blob and no temporary file.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mm_assets.common.files import atomic_path, atomic_write_text, move_into_place
+from mm_assets.common.files import (
+    atomic_path,
+    atomic_write_text,
+    move_into_place,
+    remove_stale_temporaries,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -36,13 +43,19 @@ class BlobStore:
         return self.path(key).is_file()
 
     def incoming_dir(self) -> Path:
-        """A fresh directory on the blobs' filesystem for a server to write into."""
-        path = self.dir.parent / "incoming" / uuid.uuid4().hex
-        path.mkdir(parents=True)
+        """A fresh directory on the blobs' filesystem for a server to write into, named
+        by this process, so that the next run removes what a killed one left there."""
+        parent = self.dir.parent / "incoming"
+        parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(parent)
+        path = parent / f".run.{os.getpid()}-{uuid.uuid4().hex}.tmp"
+        path.mkdir()
         return path
 
     def put_file(self, src: Path, key: str) -> Path:
-        """Move a finished file in (rename on the same filesystem, else copy + rename)."""
+        """Move a finished file in (rename on the same filesystem, else copy + rename).
+        Its data is fsync'd first: the server that wrote it does not, and a blob that a
+        power loss left short would be reused as complete."""
         dest = self.path(key)
         move_into_place(src, dest)
         return dest
@@ -53,7 +66,8 @@ class BlobStore:
         from safetensors.torch import save_file
 
         dest = self.path(key)
-        with atomic_path(dest) as tmp:
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        with atomic_path(dest, expected_bytes=size) as tmp:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata)
         return dest
 

@@ -1,15 +1,32 @@
 """Parquet tables, one file per (table, partition), with a DuckDB catalog of views.
 
 Writes go to a temporary name in the same directory and are renamed into place, so a
-crash never leaves a half-written file that looks valid. DuckDB allows one writer
-process, so the catalog is not on the write path: a table's view reads its Parquet files
-by glob (every partition, present and future) and is created after the table's first
-write; when another process holds the catalog at that moment, the next write or
-`connect()` creates it.
+crash never leaves a half-written file that looks valid, and two runs writing the same
+partition at once (a backfill and a manual launch) leave one run's complete version.
+Readers open the file once (`pq.ParquetFile`) and keep the version they opened.
+
+DuckDB opens a file by its path again while it scans, so a view over a path that a
+rename replaces can read the footer of one version and the pages of the next: wrong
+counts or "Invalid data". The views therefore read snapshots instead: each version is
+also hard-linked (no copy) under a new, never reused name in the partition's
+`.snapshots/`, and a view keeps the newest snapshot per partition among those its scan
+listed. A superseded snapshot is deleted `SNAPSHOT_GRACE_S` after the next one appeared,
+so a query that listed it can still open it.
+
+DuckDB lets one process hold a database for writing, or many read it, so the catalog
+is not on the write path: a view reads its snapshots by glob (every partition, present
+and future), and only a table's first write (or a view from an older layout) opens the
+catalog for writing; other writes and `connect()` only read it. A lock held by another
+process is waited for, up to `CATALOG_WAIT_S`; when it stays busy the write still
+succeeds and the next write or `connect()` creates the view.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import random
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,10 +37,22 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mm_assets.common.crashpoints import crash_point
 from mm_assets.common.files import atomic_path
 from mm_assets.common.hashing import file_sha256
 
 PARTITION_COLUMN = "dataset"
+DATA_FILE = "data.parquet"
+SNAPSHOTS_DIR = ".snapshots"
+SNAPSHOT_GRACE_S = 60.0
+# How long to wait for another process's lock on the catalog (DuckDB fails at once):
+# `connect()` waits longer than a write, whose view can as well be made later.
+CATALOG_WAIT_S = 10.0
+WRITE_CATALOG_WAIT_S = 2.0
+# Views this process saw current in a catalog file (path, device, inode, mtime: any
+# session that changes the file, or a new file, invalidates them): later writes skip
+# opening the catalog (~20 ms an open, and each contends for its lock).
+_CURRENT_VIEWS: set[tuple[str, int, int, int, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -60,6 +89,7 @@ class BatchWriter:
             return
         batch = pa.Table.from_pylist(self._pending, schema=self._schema)
         self._writer.write_table(batch)
+        crash_point("table_write")
         self.num_rows += len(self._pending)
         self._pending = []
 
@@ -73,7 +103,7 @@ class TableStore:
         self.catalog_path = self.root / "catalog.duckdb"
 
     def path(self, table: str, partition: str) -> Path:
-        return self.tables_dir / table / f"{PARTITION_COLUMN}={partition}" / "data.parquet"
+        return self.tables_dir / table / f"{PARTITION_COLUMN}={partition}" / DATA_FILE
 
     def exists(self, table: str, partition: str) -> bool:
         return self.path(table, partition).is_file()
@@ -92,8 +122,9 @@ class TableStore:
                 batch_writer.flush()
             finally:
                 pq_writer.close()
-        batch_writer.result = WrittenTable(final, batch_writer.num_rows, file_sha256(final))
-        self.add_to_catalog([table])
+            content_hash = file_sha256(tmp)  # `final` may already hold another run's version
+        batch_writer.result = WrittenTable(final, batch_writer.num_rows, content_hash)
+        self.add_to_catalog([table], WRITE_CATALOG_WAIT_S)
 
     def write(
         self, table: str, partition: str, rows: Iterable[Mapping[str, Any]], schema: pa.Schema
@@ -104,7 +135,10 @@ class TableStore:
         return out.result
 
     def read(self, table: str, partition: str, columns: Sequence[str] | None = None) -> pa.Table:
-        return pq.read_table(self._existing(table, partition), columns=columns)
+        # One open file: `pq.read_table(path)` opens the path more than once, and a
+        # concurrent rewrite between the opens tears the read.
+        with pq.ParquetFile(self._existing(table, partition)) as parquet:
+            return parquet.read(columns=columns)
 
     def iter_rows(
         self,
@@ -114,12 +148,13 @@ class TableStore:
         batch_size: int = 1024,
     ) -> Iterator[dict[str, Any]]:
         """Rows as dicts, read batch by batch so memory stays flat in the table's size."""
-        parquet = pq.ParquetFile(self._existing(table, partition))
-        for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
-            yield from batch.to_pylist()
+        with pq.ParquetFile(self._existing(table, partition)) as parquet:
+            for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
+                yield from batch.to_pylist()
 
     def num_rows(self, table: str, partition: str) -> int:
-        return pq.ParquetFile(self._existing(table, partition)).metadata.num_rows
+        with pq.ParquetFile(self._existing(table, partition)) as parquet:
+            return parquet.metadata.num_rows
 
     def _existing(self, table: str, partition: str) -> Path:
         path = self.path(table, partition)
@@ -139,32 +174,139 @@ class TableStore:
             d.name for d in self.tables_dir.iterdir() if d.is_dir() and any(d.glob("*/*.parquet"))
         )
 
+    def _snapshot_glob(self, table: str) -> str:
+        """The view's file pattern as a SQL string literal."""
+        glob = (self.tables_dir / table / "*" / SNAPSHOTS_DIR / "*.parquet").as_posix()
+        return "'" + glob.replace("'", "''") + "'"
+
     def _view_sql(self, table: str) -> str:
-        glob = (self.tables_dir / table / "*" / "data.parquet").as_posix().replace("'", "''")
+        """The newest snapshot per partition, picked inside one scan: DuckDB plans
+        `_snapshot = max(_snapshot) OVER (...)` as a self-join of two scans, which list
+        the glob at different moments and can disagree (an empty partition)."""
         return (
-            f'CREATE VIEW IF NOT EXISTS "{table}" AS SELECT * FROM read_parquet('
-            f"'{glob}', hive_partitioning = true, union_by_name = true)"
+            f'CREATE OR REPLACE VIEW "{table}" AS SELECT * EXCLUDE (_snapshot) FROM '
+            f"read_parquet({self._snapshot_glob(table)}, hive_partitioning = true, "
+            "union_by_name = true, filename = '_snapshot') QUALIFY dense_rank() OVER "
+            f"(PARTITION BY {PARTITION_COLUMN} ORDER BY _snapshot DESC) = 1"
         )
 
-    def add_to_catalog(self, tables: Sequence[str]) -> bool:
-        """Create the views these tables lack. False when another process holds the
-        catalog (DuckDB's single-writer lock): a later write or `connect()` catches up."""
+    def add_to_catalog(self, tables: Sequence[str], wait_s: float = CATALOG_WAIT_S) -> bool:
+        """Snapshot each partition's current file, and create the views these tables
+        lack (or that read an older layout); the catalog is opened for writing only
+        then. False when a snapshot could not be made, or another process held the
+        catalog longer than `wait_s` (or the disk is full): a later write or
+        `connect()` catches up."""
+        complete = True
+        for table in tables:
+            for partition_dir in sorted((self.tables_dir / table).glob(f"*/{DATA_FILE}")):
+                complete &= _publish_snapshot(partition_dir.parent)
+        known = self._catalog_identity()
+        if known and all((*known, table) in _CURRENT_VIEWS for table in tables):
+            return complete
         try:
-            with duckdb.connect(str(self.catalog_path)) as con:
-                views = con.execute(
-                    "SELECT view_name FROM duckdb_views() WHERE NOT internal"
-                ).fetchall()
-                present = {name for (name,) in views}
-                for table in tables:
-                    if table not in present:
+            if self.catalog_path.exists():
+                with self._open_catalog(read_only=True, wait_s=wait_s) as con:
+                    stale = self._stale_views(con, tables)
+            else:
+                stale = list(tables)
+            if stale:
+                with self._open_catalog(read_only=False, wait_s=wait_s) as con:
+                    for table in self._stale_views(con, stale):
                         con.execute(self._view_sql(table))
-        except duckdb.IOException:
+        except (duckdb.IOException, duckdb.ConnectionException):
             return False
-        return True
+        if known := self._catalog_identity():
+            _CURRENT_VIEWS.update((*known, table) for table in tables)
+        return complete
 
-    def connect(self) -> duckdb.DuckDBPyConnection:
+    def _catalog_identity(self) -> tuple[str, int, int, int] | None:
+        try:
+            stat = self.catalog_path.stat()
+        except FileNotFoundError:
+            return None
+        return str(self.catalog_path), stat.st_dev, stat.st_ino, stat.st_mtime_ns
+
+    def _stale_views(self, con: duckdb.DuckDBPyConnection, tables: Sequence[str]) -> list[str]:
+        rows = con.execute("SELECT view_name, sql FROM duckdb_views() WHERE NOT internal")
+        views = dict(rows.fetchall())
+        return [t for t in tables if self._snapshot_glob(t) not in views.get(t, "")]
+
+    def connect(self, wait_s: float = CATALOG_WAIT_S) -> duckdb.DuckDBPyConnection:
         """A read-only SQL connection with every table as a view (`SELECT * FROM <table>`)."""
-        self.add_to_catalog(self.table_names())
+        self.add_to_catalog(self.table_names(), wait_s)
         if not self.catalog_path.exists():
             raise FileNotFoundError(f"no tables under {self.tables_dir} yet")
-        return duckdb.connect(str(self.catalog_path), read_only=True)
+        try:
+            return self._open_catalog(read_only=True, wait_s=wait_s)
+        except (duckdb.IOException, duckdb.ConnectionException) as exc:
+            if not _is_busy(exc):
+                raise
+            raise type(exc)(
+                f"{exc}\n{self.catalog_path} stayed open for writing in another process for "
+                f"{wait_s:.0f} s (mm_assets holds it only to add a view): close the DuckDB "
+                "session that opened it read-write, or open it with read_only=True"
+            ) from exc
+
+    def _open_catalog(self, read_only: bool, wait_s: float) -> duckdb.DuckDBPyConnection:
+        """Connect, retrying while another process (or, in this one, a connection opened
+        the other way) holds the file: DuckDB fails at once instead of waiting."""
+        deadline = time.monotonic() + wait_s
+        delay = 0.01
+        while True:
+            try:
+                return duckdb.connect(str(self.catalog_path), read_only=read_only)
+            except (duckdb.IOException, duckdb.ConnectionException) as exc:
+                if not _is_busy(exc) or time.monotonic() + delay > deadline:
+                    raise
+            time.sleep(delay * random.uniform(0.5, 1.5))  # jitter: writers do not march
+            delay = min(delay * 2, 0.2)
+
+
+def _publish_snapshot(partition_dir: Path, grace_s: float = SNAPSHOT_GRACE_S) -> bool:
+    """Make the partition's current file its newest snapshot (a hard link under the next
+    number), then delete the snapshots superseded more than `grace_s` ago. Safe to run
+    from several processes at once: `os.link` refuses a name another one took first.
+    False when no snapshot could be made (a filesystem without hard links)."""
+    current = partition_dir / DATA_FILE
+    snapshots = partition_dir / SNAPSHOTS_DIR
+    try:
+        snapshots.mkdir(exist_ok=True)
+        while True:
+            numbered = _snapshots(snapshots)
+            if numbered and _same_file(numbered[-1], current):
+                break
+            number = int(numbered[-1].stem) + 1 if numbered else 0
+            try:
+                os.link(current, snapshots / f"{number:020d}.parquet")
+                break
+            except FileExistsError:  # another writer took that number: look again
+                continue
+        numbered = _snapshots(snapshots)
+        now = time.time()
+        for older, newer in itertools.pairwise(numbered):
+            # ctime: when `newer` was linked, or later (never earlier)
+            if now - newer.stat().st_ctime > grace_s:
+                older.unlink(missing_ok=True)
+    except FileNotFoundError:  # pruned or replaced meanwhile by another process
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _snapshots(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("*.parquet") if p.stem.isdigit())
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except FileNotFoundError:
+        return False
+
+
+def _is_busy(exc: duckdb.Error) -> bool:
+    """A lock held by another process, or a connection of this one opened the other way
+    (read-only vs read-write): both go away when that connection closes."""
+    text = str(exc)
+    return "Could not set lock" in text or "different configuration" in text

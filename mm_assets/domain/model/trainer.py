@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mm_assets.common.crashpoints import crash_point
 from mm_assets.common.files import atomic_path
 from mm_assets.common.hashing import json_sha256
 from mm_assets.common.progress import Progress
@@ -221,6 +222,7 @@ def train(
                      "optimizer": optimizer.state_dict(), "epoch_losses": result.epoch_losses,
                      "batch_losses": result.batch_losses}  # fmt: skip
             _save_state(state_path, state)
+            crash_point("after_epoch")
         after_epoch(epoch + 1)
     elapsed = time.perf_counter() - started
     result.tokens_per_s = result.trained_tokens / elapsed if elapsed > 0 else 0.0
