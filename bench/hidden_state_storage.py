@@ -108,6 +108,55 @@ def _encoded_bytes(root: Path, partition: str, hidden_size: int) -> dict[str, fl
     return {name: total / (tokens * 4 * hidden_size * 2) for name, total in totals.items()}
 
 
+def client_cost_at_real_width(tokens: int = 1000, hidden_size: int = 3584, rows: int = 6) -> dict:
+    """CPU seconds the extraction client spends per 1,000 tokens storing a row at a real
+    width (bf16, as a GPU target serves), through `store_response` on one torch thread:
+    native (check, then rename) against fp8_e4m3 / needed (check, encode, write). On a
+    GPU server this work is what the client's cores must keep up with; on this machine
+    it also takes cores from the local CPU engine."""
+    import time
+    from dataclasses import dataclass
+
+    import torch
+    from safetensors.torch import save_file
+
+    from mm_assets.domain.model.hidden_state_format import FinalLayer, StorageDtype, StorageFormat
+    from mm_assets.domain.model.hidden_states import HiddenStatesLayout
+    from mm_assets.services.extraction import store_response
+    from mm_assets.storage.blobs import BlobStore
+
+    @dataclass
+    class Request:
+        input_ids: list[int]
+
+    @dataclass
+    class Response:
+        hidden_states_path: str
+        prompt_token_ids: list[int]
+
+    torch.set_num_threads(1)
+    ids = list(range(tokens))
+    mask = [0] * (tokens * 2 // 3) + [1] * (tokens - tokens * 2 // 3)  # a third supervised
+    compact = StorageFormat(StorageDtype.FP8_E4M3, FinalLayer.NEEDED)
+    formats = {"native": StorageFormat(), "fp8_e4m3/needed": compact}
+    cost: dict[str, list[float]] = {name: [] for name in formats}
+    with tempfile.TemporaryDirectory(prefix="mm_assets_client_cost_") as tmp:
+        for i in range(rows):
+            for name, fmt in formats.items():  # alternating, so drift hits both alike
+                blobs = BlobStore(Path(tmp) / name.replace("/", "_"))
+                layout = HiddenStatesLayout("t", [2, 16, 25, 28], hidden_size, "bfloat16", fmt)
+                source = blobs.incoming_dir() / "row.safetensors"
+                hidden = torch.randn(tokens, 4, hidden_size).to(torch.bfloat16)
+                save_file({"hidden_states": hidden, "token_ids": torch.tensor(ids)}, str(source))
+                started = time.process_time()
+                store_response(
+                    Request(ids), Response(str(source), ids), f"{i:02d}{name[:2]}", layout,
+                    blobs, loss_mask=mask,
+                )  # fmt: skip
+                cost[name].append((time.process_time() - started) * 1e6 / tokens)
+    return {name: round(statistics.median(c), 1) for name, c in cost.items()}
+
+
 def _training_figures(meta: dict) -> dict:
     keys = (
         "train_tokens_per_s", "acceptance_length_estimate", "vllm_acceptance_length",
@@ -124,6 +173,7 @@ def run(home: Path, rounds: int, train: bool = True) -> dict:
     from mm_assets.demo.__main__ import DEMO_RUN_CONFIG
     from mm_assets.domain.model.hidden_states import default_layer_ids
 
+    client_cost = client_cost_at_real_width()  # before the server takes the cores
     scratch = Path(tempfile.mkdtemp(prefix="mm_assets_storage_bench_"))
     roots = {name: scratch / name.replace("/", "_") for name in FORMATS}
     for root in [*roots.values(), scratch / "warmup"]:
@@ -158,7 +208,10 @@ def run(home: Path, rounds: int, train: bool = True) -> dict:
             trained[name][partition] = _materialize(
                 "trained_speculator", partition, roots[name], managed, config
             )
-    results: dict[str, Any] = {"rounds": rounds, "concurrency": CONCURRENCY, "partitions": {}}
+    results: dict[str, Any] = {
+        "rounds": rounds, "concurrency": CONCURRENCY, "partitions": {},
+        "client_cpu_ms_per_1k_tokens_at_H3584": client_cost,
+    }  # fmt: skip
     for partition in PARTITIONS:
         native, compact = (metadata[f][partition] for f in FORMATS)
         speed = {f: statistics.median(extraction[f][partition]) for f in FORMATS}
@@ -199,6 +252,13 @@ def markdown(results: dict, command: str) -> str:
             lines.append(
                 f"| `{partition}` | {fmt} | {r['bytes_vs_bf16_layout'][fmt]:.3f} | | | | |"
             )
+    cost = results["client_cpu_ms_per_1k_tokens_at_H3584"]
+    lines += [
+        "",
+        "Client CPU per 1,000 tokens stored at H=3584 (bf16 rows of 1,000 tokens, a third "
+        f"supervised; one torch thread): native {cost['native']} ms, fp8_e4m3/needed "
+        f"{cost['fp8_e4m3/needed']} ms.",
+    ]
     return "\n".join(lines)
 
 
