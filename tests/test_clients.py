@@ -230,7 +230,8 @@ def test_circuit_opens_after_consecutive_failures_and_stops_the_run(failure: Out
     # `run` leaves its TaskGroup's ExceptionGroup as it is: callers catch `except* CircuitOpen`
     opened, rest = info.value.split(CircuitOpen)
     assert rest is None and opened is not None
-    assert "3 consecutive requests failed" in str(opened.exceptions[0])
+    message = str(opened.exceptions[0])
+    assert "out of rotation after 3 failed tries in a row" in message and BASE_URL in message
     assert client.requests_sent == 3
 
 
@@ -241,6 +242,79 @@ def test_a_success_resets_the_consecutive_failures() -> None:
     assert len(outcomes) == 8
     assert sum(isinstance(o, ExtractionResponse) for o in outcomes) == 2
     assert sum(isinstance(o, RequestRefused) for o in outcomes) == 6
+
+
+def _fleet(hosts: dict[str, FakeVllm], **kwargs) -> HiddenStatesClient:
+    """A client over one fake server per host (`http://<host>/v1`)."""
+
+    def route(request: httpx.Request) -> httpx.Response:
+        return hosts[request.url.host](request)
+
+    transport = httpx.AsyncClient(transport=httpx.MockTransport(route))
+    urls = [f"http://{host}/v1" for host in hosts]
+    return HiddenStatesClient(urls, http_client=transport, backoff_s=0.001, **kwargs)
+
+
+def test_a_dead_server_leaves_the_rotation_and_its_requests_go_to_the_others() -> None:
+    """One of two servers refuses every connection: each of its failed tries is retried
+    at once on the live one, it is taken out after `breaker_failures` tries, and every
+    request is answered."""
+    dead = FakeVllm(default=httpx.ConnectError("connection refused"))
+    live = FakeVllm()
+    client = _fleet({"a.test": dead, "b.test": live}, concurrency=4, breaker_failures=3)
+    lines: list[str] = []
+    client.log = lines.append
+    outcomes = _run(client, 40)
+    assert len(outcomes) == 40 and all(isinstance(o, ExtractionResponse) for o in outcomes)
+    a, b = client.server_stats()
+    # tries already on their way when it was taken out fail too: at most one per slot
+    assert 3 <= a["failed_tries"] <= 3 + 4 and a["answered"] == 0 and a["taken_out"] == 1
+    assert not a["in_rotation"]
+    assert b["answered"] == 40 and b["failed_tries"] == 0 and b["in_rotation"]
+    assert b["tokens"] == 40 * 3
+    assert len(dead.generation_requests) == a["failed_tries"]
+    assert len(live.generation_requests) == 40
+    (line,) = lines
+    assert "http://a.test/v1 taken out of rotation after 3 failed tries" in line
+
+
+def test_a_server_out_of_rotation_is_probed_and_comes_back() -> None:
+    """A server that failed comes back after `probe_after_s` with one request; while it
+    is out, the other takes everything."""
+    flaky = FakeVllm([503, 503])
+    steady = FakeVllm()
+    client = _fleet(
+        {"a.test": flaky, "b.test": steady}, concurrency=1, breaker_failures=2, probe_after_s=0.05
+    )
+
+    async def main() -> list[ExtractionResponse]:
+        try:
+            first = [await client.extract(TEXT_REQUEST) for _ in range(4)]
+            await asyncio.sleep(0.06)
+            return first + [await client.extract(TEXT_REQUEST) for _ in range(4)]
+        finally:
+            await client.close()
+
+    assert len(asyncio.run(main())) == 8
+    a, b = client.server_stats()
+    assert a["taken_out"] == 1 and a["in_rotation"] and a["answered"] >= 1
+    # before the probe every request went to b; after it, a takes its share again
+    assert a["answered"] + b["answered"] == 8 and b["answered"] >= 4
+
+
+def test_the_circuit_opens_when_every_server_is_out_and_names_them() -> None:
+    refused = httpx.ConnectError("connection refused")
+    client = _fleet(
+        {"a.test": FakeVllm(default=refused), "b.test": FakeVllm(default=503)},
+        concurrency=2, max_retries=1, breaker_failures=2,
+    )  # fmt: skip
+    with pytest.raises(ExceptionGroup) as info:
+        _run(client, 10)
+    opened, rest = info.value.split(CircuitOpen)
+    assert rest is None and opened is not None
+    message = str(opened.exceptions[0])
+    assert "http://a.test/v1 (APIConnectionError" in message
+    assert "http://b.test/v1 (InternalServerError" in message
 
 
 METRICS = """\

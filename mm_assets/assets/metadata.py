@@ -26,6 +26,22 @@ def counts_table(counts: Mapping[str, int], key: str, value: str = "rows") -> dg
     return dg.MetadataValue.md("\n".join(lines))
 
 
+def servers_table(servers: Sequence[Mapping[str, object]], seconds: float) -> dg.MetadataValue:
+    """Each vLLM server's share of a run (`VllmClient.server_stats`): what it answered,
+    its failed tries, whether it was taken out of rotation, its tokens per second."""
+    lines = [
+        "| server | answered | failed tries | taken out | in rotation | tokens | tokens/s |",
+        "|---|---:|---:|---:|---|---:|---:|",
+    ]
+    for s in servers:
+        rate = float(s["tokens"]) / seconds if seconds else 0.0  # type: ignore[arg-type]
+        lines.append(
+            f"| {s['url']} | {s['answered']} | {s['failed_tries']} | {s['taken_out']} | "
+            f"{'yes' if s['in_rotation'] else 'no'} | {s['tokens']} | {rate:,.0f} |"
+        )
+    return dg.MetadataValue.md("\n".join(lines))
+
+
 def _figure() -> tuple[Figure, Axes]:
     # a bare Figure (no pyplot): no global state, safe in threads and without a display
     from matplotlib.figure import Figure

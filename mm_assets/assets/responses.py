@@ -7,7 +7,13 @@ import dagster as dg
 
 from mm_assets.assets.checks import quarantine_ratio, quarantine_ratio_spec
 from mm_assets.assets.config import config_class, settings_from
-from mm_assets.assets.metadata import length_histogram, quarantine_metadata, rounded, table_links
+from mm_assets.assets.metadata import (
+    length_histogram,
+    quarantine_metadata,
+    rounded,
+    servers_table,
+    table_links,
+)
 from mm_assets.assets.partitions import accelerator_asset, dataset_spec
 from mm_assets.assets.prep import normalized_conversations
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
@@ -80,6 +86,7 @@ def responses_metadata(report: "RegenerationReport") -> dict[str, Any]:
             "p95_reply_tokens": sorted(lengths)[int(0.95 * (len(lengths) - 1))] if lengths else 0,
             "length_capped_replies": report.length_capped,
             "conversations_cut_short": report.cut_short, "server": report.server,
+            "servers": servers_table(report.servers, report.seconds),
             "server_startup_s": report.startup_s if report.startup_s is not None else "n/a",
             "reply_lengths": length_histogram(lengths, "tokens per reply", "replies"),
         }  # fmt: skip

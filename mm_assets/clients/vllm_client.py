@@ -12,18 +12,21 @@ different image token count shows up there).
 Generation: Chat Completions with the sampling settings, asking for the generated token
 ids (`return_token_ids`), so the trainer can see exactly what the target produced.
 
-Transient failures (connection, timeout, 5xx, 429) are retried with backoff; a request
-the server refuses (4xx) is a per-sample failure. After too many consecutive transient
-failures the circuit opens and the whole run stops: the server is gone, and what was
-stored so far is kept for the next run.
+Transient failures (connection, timeout, 5xx, 429) are retried, on another server when
+there is one (backoff when not); a request the server refuses (4xx) is a per-sample
+failure. A server that fails `breaker_failures` tries in a row is taken out of rotation
+(its requests in flight are retried on the others) and tried again with one request
+after `probe_after_s`; a success brings it back. When every server is out of rotation
+the circuit opens and the run stops: what was stored so far is kept for the next run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import httpx
@@ -80,7 +83,24 @@ class ChatReply:
 
 
 class CircuitOpen(RuntimeError):
-    """Too many consecutive transient failures: the server is unreachable."""
+    """Every server is out of rotation: none is reachable."""
+
+
+@dataclass
+class ServerStats:
+    """One server's share of a run, for the step's metadata."""
+
+    url: str
+    answered: int = 0
+    """Requests it answered (refusals included: the server was up)."""
+    failed_tries: int = 0
+    """Tries that failed with a transient error (connection, timeout, 5xx, 429)."""
+    taken_out: int = 0
+    """Times it was taken out of rotation."""
+    tokens: int = 0
+    """Tokens of the requests it answered (prompt tokens for extraction, generated
+    tokens for chat)."""
+    in_rotation: bool = True
 
 
 def parse_response(payload: dict[str, Any]) -> ExtractionResponse:
@@ -115,6 +135,11 @@ class _Server:
         )
         self.in_flight = 0
         self.model: str | None = None
+        self.failed_in_a_row = 0
+        self.last_error = ""
+        self.out_until: float | None = None
+        """Out of rotation until then (monotonic seconds); None: in rotation."""
+        self.stats = ServerStats(base_url)
 
     async def model_name(self) -> str:
         if self.model is None:
@@ -125,9 +150,10 @@ class _Server:
 
 class VllmClient:
     """Requests spread over one or more vLLM servers (the least busy first), retried on
-    transient errors, with a circuit breaker. `http_client` replaces the `openai`
-    client's own (tests inject an `httpx.MockTransport`); `backoff_s` is the first
-    retry's mean wait, doubling with each further try."""
+    transient errors on another server when there is one, a failing server taken out of
+    rotation (see the module's docstring). `http_client` replaces the `openai` client's
+    own (tests inject an `httpx.MockTransport`); `backoff_s` is the first retry's mean
+    wait when no other server can take it, doubling with each further try."""
 
     def __init__(
         self,
@@ -139,6 +165,8 @@ class VllmClient:
         api_key: str = "EMPTY",
         http_client: httpx.AsyncClient | None = None,
         backoff_s: float = 0.5,
+        probe_after_s: float = 30.0,
+        log: Callable[[str], None] = lambda line: None,
     ) -> None:
         if not base_urls:
             raise ValueError("no vLLM base URL to send requests to")
@@ -148,45 +176,99 @@ class VllmClient:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.breaker_failures = breaker_failures
+        self.probe_after_s = probe_after_s
+        self.log = log
         self.requests_sent = 0
-        self._consecutive_failures = 0
 
-    def _pick(self) -> _Server:
-        return min(self.servers, key=lambda s: s.in_flight)
+    def server_stats(self) -> list[dict[str, Any]]:
+        """Each server's answers, failures and tokens so far."""
+        for server in self.servers:
+            server.stats.in_rotation = server.out_until is None
+        return [asdict(server.stats) for server in self.servers]
 
-    async def call(self, send: Callable[[Any, str], Awaitable[Result]]) -> Result:
-        """`send(openai_client, model)` on the least busy server, with retries."""
+    def _candidates(self) -> list[_Server]:
+        """Servers in rotation, plus those out of it whose wait is over and that no
+        request is probing yet; none in rotation opens the circuit."""
+        in_rotation = [s for s in self.servers if s.out_until is None]
+        if not in_rotation:
+            raise CircuitOpen(
+                "every vLLM server is out of rotation after "
+                f"{self.breaker_failures} failed tries in a row: "
+                + "; ".join(f"{s.stats.url} ({s.last_error})" for s in self.servers)
+                + ". Are the servers running?"
+            )
+        now = time.monotonic()
+        probes = [
+            s for s in self.servers
+            if s.out_until is not None and now >= s.out_until and s.in_flight == 0
+        ]  # fmt: skip
+        return probes + in_rotation  # a probe first: `_pick` takes the first of equals
+
+    def _pick(self, tried: set[_Server]) -> _Server:
+        """The least busy candidate, one this request has not failed on if there is one."""
+        candidates = self._candidates()
+        fresh = [s for s in candidates if s not in tried] or candidates
+        return min(fresh, key=lambda s: s.in_flight)
+
+    def _failed(self, server: _Server, exc: Exception) -> None:
+        server.failed_in_a_row += 1
+        server.stats.failed_tries += 1
+        server.last_error = f"{type(exc).__name__}: {exc}"
+        probing = server.out_until is not None
+        if probing or server.failed_in_a_row >= self.breaker_failures:
+            server.out_until = time.monotonic() + self.probe_after_s
+        if not probing and server.out_until is not None:
+            server.stats.taken_out += 1
+            self.log(
+                f"vLLM server {server.stats.url} taken out of rotation after "
+                f"{server.failed_in_a_row} failed tries in a row ({server.last_error}); "
+                f"its requests go to the others, a probe in {self.probe_after_s:.0f}s"
+            )
+
+    def _answered(self, server: _Server, tokens: int) -> None:
+        server.failed_in_a_row = 0
+        server.stats.answered += 1
+        server.stats.tokens += tokens
+        if server.out_until is not None:
+            server.out_until = None
+            self.log(f"vLLM server {server.stats.url} answers again: back in rotation")
+
+    async def call(
+        self,
+        send: Callable[[Any, str], Awaitable[Result]],
+        tokens: Callable[[Result], int] = lambda result: 0,
+    ) -> Result:
+        """`send(openai_client, model)` on the least busy server, with retries;
+        `tokens(result)` is what the answer counts in the server's stats."""
+        tried: set[_Server] = set()
+        last: Exception | None = None
         for attempt in range(self.max_retries + 1):
-            await self.in_flight.acquire()
-            server = self._pick()
-            server.in_flight += 1
-            try:
-                model = await server.model_name()
-                self.requests_sent += 1
-                result = await send(server.client, model)
-            except TRANSIENT as exc:
-                if attempt == self.max_retries:
-                    self._consecutive_failures += 1
-                    if self._consecutive_failures >= self.breaker_failures:
-                        raise CircuitOpen(
-                            f"{self._consecutive_failures} consecutive requests failed; last: "
-                            f"{type(exc).__name__}: {exc}. Is the vLLM server running?"
-                        ) from exc
-                    raise RequestRefused(f"gave up after {attempt + 1} tries: {exc}") from exc
+            if tried and not [s for s in self._candidates() if s not in tried]:
                 await asyncio.sleep(
-                    min(30.0, self.backoff_s * 2**attempt) * (0.5 + random.random())
+                    min(30.0, self.backoff_s * 2 ** (attempt - 1)) * (0.5 + random.random())
                 )
-                continue
-            except openai.APIStatusError as exc:
-                raise RequestRefused(
-                    f"HTTP {exc.status_code}: {exc.message}", exc.status_code
-                ) from exc
-            finally:
-                server.in_flight -= 1
-                self.in_flight.release()
-            self._consecutive_failures = 0
+            async with self.in_flight:
+                server = self._pick(tried)
+                server.in_flight += 1
+                try:
+                    model = await server.model_name()
+                    self.requests_sent += 1
+                    result = await send(server.client, model)
+                except TRANSIENT as exc:
+                    self._failed(server, exc)
+                    tried.add(server)
+                    last = exc
+                    continue
+                except openai.APIStatusError as exc:
+                    self._answered(server, 0)
+                    raise RequestRefused(
+                        f"HTTP {exc.status_code}: {exc.message}", exc.status_code
+                    ) from exc
+                finally:
+                    server.in_flight -= 1
+            self._answered(server, tokens(result))
             return result
-        raise AssertionError("unreachable")
+        raise RequestRefused(f"gave up after {self.max_retries + 1} tries: {last}") from last
 
     async def map(
         self,
@@ -271,7 +353,7 @@ class HiddenStatesClient(VllmClient):
                 ) from exc
             return parse_response(payload.json())
 
-        return await self.call(send)
+        return await self.call(send, lambda response: request.num_tokens)
 
     async def run(
         self,
@@ -304,4 +386,4 @@ class ChatClient(VllmClient):
             text = choice["message"]["content"] or ""
             return ChatReply(text, list(choice["token_ids"]), choice["finish_reason"])
 
-        return await self.call(send)
+        return await self.call(send, lambda reply: len(reply.token_ids))

@@ -58,6 +58,8 @@ class RegenerationReport(StageReport):
     conversations: int = 0
     cache_hits: int = 0
     requests_sent: int = 0
+    servers: list[dict[str, Any]] = field(default_factory=list)
+    """Each server's answers, failed tries and tokens (`VllmClient.server_stats`)."""
     generated_tokens: int = 0
     seconds: float = 0.0
     server: str = ""
@@ -143,7 +145,7 @@ class TargetRegeneration:
             s = self.settings
             client = ChatClient(
                 session.base_urls, s.concurrency, s.request_timeout_s, s.max_retries,
-                s.breaker_failures, engine.api_key,
+                s.breaker_failures, engine.api_key, probe_after_s=s.probe_after_s, log=self.log,
             )  # fmt: skip
             rows = (r for r in self._rows() if r["sample_id"] in missing)
             try:
@@ -191,6 +193,7 @@ class TargetRegeneration:
             raise group.exceptions[0] from None
         finally:
             report.requests_sent = client.requests_sent
+            report.servers = client.server_stats()
             report.seconds = time.perf_counter() - started
             await client.close()
 

@@ -14,6 +14,10 @@ class RequestSettings(BaseModel):
     breaker_failures: int = Field(
         default=8,
         ge=1,
-        description="Consecutive failed requests (after retries) that stop the step.",
+        description="Failed tries in a row that take a server out of rotation (its requests "
+        "go to the others); the step stops when every server is out.",
+    )
+    probe_after_s: float = Field(
+        default=30.0, gt=0, description="When a server out of rotation gets a request again."
     )
     request_timeout_s: float = Field(default=600.0, gt=0, description="Per request.")
