@@ -224,7 +224,8 @@ def _blob_problems(root: Path, clean: Path, partition: str) -> list[str]:
     for row in got:
         if row["blob_key"] not in clean_paths:
             continue
-        a, b = (decode(load_file(p), None) for p in (row["path"], clean_paths[row["blob_key"]]))
+        paths = (root / row["path"], clean / clean_paths[row["blob_key"]])
+        a, b = (decode(load_file(p), None) for p in paths)
         scale = b.aux.abs().amax().clamp_min(1e-12)
         diff = torch.maximum((a.aux - b.aux).abs().amax(), (a.final - b.final).abs().amax())
         worst = max(worst, float(diff / scale))

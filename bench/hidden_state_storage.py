@@ -96,7 +96,7 @@ def _encoded_bytes(root: Path, partition: str, hidden_size: int) -> dict[str, fl
     totals = dict.fromkeys(OTHER_FORMATS, 0)
     tokens = 0
     for row in tables.iter_rows("hidden_states_manifest", partition):
-        native = load_file(row["path"])
+        native = load_file(tables.resolve(row["path"]))
         tokens += row["num_tokens"]
         for name in OTHER_FORMATS:
             dtype, final = name.split("/")

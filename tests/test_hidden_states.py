@@ -62,8 +62,9 @@ def test_text_and_multimodal_rows_end_to_end(extracted) -> None:
         rejections = list(tables.iter_rows("hidden_states_rejections", partition))
         assert len(manifest) == len(tokenized) - len(rejections) and not rejections
         assert meta["rejected"] == 0 and meta["layer_ids"] == [2, 4, 5, 8]
+        assert all(not Path(r["path"]).is_absolute() for r in manifest)
         for row in manifest[:20]:
-            tensors = load_file(row["path"])
+            tensors = load_file(tables.resolve(row["path"]))
             ids = tokenized[row["row_id"]]["input_ids"]
             assert tensors["hidden_states"].shape == (len(ids), 4, 64)
             assert tensors["token_ids"].tolist() == ids
@@ -133,7 +134,7 @@ def test_parity_with_transformers(extracted, demo_dir: Path, multimodal: bool) -
     )
     ids, reference, post_norm = _reference_hidden_states(demo_dir, row)
     assert ids == row["input_ids"]
-    served = load_file(blob["path"])["hidden_states"]
+    served = load_file(tables.resolve(blob["path"]))["hidden_states"]
     assert served.shape == reference.shape
     error = (served - reference).abs().max().item()
     assert error < PARITY_ATOL, f"max abs difference {error}"
@@ -298,13 +299,14 @@ def test_kill_mid_run_then_resume_matches_uninterrupted_run(
     }
     assert len(resumed) == len({r["row_id"] for r in resumed}) == len(reference) == total
     assert len({r["blob_key"] for r in resumed}) == len({r["blob_key"] for r in reference.values()})
+    here, session = StorageResource(root=str(root)).tables(), StorageResource().tables()
     for row in resumed:
         ref = reference[row["row_id"]]
-        a, b = load_file(row["path"]), load_file(ref["path"])
+        a, b = load_file(here.resolve(row["path"])), load_file(session.resolve(ref["path"]))
         assert torch.equal(a["token_ids"].long(), b["token_ids"].long())
         # a wrong or shifted row would differ by the values' own size, far above the
         # format's bound (vLLM on CPU is not batch-invariant: ~1e-4 more at most)
-        native, stored = b["hidden_states"][:, :3], read_states(row["path"]).aux
+        native, stored = b["hidden_states"][:, :3], read_states(here.resolve(row["path"])).aux
         error = (stored - native).abs() / native.abs().amax(-1, keepdim=True)
         assert error.max() <= FP8_ERROR_BOUND + 1e-3, row["row_id"]
 
@@ -369,8 +371,9 @@ def test_compact_format_on_real_states_switches_formats_and_trains(
     for row in manifest:
         assert (row["storage_dtype"], row["final_layer"]) == ("fp8_e4m3", "needed")
         assert 0 < max(row["max_rel_error"]) <= FP8_ERROR_BOUND
-        native = load_file(reference[row["row_id"]]["path"])["hidden_states"]
-        stored = read_states(row["path"])
+        session = StorageResource().tables()
+        native = load_file(session.resolve(reference[row["row_id"]]["path"]))["hidden_states"]
+        stored = read_states(tables.resolve(row["path"]))
         # against the session's native blob, from another batch: vLLM on CPU is not
         # batch-invariant, which adds ~1e-4 of the row's scale at most
         aux = native[:, :3]
@@ -392,3 +395,69 @@ def test_compact_format_on_real_states_switches_formats_and_trains(
     )  # fmt: skip
     assert trained.success
     assert extract({})["requests_sent"] == 0
+
+
+def _servers(meta: dict) -> dict[str, list[str]]:
+    """The `servers` metadata table: url -> its cells."""
+    lines = meta["servers"].splitlines()[2:]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    return {row[0]: row[1:] for row in cells}
+
+
+def test_a_server_killed_mid_extraction_leaves_the_rotation_and_every_row_is_stored(
+    extracted, vllm_server, demo_dir: Path, tmp_path: Path
+) -> None:
+    """Two external servers; one is killed (SIGKILL, its whole process group) once a
+    fifth of the rows are stored. Its requests in flight go to the other, it is taken out
+    of rotation, and the step completes with every row once, each matching the session's
+    uninterrupted run."""
+    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
+
+    partition = "demo_sharegpt4v_coco"
+    root = tmp_path / "home"
+    _copy_prep_tables(SESSION_HOME, root, partition)
+    tables = StorageResource(root=str(root)).tables()
+    total = len(list(tables.iter_rows("tokenized_samples", partition)))
+    doomed = ManagedVllmServer(
+        str(demo_dir / "target"),
+        extraction_args(default_layer_ids(8), root / "doomed_incoming", "auto"),
+        demo_dir / "coco",
+        root / "logs" / "doomed.log",
+        EngineOptions(dtype="float32", kv_cache_gib=1.0),
+    )
+    blob_dir = root / "blobs" / "hidden_states"
+    with doomed:
+        watcher = _kill_server_after(blob_dir, total // 5, str(root / "doomed_incoming"))
+        result = materialize(
+            partition,
+            ["hidden_states"],
+            {
+                "storage": StorageResource(root=str(root)),
+                "vllm": VllmResource(base_urls=[doomed.base_url, vllm_server.base_url]),
+            },
+        )
+        watcher.join(timeout=5)
+        assert doomed.process is not None and doomed.process.poll() is not None, "not killed"
+    meta = _metadata(result)
+    servers = _servers(meta)
+    answered, failed, taken_out, in_rotation = servers[doomed.base_url][:4]
+    assert int(answered) >= total // 5 // 2 and int(failed) >= 1 and taken_out == "1"
+    assert in_rotation == "no"
+    live = servers[vllm_server.base_url]
+    assert int(live[0]) + int(answered) == total and live[1] == "0" and live[3] == "yes"
+
+    manifest = list(tables.iter_rows("hidden_states_manifest", partition))
+    assert meta["rejected"] == 0
+    assert len(manifest) == len({r["row_id"] for r in manifest}) == total
+    reference = {
+        r["row_id"]: r
+        for r in StorageResource().tables().iter_rows("hidden_states_manifest", partition)
+    }
+    for row in manifest:
+        ref = reference[row["row_id"]]
+        assert row["blob_key"] == ref["blob_key"]
+        a = load_file(tables.resolve(row["path"]))
+        b = load_file(StorageResource().tables().resolve(ref["path"]))
+        assert torch.equal(a["token_ids"], b["token_ids"])
+        scale = b["hidden_states"].abs().amax(-1, keepdim=True)
+        assert ((a["hidden_states"] - b["hidden_states"]).abs() / scale).max() <= 1e-3

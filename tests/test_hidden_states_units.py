@@ -131,6 +131,27 @@ def test_plan_skips_cached_and_duplicate_rows(tmp_path: Path) -> None:
     assert plan.missing == {"a"} and plan.cache_hits == 2 and plan.missing_tokens == 2
 
 
+def test_the_manifest_records_blob_paths_relative_to_the_storage_root(tmp_path: Path) -> None:
+    """A root moved (or mounted elsewhere on another worker) still resolves every blob
+    the manifest lists; a manifest of older runs (absolute paths) still reads."""
+    import shutil
+
+    from mm_assets.services.extraction import manifest_rows
+    from mm_assets.storage import TableStore
+
+    layout = HiddenStatesLayout("t", [2, 4, 5, 8], 8, "float32")
+    blobs = BlobStore(tmp_path / "before")
+    row = {"row_id": "a", "sample_id": "a", "input_ids": [1, 2, 3], "image_hashes": []}
+    row["loss_mask"] = [0, 1, 1]
+    blobs.put_tensors(_tensors(3), layout.key(row["input_ids"], [], row["loss_mask"]))
+    (listed,) = manifest_rows(plan_extraction([row], layout, blobs), set(), layout, blobs)
+    assert not Path(listed["path"]).is_absolute()
+    shutil.move(tmp_path / "before", tmp_path / "after")
+    moved = TableStore(tmp_path / "after").resolve(listed["path"])
+    assert moved.is_file() and moved.is_relative_to(tmp_path / "after")
+    assert TableStore(tmp_path / "x").resolve(str(moved)) == moved
+
+
 def test_disk_budget_refuses_what_cannot_fit(tmp_path: Path, monkeypatch) -> None:
     blobs = BlobStore(tmp_path)
     settings = HiddenStatesLayout("t", [2, 16, 29, 32], 4096, "bfloat16")

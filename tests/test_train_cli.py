@@ -20,12 +20,15 @@ pytestmark = pytest.mark.slow
 def test_torchrun_two_processes_train_and_rank_zero_saves(
     demo_hidden_states, tmp_path: Path
 ) -> None:
+    """In a copy of the storage root (what another worker mounting it elsewhere, or a
+    restored backup, sees): the manifest's blob paths are relative and resolve there."""
     partition = "demo_sharegpt4v_coco"
     for table in ("tokenized_samples", "hidden_states_manifest", "token_frequencies"):
         src = SESSION_HOME / "tables" / table / f"dataset={partition}" / "data.parquet"
         dest = tmp_path / "tables" / table / f"dataset={partition}" / "data.parquet"
         dest.parent.mkdir(parents=True)
         shutil.copyfile(src, dest)
+    shutil.copytree(SESSION_HOME / "blobs" / "hidden_states", tmp_path / "blobs" / "hidden_states")
     env = {
         **os.environ,
         "MM_ASSETS_HOME": str(tmp_path),

@@ -7,7 +7,13 @@ import dagster as dg
 from pydantic import Field
 
 from mm_assets.assets.config import config_class, settings_from
-from mm_assets.assets.metadata import acceptance_plot, loss_curve, rounded, table_links
+from mm_assets.assets.metadata import (
+    acceptance_plot,
+    loss_curve,
+    rounded,
+    servers_table,
+    table_links,
+)
 from mm_assets.assets.partitions import accelerator_asset, dataset_spec
 from mm_assets.assets.prep import tokenized_samples
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
@@ -26,7 +32,7 @@ HiddenStatesConfig = config_class("HiddenStatesConfig", ExtractionSettings)
 
 
 @accelerator_asset(
-    "1",
+    "2",  # 2: the manifest's paths are relative to the storage root
     deps=[tokenized_samples],
     kinds={"vllm", "safetensors"},
     check_specs=[
@@ -100,6 +106,7 @@ def extraction_metadata(report: "ExtractionReport") -> dict[str, Any]:
         "max_rel_error_per_layer": [float(f"{e:.3g}") for e in report.stored.max_rel_error],
         "target_fingerprint": layout.target_fingerprint,
         "server": report.server,
+        "servers": servers_table(tally.servers, tally.seconds),
         "server_startup_s": report.startup_s if report.startup_s is not None else "n/a",
         "server_rss_mb": (
             round(report.server_rss_bytes / 2**20) if report.server_rss_bytes else "n/a"

@@ -107,7 +107,7 @@ def manifest_rows(
             "row_id": row.row_id,
             "sample_id": row.sample_id,
             "blob_key": row.key,
-            "path": str(path),
+            "path": blobs.stored_path(row.key),
             "num_tokens": row.num_tokens,
             "bytes": path.stat().st_size,
             "layer_ids": layout.layer_ids,
@@ -239,6 +239,8 @@ class RunTally:
     rejections: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     requests_sent: int = 0
+    servers: list[dict] = field(default_factory=list)
+    """Each server's answers, failed tries and tokens (`VllmClient.server_stats`)."""
 
     def reject(self, row_id: str, reason: str, detail: str) -> None:
         self.rejections.append({"row_id": row_id, "reason": reason, "detail": detail})
@@ -312,6 +314,7 @@ def run_extraction(
             asyncio.run(main())
         finally:
             tally.requests_sent = client.requests_sent
+            tally.servers = client.server_stats()
             tally.seconds = time.perf_counter() - started
     return tally
 
@@ -443,6 +446,7 @@ class PartitionExtraction:
             client = HiddenStatesClient(
                 session.base_urls, settings.concurrency, settings.request_timeout_s,
                 settings.max_retries, settings.breaker_failures, engine.api_key,
+                probe_after_s=settings.probe_after_s, log=self.log,
             )  # fmt: skip
             columns = ["row_id", "input_ids", "messages", "loss_mask"]
             rows = self.tables.iter_rows(TOKENIZED, self.partition, columns)

@@ -95,7 +95,7 @@ def sample_refs(tables: TableStore, partition: str, layer_ids: list[int]) -> lis
     return [
         SampleRef(
             m["row_id"],
-            m["path"],
+            str(tables.resolve(m["path"])),
             tokens[m["row_id"]]["input_ids"],
             tokens[m["row_id"]]["loss_mask"],
         )

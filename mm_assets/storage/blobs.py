@@ -32,12 +32,19 @@ class BlobStore:
     def __init__(
         self, root: Path | str, kind: str = "hidden_states", suffix: str = ".safetensors"
     ) -> None:
-        self.dir = Path(root) / "blobs" / kind
+        self.root = Path(root)
+        self.dir = self.root / "blobs" / kind
         self.dir.mkdir(parents=True, exist_ok=True)
         self.suffix = suffix
 
     def path(self, key: str) -> Path:
         return self.dir / key[:2] / f"{key}{self.suffix}"
+
+    def stored_path(self, key: str) -> str:
+        """The blob's path relative to the storage root, as tables record it: a root
+        mounted elsewhere on another worker, moved or restored from a backup still
+        resolves it (`TableStore.resolve`)."""
+        return self.path(key).relative_to(self.root).as_posix()
 
     def has(self, key: str) -> bool:
         return self.path(key).is_file()

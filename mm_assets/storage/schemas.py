@@ -86,7 +86,7 @@ MANIFEST = pa.schema(
         ("row_id", pa.string()),
         ("sample_id", pa.string()),
         ("blob_key", pa.string()),
-        ("path", pa.string()),
+        ("path", pa.string()),  # relative to the storage root (`TableStore.resolve`)
         ("num_tokens", pa.int32()),
         ("bytes", pa.int64()),
         ("layer_ids", pa.list_(pa.int32())),

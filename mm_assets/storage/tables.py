@@ -105,6 +105,11 @@ class TableStore:
     def path(self, table: str, partition: str) -> Path:
         return self.tables_dir / table / f"{PARTITION_COLUMN}={partition}" / DATA_FILE
 
+    def resolve(self, stored: str) -> Path:
+        """A path a table records, relative to this root (as blobs are recorded); an
+        absolute one (manifests written before paths were relative) is kept."""
+        return self.root / stored
+
     def exists(self, table: str, partition: str) -> bool:
         return self.path(table, partition).is_file()
 
