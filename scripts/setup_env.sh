@@ -32,11 +32,19 @@ if ! command -v chromium >/dev/null && [[ $(id -u) == 0 ]] && command -v apt-get
         || echo "setup: could not install chromium; the UI test will fail until it is installed"
 fi
 
+# Redis: the Celery broker of the distributed test (tests/test_distributed.py).
+if ! command -v redis-server >/dev/null && [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    echo "setup: installing redis-server"
+    apt-get install -y -qq redis-server >/dev/null 2>&1 \
+        || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq redis-server >/dev/null 2>&1) \
+        || echo "setup: could not install redis-server; the distributed test will fail until it is installed"
+fi
+
 echo "setup: installing into $VENV (the first time takes a few minutes: vLLM's CPU engine is ~3.5 GB)"
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # torch==2.13.0 resolves to the CPU wheel that lies on disk (PIP_FIND_LINKS / pip config).
-if ! "${pip[@]}" install -q -e '.[cpu,dev]' >"$VENV/pip-install.log" 2>&1; then
+if ! "${pip[@]}" install -q -e '.[cpu,dev,cluster]' >"$VENV/pip-install.log" 2>&1; then
     grep -v "is ignored: it is neither a file nor a directory" "$VENV/pip-install.log" | tail -40
     echo "setup: pip install failed (full log: $VENV/pip-install.log)" >&2
     exit 1
@@ -60,7 +68,7 @@ if [[ ! -d "$oracle/speculators" ]]; then
 fi
 
 "$VENV/bin/python" - <<'PY'
-import torchvision, transformers, vllm, dagster  # noqa: F401
+import torchvision, transformers, vllm, dagster, dagster_celery, dagster_k8s  # noqa: F401
 print(f"setup: torch ok, transformers {transformers.__version__}, vllm {vllm.__version__}, dagster {dagster.__version__}")
 PY
 echo "$want" > "$stamp"

@@ -218,3 +218,23 @@ def demo_hidden_states(prepared_demo, vllm_server) -> dict:
         p: materialize(p, ["hidden_states"], external)
         for p in ("demo_sharegpt4v_coco", "demo_sharegpt")
     }
+
+
+SMALL_TEXT_RUN = """
+ops:
+  target_responses: {config: {max_tokens: 32}}
+  trained_speculator: {config: {epochs: 3, measure_in_vllm: false}}
+"""
+
+
+@pytest.fixture(scope="session")
+def clean_text_chain(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The text chain (`*trained_speculator` of `demo_regen_text`, small settings) run once
+    through the CLI on the default executor: the reference for the chaos and distributed
+    tests. Returns the chain, its storage root and how often each crash point was reached."""
+    from bench.chaos import Chain, clean_run
+
+    datasets = SESSION_HOME / "datasets.yaml"
+    chain = Chain("demo_regen_text", run_config=SMALL_TEXT_RUN, datasets=datasets)
+    clean, _, reached = clean_run(tmp_path_factory.mktemp("text_chain"), demo_dir, chain)
+    return chain, clean, reached

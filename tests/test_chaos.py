@@ -10,20 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import Chain, Kill, check, clean_run, leftover_servers, run_killed, start
-from tests.conftest import SESSION_HOME
-
-SMALL_RUN = """
-ops:
-  target_responses: {config: {max_tokens: 32}}
-  trained_speculator: {config: {epochs: 3, measure_in_vllm: false}}
-"""
+from bench.chaos import Kill, check, leftover_servers, run_killed, start
 
 
 @pytest.mark.slow
-def test_three_kills_on_the_text_chain_lose_nothing(demo_dir: Path, tmp_path: Path) -> None:
-    chain = Chain("demo_regen_text", run_config=SMALL_RUN, datasets=SESSION_HOME / "datasets.yaml")
-    clean, _, reached = clean_run(tmp_path, demo_dir, chain)
+def test_three_kills_on_the_text_chain_lose_nothing(
+    clean_text_chain, demo_dir: Path, tmp_path: Path
+) -> None:
+    chain, clean, reached = clean_text_chain
     assert reached["table_write"] and reached["before_rename"] and reached["after_epoch"] == 3
     root = tmp_path / "killed"
     root.mkdir()

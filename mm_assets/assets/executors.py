@@ -7,28 +7,49 @@ Measured with `bench/cli_overhead.py` on the four prep stages: ~5 s of fixed cos
 CLI run, against ~20 s with a process per step forked from a server that preloads the
 step code, and ~12 s with the fork server preloading nothing heavy.
 
-`MM_ASSETS_EXECUTOR=multiprocess` gives each step its own process instead (forked from
-that preloading server): a step's memory is then returned to the system when it ends,
-which matters on a shared box where a long run holds a GPU between steps.
+`MM_ASSETS_EXECUTOR` picks another:
+- `multiprocess`: each step in its own process (forked from that preloading server), so a
+  step's memory is returned to the system when it ends, which matters on a shared box
+  where a long run holds a GPU between steps;
+- `celery`: each step is a task on a Celery queue (`dagster-celery`), run by whichever
+  worker takes it. Accelerator steps go to the `accelerator` queue, the others to
+  `dagster`: start GPU workers with `-q accelerator`, CPU workers with `-q dagster`.
+  Broker and result backend: `MM_ASSETS_CELERY_BROKER` (default
+  `redis://localhost:6379/0`) and `MM_ASSETS_CELERY_BACKEND` (default: the broker);
+- `k8s`: each step is a Kubernetes Job (`dagster-k8s`), in a deployment whose run launcher
+  is the `K8sRunLauncher`; accelerator steps ask for `MM_ASSETS_ACCELERATOR_GPUS` GPUs
+  (default 1).
+Workers must see the same storage root (`MM_ASSETS_HOME`) and the same environment; see
+the README, "Scaling out".
 
-Either way the run's executor runs under a pool watch (`pool.py`): while a step waits for a
-slot of its pool (the accelerator), slots held by runs whose worker died are freed.
+Every executor runs under a pool watch (`pool.py`): while a step waits for a slot of its
+pool (the accelerator), slots held by runs whose worker died are freed. The pool's limit
+holds across workers: the run decides when a step may start, before it is sent to one.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import dagster as dg
 
 from mm_assets.assets.pool import watch_pools_of
 
 PRELOADED = ["mm_assets.definitions", "mm_assets.services.preload"]
+EXECUTORS = ("in_process", "multiprocess", "celery", "k8s")
+ACCELERATOR_QUEUE = "accelerator"
+CELERY_QUEUE_TAG = "dagster-celery/queue"  # dagster_celery.tags, without importing it here
+K8S_CONFIG_TAG = "dagster-k8s/config"  # dagster_k8s.job.USER_DEFINED_K8S_CONFIG_KEY
+
+
+def celery_broker() -> str:
+    return os.environ.get("MM_ASSETS_CELERY_BROKER", "redis://localhost:6379/0")
 
 
 def step_executor() -> dg.ExecutorDefinition:
-    """The executor `MM_ASSETS_EXECUTOR` names: `in_process` (default) or `multiprocess`,
-    under a watch that frees pool slots held by dead runs."""
+    """The executor `MM_ASSETS_EXECUTOR` names (module docstring), under a watch that
+    frees pool slots held by dead runs."""
     choice = os.environ.get("MM_ASSETS_EXECUTOR", "in_process")
     if choice == "in_process":
         return watch_pools_of(dg.in_process_executor)
@@ -36,4 +57,25 @@ def step_executor() -> dg.ExecutorDefinition:
         return watch_pools_of(dg.multiprocess_executor).configured(
             {"start_method": {"forkserver": {"preload_modules": PRELOADED}}}
         )
-    raise ValueError(f"MM_ASSETS_EXECUTOR={choice!r}: use in_process or multiprocess")
+    if choice == "celery":
+        from dagster_celery import celery_executor
+
+        broker = celery_broker()
+        backend = os.environ.get("MM_ASSETS_CELERY_BACKEND", broker)
+        return watch_pools_of(celery_executor).configured({"broker": broker, "backend": backend})
+    if choice == "k8s":
+        from dagster_k8s import k8s_job_executor
+
+        return watch_pools_of(k8s_job_executor)
+    raise ValueError(f"MM_ASSETS_EXECUTOR={choice!r}: use one of {', '.join(EXECUTORS)}")
+
+
+def accelerator_step_tags() -> dict[str, Any]:
+    """Tags of the steps that hold the accelerator: the Celery queue GPU workers listen
+    on, and the GPUs a step's Kubernetes Job asks for. Other executors ignore them."""
+    tags: dict[str, Any] = {CELERY_QUEUE_TAG: ACCELERATOR_QUEUE}
+    gpus = int(os.environ.get("MM_ASSETS_ACCELERATOR_GPUS", "1"))
+    if gpus:
+        limits = {"nvidia.com/gpu": str(gpus)}
+        tags[K8S_CONFIG_TAG] = {"container_config": {"resources": {"limits": limits}}}
+    return tags

@@ -9,6 +9,7 @@ from typing import Any
 import dagster as dg
 
 from mm_assets.assets.automation import materialize_on_change
+from mm_assets.assets.executors import accelerator_step_tags
 from mm_assets.assets.pool import WATCH_KEY, taking_watch, watch_resource
 from mm_assets.registry import DatasetSpec, load_registry
 
@@ -52,7 +53,8 @@ def accelerator_asset(
     code_version: str, deps: Sequence[Any], kinds: set[str], **extra: Any
 ) -> Callable[..., dg.AssetsDefinition]:
     """A `model` asset whose step holds the accelerator (a vLLM server, training). It takes
-    the pool's watch as a resource, so that its runs free the slots dead runs hold."""
+    the pool's watch as a resource, so that its runs free the slots dead runs hold, and
+    tags that send it to GPU workers (`executors.py`)."""
 
     def decorate(fn: Callable[..., Any]) -> dg.AssetsDefinition:
         with warnings.catch_warnings():
@@ -63,6 +65,7 @@ def accelerator_asset(
                 deps=deps,
                 kinds=kinds,
                 pool=ACCELERATOR_POOL,
+                op_tags=accelerator_step_tags(),  # Celery queue, Kubernetes GPUs
                 resource_defs={WATCH_KEY: ACCELERATOR_WATCH},
                 **extra,
             )(taking_watch(fn))

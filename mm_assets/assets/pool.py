@@ -395,6 +395,10 @@ class WatchingExecutor(dg.Executor):
     def __init__(self, inner: dg.Executor) -> None:
         self.inner = inner
 
+    def __getattr__(self, name: str) -> Any:
+        # what an executor's own loop reads from `plan_context.executor` (Celery's: app_args)
+        return getattr(self.inner, name)
+
     @property
     def retries(self) -> Any:
         return self.inner.retries
