@@ -444,7 +444,10 @@ def test_a_server_killed_mid_extraction_leaves_the_rotation_and_every_row_is_sto
     assert int(answered) >= total // 5 // 2 and int(failed) >= 1 and taken_out == "1"
     assert in_rotation == "no"
     live = servers[vllm_server.base_url]
-    assert int(live[0]) + int(answered) == total and live[1] == "0" and live[3] == "yes"
+    # a request answered by the doomed server just before it died, without its file, was
+    # sent again: at most one per request in flight (concurrency 8)
+    assert total <= int(live[0]) + int(answered) <= total + 8
+    assert live[1] == "0" and live[3] == "yes"
 
     manifest = list(tables.iter_rows("hidden_states_manifest", partition))
     assert meta["rejected"] == 0

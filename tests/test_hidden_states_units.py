@@ -15,6 +15,7 @@ import torch
 from mm_assets.clients.vllm_client import (
     ExtractionRequest,
     ExtractionResponse,
+    HiddenStatesClient,
     RequestRefused,
     parse_response,
 )
@@ -281,3 +282,52 @@ def test_store_response_rejects_and_discards_what_it_cannot_use(
                        blobs)  # fmt: skip
     assert info.value.reason == problem
     assert not source.exists() and not any(blobs.dir.rglob("*.safetensors"))
+
+
+def test_a_row_answered_without_a_readable_file_is_requested_again(tmp_path: Path) -> None:
+    """A server can answer and die before its connector wrote the file (seen with a
+    server killed mid-run): the row goes out again instead of being rejected, and a file
+    that never comes is a rejection that says where to look."""
+    import json
+
+    import httpx
+
+    from mm_assets.services.extraction import run_extraction
+
+    layout = HiddenStatesLayout("t", [2, 4, 5, 8], 8, "float32")
+    rows = [
+        {"row_id": row_id, "sample_id": row_id, "input_ids": ids, "image_hashes": [],
+         "loss_mask": [0, 1, 1]}
+        for row_id, ids in (("late", [1, 2, 3]), ("never", [4, 5, 6]))
+    ]  # fmt: skip
+    blobs = BlobStore(tmp_path / "root")
+    plan = plan_extraction(rows, layout, blobs)
+    asked: list[list[int]] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "m", "object": "model",
+                                  "created": 0, "owned_by": "x"}], "object": "list"})  # fmt: skip
+        prompt = json.loads(request.content)["prompt"]
+        asked.append(prompt)
+        name = f"answer{len(asked)}.safetensors"
+        if prompt == [1, 2, 3] and asked.count(prompt) == 2:
+            path = _response_file(tmp_path, _tensors(3, ids=prompt), name)
+        else:  # a server that died while writing: its lock released, no file
+            path = tmp_path / name
+            Path(f"{path}.lock").touch()
+        choice = {"index": 0, "text": "x", "finish_reason": "length", "prompt_token_ids": prompt}
+        return httpx.Response(200, json={
+            "id": "c", "object": "text_completion", "created": 0, "model": "m",
+            "choices": [choice], "kv_transfer_params": {"hidden_states_path": str(path)},
+        })  # fmt: skip
+
+    transport = httpx.AsyncClient(transport=httpx.MockTransport(server))
+    client = HiddenStatesClient(["http://vllm.test/v1"], http_client=transport)
+    requests = [ExtractionRequest(r["row_id"], r["input_ids"]) for r in rows]
+    tally = run_extraction(client, requests, plan, layout, blobs)
+    assert tally.stored == 1 and blobs.has(plan.rows[0].key)
+    assert asked.count([1, 2, 3]) == 2 and asked.count([4, 5, 6]) == 3
+    (rejection,) = tally.rejections
+    assert rejection["row_id"] == "never" and rejection["reason"] == "bad_file"
+    assert "after 3 requests" in rejection["detail"] and "local_path_prefix" in rejection["detail"]

@@ -27,6 +27,7 @@ from mm_assets.clients.vllm_client import (
     ExtractionRequest,
     ExtractionResponse,
     HiddenStatesClient,
+    RequestRefused,
 )
 from mm_assets.common.progress import Progress
 from mm_assets.domain.model.hidden_state_checks import (
@@ -50,6 +51,9 @@ from mm_assets.storage.blobs import BlobStore
 
 TOKENIZED = "tokenized_samples"
 LOCK_TIMEOUT_S = 120.0
+FILE_RETRIES = 2
+"""Requests again for a row whose answer came without a readable file: the server that
+answered can die before its connector finished writing (the next try goes to another)."""
 
 
 @dataclass(frozen=True)
@@ -251,21 +255,31 @@ def _store_outcome(
     outcome: ExtractionResponse | Exception,
     store: Callable[[ExtractionRequest, ExtractionResponse], Path],
     tally: RunTally,
-) -> None:
-    """Store one response, or record why its row is rejected."""
+    final: bool = True,
+) -> bool:
+    """Store one response, or record why its row is rejected. False when its file could
+    not be read and the row is to be requested again (unless `final`)."""
     if isinstance(outcome, Exception):
         tally.reject(request.row_id, "request_refused", str(outcome))
-        return
+        return True
     try:
         path = store(request, outcome)
     except HiddenStatesRejected as exc:
         tally.reject(request.row_id, exc.reason.value, exc.detail)
     except (OSError, TimeoutError, ValueError) as exc:
-        tally.reject(request.row_id, "bad_file", str(exc))
+        if not final:
+            return False
+        tally.reject(
+            request.row_id, "bad_file",
+            f"{exc} (after {FILE_RETRIES + 1} requests; for external servers: is the "
+            "directory their connector writes to visible here, at server_path_prefix → "
+            "local_path_prefix?)",
+        )  # fmt: skip
     else:
         tally.stored += 1
         tally.stored_tokens += request.num_tokens
         tally.stored_bytes += os.path.getsize(path)
+    return True
 
 
 def run_extraction(
@@ -287,15 +301,25 @@ def run_extraction(
     started = time.perf_counter()
 
     def store(request: ExtractionRequest, response: ExtractionResponse) -> Path:
-        mask = loss_masks.pop(request.row_id, None) if loss_masks is not None else None
+        mask = loss_masks.get(request.row_id) if loss_masks is not None else None
         return store_response(
             request, response, keys[request.row_id], layout, blobs, path_map, loss_mask=mask
         )
 
     async def handle(request: ExtractionRequest, outcome: ExtractionResponse | Exception) -> None:
-        await asyncio.get_running_loop().run_in_executor(
-            storers, _store_outcome, request, outcome, store, tally
-        )
+        loop = asyncio.get_running_loop()
+        for attempt in range(FILE_RETRIES + 1):
+            final = attempt == FILE_RETRIES
+            if await loop.run_in_executor(
+                storers, _store_outcome, request, outcome, store, tally, final
+            ):
+                break
+            try:
+                outcome = await client.extract(request)
+            except RequestRefused as exc:
+                outcome = exc
+        if loss_masks is not None:
+            loss_masks.pop(request.row_id, None)  # held only while its row is in flight
         rate = tally.stored_tokens / max(time.perf_counter() - started, 1e-9)
         progress.update(tally.stored + len(tally.rejections), f"{rate:,.0f} tok/s")
 
