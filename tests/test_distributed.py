@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.chaos import Chain, _env, check, start
+from bench.chaos import REPO, Chain, _env, check, start
 from mm_assets.clients.vllm_server import free_port
 
 BIN = Path(sys.executable).parent
@@ -102,8 +102,7 @@ def test_the_text_chain_on_two_celery_workers_equals_the_local_run(
             "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
         }
         env = _env(root, demo_dir, chain, extra)
-        config = tmp_path / "celery.yaml"
-        config.write_text(f"execution:\n  config:\n    broker: {broker}\n    backend: {broker}\n")
+        config = REPO / "deploy" / "celery.yaml"  # the committed one: broker from the env
         with contextlib.ExitStack() as workers:
             for name, queue in (("cpu", "dagster"), ("gpu", "accelerator")):
                 cwd = tmp_path / f"worker_{name}"
