@@ -231,7 +231,7 @@ def test_circuit_opens_after_consecutive_failures_and_stops_the_run(failure: Out
     opened, rest = info.value.split(CircuitOpen)
     assert rest is None and opened is not None
     message = str(opened.exceptions[0])
-    assert "out of rotation after 3 failed tries in a row" in message and BASE_URL in message
+    assert "3 requests in a row failed all their 1 tries" in message and BASE_URL in message
     assert client.requests_sent == 3
 
 
@@ -302,7 +302,21 @@ def test_a_server_out_of_rotation_is_probed_and_comes_back() -> None:
     assert a["answered"] + b["answered"] == 8 and b["answered"] >= 4
 
 
-def test_the_circuit_opens_when_every_server_is_out_and_names_them() -> None:
+def test_a_lone_server_overloaded_for_a_moment_is_ridden_out() -> None:
+    """Every request in flight fails once at the same moment (eight 503s in a row): a
+    lone server stays in rotation and each request's retry gets through."""
+    fake = FakeVllm([503] * 8)
+    client = _client(fake, concurrency=8, breaker_failures=8)
+    outcomes = _run(client, 16)
+    assert len(outcomes) == 16 and all(isinstance(o, ExtractionResponse) for o in outcomes)
+    (stats,) = client.server_stats()
+    assert stats["failed_tries"] == 8 and stats["taken_out"] == 0 and stats["in_rotation"]
+
+
+def test_the_last_server_stays_in_rotation_and_the_circuit_opens_on_it() -> None:
+    """Both servers fail: the first is taken out, the last one in rotation is not (a lone
+    server's overload is ridden out by backoff); requests that fail all their tries open
+    the circuit, and the message says what each server last answered."""
     refused = httpx.ConnectError("connection refused")
     client = _fleet(
         {"a.test": FakeVllm(default=refused), "b.test": FakeVllm(default=503)},
@@ -313,8 +327,10 @@ def test_the_circuit_opens_when_every_server_is_out_and_names_them() -> None:
     opened, rest = info.value.split(CircuitOpen)
     assert rest is None and opened is not None
     message = str(opened.exceptions[0])
-    assert "http://a.test/v1 (APIConnectionError" in message
+    assert "2 requests in a row failed all their 2 tries" in message
+    assert "http://a.test/v1 (out of rotation, APIConnectionError" in message
     assert "http://b.test/v1 (InternalServerError" in message
+    assert [s["in_rotation"] for s in client.server_stats()] == [False, True]
 
 
 METRICS = """\

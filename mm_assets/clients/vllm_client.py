@@ -15,9 +15,12 @@ ids (`return_token_ids`), so the trainer can see exactly what the target produce
 Transient failures (connection, timeout, 5xx, 429) are retried, on another server when
 there is one (backoff when not); a request the server refuses (4xx) is a per-sample
 failure. A server that fails `breaker_failures` tries in a row is taken out of rotation
-(its requests in flight are retried on the others) and tried again with one request
-after `probe_after_s`; a success brings it back. When every server is out of rotation
-the circuit opens and the run stops: what was stored so far is kept for the next run.
+while another remains in it (its requests in flight are retried on the others) and gets
+one request again after `probe_after_s`; an answer brings it back. The last server in
+rotation stays in it, with the tolerance of one server: when `breaker_failures` requests
+in a row have failed every try, the circuit opens and the run stops (what was stored so
+far is kept for the next run). A brief overload of a lone server is ridden out by the
+retries' backoff; a dead fleet stops the run within a few tries per request.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ class ChatReply:
 
 
 class CircuitOpen(RuntimeError):
-    """Every server is out of rotation: none is reachable."""
+    """Requests keep failing every try on every server: none is reachable."""
 
 
 @dataclass
@@ -179,6 +182,7 @@ class VllmClient:
         self.probe_after_s = probe_after_s
         self.log = log
         self.requests_sent = 0
+        self._given_up_in_a_row = 0
 
     def server_stats(self) -> list[dict[str, Any]]:
         """Each server's answers, failures and tokens so far."""
@@ -188,15 +192,8 @@ class VllmClient:
 
     def _candidates(self) -> list[_Server]:
         """Servers in rotation, plus those out of it whose wait is over and that no
-        request is probing yet; none in rotation opens the circuit."""
+        request is probing yet."""
         in_rotation = [s for s in self.servers if s.out_until is None]
-        if not in_rotation:
-            raise CircuitOpen(
-                "every vLLM server is out of rotation after "
-                f"{self.breaker_failures} failed tries in a row: "
-                + "; ".join(f"{s.stats.url} ({s.last_error})" for s in self.servers)
-                + ". Are the servers running?"
-            )
         now = time.monotonic()
         probes = [
             s for s in self.servers
@@ -215,7 +212,8 @@ class VllmClient:
         server.stats.failed_tries += 1
         server.last_error = f"{type(exc).__name__}: {exc}"
         probing = server.out_until is not None
-        if probing or server.failed_in_a_row >= self.breaker_failures:
+        others = any(s.out_until is None for s in self.servers if s is not server)
+        if probing or (others and server.failed_in_a_row >= self.breaker_failures):
             server.out_until = time.monotonic() + self.probe_after_s
         if not probing and server.out_until is not None:
             server.stats.taken_out += 1
@@ -267,7 +265,19 @@ class VllmClient:
                 finally:
                     server.in_flight -= 1
             self._answered(server, tokens(result))
+            self._given_up_in_a_row = 0
             return result
+        self._given_up_in_a_row += 1
+        if self._given_up_in_a_row >= self.breaker_failures:
+            states = "; ".join(
+                f"{s.stats.url} ({'out of rotation, ' if s.out_until is not None else ''}"
+                f"{s.last_error})"
+                for s in self.servers
+            )
+            raise CircuitOpen(
+                f"{self._given_up_in_a_row} requests in a row failed all their "
+                f"{self.max_retries + 1} tries: {states}. Are the vLLM servers running?"
+            ) from last
         raise RequestRefused(f"gave up after {self.max_retries + 1} tries: {last}") from last
 
     async def map(

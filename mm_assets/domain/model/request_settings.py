@@ -14,8 +14,9 @@ class RequestSettings(BaseModel):
     breaker_failures: int = Field(
         default=8,
         ge=1,
-        description="Failed tries in a row that take a server out of rotation (its requests "
-        "go to the others); the step stops when every server is out.",
+        description="Failed tries in a row that take a server out of rotation while another "
+        "remains (its requests go to the others); requests in a row that failed all their "
+        "tries that stop the step.",
     )
     probe_after_s: float = Field(
         default=30.0, gt=0, description="When a server out of rotation gets a request again."
