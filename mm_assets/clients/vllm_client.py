@@ -103,7 +103,6 @@ class ServerStats:
     tokens: int = 0
     """Tokens of the requests it answered (prompt tokens for extraction, generated
     tokens for chat)."""
-    in_rotation: bool = True
 
 
 def parse_response(payload: dict[str, Any]) -> ExtractionResponse:
@@ -185,10 +184,9 @@ class VllmClient:
         self._given_up_in_a_row = 0
 
     def server_stats(self) -> list[dict[str, Any]]:
-        """Each server's answers, failures and tokens so far."""
-        for server in self.servers:
-            server.stats.in_rotation = server.out_until is None
-        return [asdict(server.stats) for server in self.servers]
+        """Each server's answers, failures and tokens so far, and whether it is in
+        rotation now."""
+        return [{**asdict(s.stats), "in_rotation": s.out_until is None} for s in self.servers]
 
     def _candidates(self) -> list[_Server]:
         """Servers in rotation, plus those out of it whose wait is over and that no
