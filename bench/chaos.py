@@ -183,15 +183,17 @@ def leftover_servers(pid: int, wait_s: float = 20.0) -> int:
 # -- checks ------------------------------------------------------------------------------
 
 
-def _tables(root: Path) -> Any:
-    from mm_assets.storage import TableStore
+def _tables(root: Path, object_store: str | None = None) -> Any:
+    from mm_assets.storage import open_tables
 
-    return TableStore(root)
+    return open_tables(root, object_store)
 
 
-def _table_problems(root: Path, clean: Path, partition: str) -> list[str]:
+def _table_problems(
+    root: Path, clean: Path, partition: str, object_store: str | None = None
+) -> list[str]:
     problems = []
-    got, want = _tables(root), _tables(clean)
+    got, want = _tables(root, object_store), _tables(clean)
     for table in PREP_TABLES:
         a, b = got.read(table, partition), want.read(table, partition)
         if not a.equals(b):
@@ -199,17 +201,19 @@ def _table_problems(root: Path, clean: Path, partition: str) -> list[str]:
     return problems
 
 
-def _manifest(root: Path, partition: str) -> list[dict]:
-    return list(_tables(root).iter_rows("hidden_states_manifest", partition))
+def _manifest(root: Path, partition: str, object_store: str | None = None) -> list[dict]:
+    return list(_tables(root, object_store).iter_rows("hidden_states_manifest", partition))
 
 
-def _blob_problems(root: Path, clean: Path, partition: str) -> list[str]:
+def _blob_problems(
+    root: Path, clean: Path, partition: str, object_store: str | None = None
+) -> list[str]:
     import torch
     from safetensors.torch import load_file
 
     from mm_assets.domain.model.hidden_state_codec import decode
 
-    got, want = _manifest(root, partition), _manifest(clean, partition)
+    got, want = _manifest(root, partition, object_store), _manifest(clean, partition)
     problems = []
     ids = Counter(r["row_id"] for r in got)
     if twice := [row_id for row_id, n in ids.items() if n > 1]:
@@ -241,7 +245,14 @@ def _blob_problems(root: Path, clean: Path, partition: str) -> list[str]:
 def _leftover_files(root: Path) -> list[str]:
     left = [
         str(p.relative_to(root))
-        for top in ("tables", "blobs", "speculators", "untrained_speculators", "train_state")
+        for top in (
+            "tables",
+            "staging",
+            "blobs",
+            "speculators",
+            "untrained_speculators",
+            "train_state",
+        )
         for p in (root / top).rglob("*")
         if TEMPORARY.match(p.name)
     ]
@@ -266,10 +277,12 @@ def _checkpoint_problems(root: Path, clean: Path, partition: str) -> list[str]:
     return []
 
 
-def check(root: Path, clean: Path, partition: str) -> list[str]:
-    """Everything a rerun after a kill must share with the clean run (module docstring)."""
+def check(root: Path, clean: Path, partition: str, object_store: str | None = None) -> list[str]:
+    """Everything a rerun after a kill must share with the clean run (module docstring);
+    with `object_store`, the run under `root` kept its tables there."""
     return [
-        *_table_problems(root, clean, partition), *_blob_problems(root, clean, partition),
+        *_table_problems(root, clean, partition, object_store),
+        *_blob_problems(root, clean, partition, object_store),
         *_leftover_files(root), *_checkpoint_problems(root, clean, partition),
     ]  # fmt: skip
 

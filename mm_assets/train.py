@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 8 -m mm_assets.train --partition sharegpt4v_coco --epochs 3
 
 Reads the partition's `tokenized_samples`, `hidden_states_manifest` and
-`token_frequencies` from $MM_ASSETS_HOME (materialize `hidden_states` first) and writes
+`token_frequencies` from $MM_ASSETS_HOME, or from $MM_ASSETS_OBJECT_STORE when set
+(materialize `hidden_states` first), and writes
 the same checkpoint the `trained_speculator` asset writes; like the asset, it reuses a
 checkpoint trained from identical inputs and settings unless `--retrain`. Under torchrun
 each rank trains on its share of the batches with DistributedDataParallel (NCCL on GPUs,
@@ -25,7 +26,8 @@ from mm_assets.common import paths
 from mm_assets.domain.model.settings import SpeculatorSettings
 from mm_assets.services.target import TargetModel
 from mm_assets.services.training import SpeculatorJob, train_speculator
-from mm_assets.storage import TableStore
+from mm_assets.storage import open_tables
+from mm_assets.storage.object_store import ENV_VAR as OBJECT_STORE_ENV
 
 
 def parser() -> argparse.ArgumentParser:
@@ -65,8 +67,9 @@ def main() -> None:
     job = SpeculatorJob.for_target(partition, root, target, settings)
     rank = dist.get_rank() if dist.is_initialized() else 0
     outcome = train_speculator(
-        job, TableStore(root), lambda m: print(f"[rank {rank}] {m}"), not retrain, device
-    )
+        job, open_tables(root, os.environ.get(OBJECT_STORE_ENV)),
+        lambda m: print(f"[rank {rank}] {m}"), not retrain, device,
+    )  # fmt: skip
     if rank == 0:
         trained, untrained = outcome.result.held_out_acceptance, outcome.untrained_acceptance
         print(

@@ -238,3 +238,26 @@ def clean_text_chain(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     chain = Chain("demo_regen_text", run_config=SMALL_TEXT_RUN, datasets=datasets)
     clean, _, reached = clean_run(tmp_path_factory.mktemp("text_chain"), demo_dir, chain)
     return chain, clean, reached
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real S3-compatible server (SeaweedFS) for the session; its client settings are in
+    the environment while it runs, so subprocesses reach it too."""
+    from tests.s3_server import seaweedfs
+
+    with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_bucket(s3_server) -> str:
+    return s3_server.new_bucket()  # one: SeaweedFS gives each bucket volumes of its own
+
+
+@pytest.fixture
+def object_store_url(s3_bucket: str) -> str:
+    """A prefix of the test's own in the session's bucket."""
+    import uuid
+
+    return f"s3://{s3_bucket}/{uuid.uuid4().hex[:8]}/mm_assets"

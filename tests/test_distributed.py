@@ -1,8 +1,9 @@
 """Steps on more than one worker: the text demo chain through Dagster's Celery executor,
 with a real Redis broker and two Celery workers, each a separate process with its own
-working directory, sharing only the storage root and the Dagster instance. The CPU worker
-listens on the `dagster` queue, the "GPU" worker on `accelerator`; every step must run in
-the worker its queue names, and the outputs must equal the local executor's."""
+working directory, sharing only the storage root (blobs, catalog, Dagster instance) and
+an S3 object store (SeaweedFS) that holds the tables and the published checkpoint. The
+CPU worker listens on the `dagster` queue, the "GPU" worker on `accelerator`; every step
+must run in the worker its queue names, and the outputs must equal the local executor's."""
 
 from __future__ import annotations
 
@@ -91,7 +92,10 @@ def _step_workers(dagster_home: Path) -> dict[str, set[str]]:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_the_text_chain_on_two_celery_workers_equals_the_local_run(
-    clean_text_chain: tuple[Chain, Path, object], demo_dir: Path, tmp_path: Path
+    clean_text_chain: tuple[Chain, Path, object],
+    demo_dir: Path,
+    tmp_path: Path,
+    object_store_url: str,
 ) -> None:
     chain, clean, _ = clean_text_chain
     root = tmp_path / "shared"
@@ -100,6 +104,7 @@ def test_the_text_chain_on_two_celery_workers_equals_the_local_run(
         extra = {
             "MM_ASSETS_EXECUTOR": "celery",
             "MM_ASSETS_CELERY_BROKER": broker,
+            "MM_ASSETS_OBJECT_STORE": object_store_url,  # the S3 client settings: os.environ
             "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
         }
         env = _env(root, demo_dir, chain, extra)
@@ -122,7 +127,22 @@ def test_the_text_chain_on_two_celery_workers_equals_the_local_run(
     assert set(ran) == PREP_STEPS | ACCELERATOR_STEPS
     assert all(ran[step] == {"cpu"} for step in PREP_STEPS), ran
     assert all(ran[step] == {"gpu"} for step in ACCELERATOR_STEPS), ran
-    assert check(root, clean, chain.partition) == []
+    assert check(root, clean, chain.partition, object_store_url) == []
+    assert not (root / "tables").exists()  # every table went to the object store
+    _assert_published(object_store_url, root / "speculators" / chain.partition, chain.partition)
+
+
+def _assert_published(object_store_url: str, checkpoint: Path, partition: str) -> None:
+    """The object store holds the worker's checkpoint, byte for byte."""
+    from mm_assets.storage import ObjectStore
+
+    store = ObjectStore(object_store_url)
+    remote = store.key("speculators", partition)
+    names = {Path(key).name for key in store.fs.ls(remote, detail=False)}
+    local = {p.name for p in checkpoint.iterdir() if p.is_file()}
+    assert names == local | {"mm_assets_published.json"}
+    for name in local:
+        assert store.fs.cat_file(f"{remote}/{name}") == (checkpoint / name).read_bytes(), name
 
 
 @pytest.mark.parametrize("choice", ["in_process", "multiprocess", "celery", "k8s"])

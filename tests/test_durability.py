@@ -30,7 +30,7 @@ import pytest
 from mm_assets.common import files
 from mm_assets.common.files import DiskFullError, atomic_write_text
 from mm_assets.common.hashing import file_sha256
-from mm_assets.storage import TableStore
+from mm_assets.storage import TableStore, open_tables
 from mm_assets.storage.blobs import BlobStore
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string())])
@@ -305,13 +305,15 @@ def _version_rows(writer: int, version: int) -> list[dict]:
     ]
 
 
-def _rewrite_many_times(root: str, private: str, writer: int, start, failures) -> None:
+def _rewrite_many_times(
+    root: str, private: str, writer: int, start, failures, object_store: str | None, versions: int
+) -> None:
     """One run: rewrite the shared partition again and again; now and then write a new
     table too (its view is created mid-contention) and query it at once."""
     try:
-        store, alone = TableStore(root), TableStore(private)
+        store, alone = open_tables(root, object_store), TableStore(private)
         start.wait(timeout=60)
-        for version in range(VERSIONS):
+        for version in range(versions):
             rows = _version_rows(writer, version)
             written = store.write(TABLE, PARTITION, rows, VERSION_SCHEMA)
             # the hash is of this run's file, not of whatever the other run renamed there since
@@ -346,15 +348,21 @@ def _sql_rows(store: TableStore) -> list[dict]:
     return [dict(zip(VERSION_SCHEMA.names, row, strict=True)) for row in got]
 
 
-def test_two_runs_of_one_partition_at_once_never_mix(tmp_path: Path) -> None:
-    store = TableStore(tmp_path / "home")
+@pytest.mark.parametrize("where", ["local", pytest.param("object_store", marks=pytest.mark.slow)])
+def test_two_runs_of_one_partition_at_once_never_mix(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """On the root, and on an object store (SeaweedFS) where versions replace renames."""
+    url = request.getfixturevalue("object_store_url") if where == "object_store" else None
+    versions = VERSIONS if url is None else VERSIONS // 3  # ~0.3 s a write to the S3 server
+    store = open_tables(tmp_path / "home", url)
     store.write(TABLE, PARTITION, _version_rows(0, 0), VERSION_SCHEMA)
     context = multiprocessing.get_context("spawn")
     start, failures = context.Barrier(len(WRITERS) + 1), context.Queue()
     runs = [
         context.Process(
             target=_rewrite_many_times,
-            args=(str(store.root), str(tmp_path / f"alone{w}"), w, start, failures),
+            args=(str(store.root), str(tmp_path / f"alone{w}"), w, start, failures, url, versions),
         )
         for w in WRITERS
     ]
@@ -388,6 +396,6 @@ def test_two_runs_of_one_partition_at_once_never_mix(tmp_path: Path) -> None:
     assert [run.exitcode for run in runs] == [0, 0]
     assert min(reads.values()) >= 5 and len({w for w, _ in seen}) >= 2, (reads, seen)
     final = _assert_one_complete_version(store.read(TABLE, PARTITION).to_pylist(), "read")
-    assert final[1] == VERSIONS - 1
+    assert final[1] == versions - 1
     assert _assert_one_complete_version(_sql_rows(store), "SQL") == final
     assert _temporary_files(store.root) == []

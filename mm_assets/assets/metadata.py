@@ -132,11 +132,11 @@ def table_links(tables: TableStore, table: str, partition: str) -> dict[str, dg.
     """Where the partition's table lies, and how to query it in the DuckDB catalog."""
     sql = f"SELECT * FROM {table} WHERE dataset = '{partition}' LIMIT 20;"
     return {
-        "path": dg.MetadataValue.path(str(tables.path(table, partition))),
+        "path": dg.MetadataValue.path(str(tables.path(table, partition))),  # or a URL
         "catalog": dg.MetadataValue.path(str(tables.catalog_path)),
         "query": dg.MetadataValue.md(
             f"Every table is a view in the catalog: in Python, "
-            f"`duckdb.connect('{tables.catalog_path}', read_only=True).sql(query).show()`; "
+            f"`{tables.connect_code()}.sql(query).show()`; "
             f"or `duckdb -readonly {tables.catalog_path}` with the DuckDB CLI.\n\n"
             f"```sql\n{sql}\n```"
         ),

@@ -19,6 +19,7 @@ from mm_assets.assets.prep import tokenized_samples
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION, ExtractionSettings
 from mm_assets.domain.model.settings import TRAINING_VERSION, SpeculatorSettings
+from mm_assets.storage.object_store import publish_directory
 
 if TYPE_CHECKING:
     from mm_assets.domain.model.acceptance import AcceptanceSummary
@@ -176,7 +177,8 @@ def trained_speculator(
     vllm: VllmResource,
 ) -> dg.MaterializeResult:
     """An EAGLE-3 draft for the target, trained on this partition's hidden states and
-    written in the speculators format vLLM loads (`speculators/<partition>/`). Reports the
+    written in the speculators format vLLM loads (`speculators/<partition>/`, and there
+    under the object store when one is configured). Reports the
     held-out loss and the acceptance estimated by replaying speculative decoding over the
     held-out replies, and — with `measure_in_vllm` — the acceptance vLLM measures serving
     the target with it on those replies' prompts, beside the estimate for the same ones.
@@ -204,6 +206,10 @@ def trained_speculator(
             metadata.update(
                 measurement_metadata(measured.untrained, measured.untrained_estimate, "untrained_")
             )
+    if (store := storage.checkpoint_store()) is not None:
+        url, uploaded = publish_directory(store, outcome.checkpoint, "speculators", spec.name)
+        metadata["checkpoint_url"] = dg.MetadataValue.path(url)
+        metadata["checkpoint_files_uploaded"] = uploaded
     metadata["per_position_acceptance"] = acceptance_plot(
         outcome.result.held_out_per_position, measured.trained.per_position if measured else None
     )

@@ -14,20 +14,32 @@ from mm_assets.clients.vllm_server import EngineOptions
 from mm_assets.common import paths
 from mm_assets.services.engine import VllmEngine
 from mm_assets.services.target import TargetModel
-from mm_assets.storage import TableStore
+from mm_assets.storage import ObjectStore, TableStore, open_tables
 from mm_assets.storage.blobs import BlobStore
+from mm_assets.storage.object_store import ENV_VAR as OBJECT_STORE_ENV
 
 
 class StorageResource(dg.ConfigurableResource):
-    """The embedded store: Parquet tables + a DuckDB catalog + blobs under one root."""
+    """The embedded store: Parquet tables + a DuckDB catalog + blobs under one root; with
+    `object_store`, tables and trained checkpoints go to S3/GCS/Azure instead."""
 
     root: str = Field(
         default_factory=lambda: str(paths.home()),
-        description="Storage root (default $MM_ASSETS_HOME, else ./.mm_assets).",
+        description="Storage root (default $MM_ASSETS_HOME, else ./.mm_assets). Hidden-state "
+        "blobs, the catalog and logs live here: on a cluster, a filesystem every worker mounts.",
+    )
+    object_store: str = Field(
+        default_factory=lambda: os.environ.get(OBJECT_STORE_ENV, ""),
+        description="s3://bucket/prefix (or gs://, az://) for tables and checkpoints; empty = "
+        f"under the root. Default ${OBJECT_STORE_ENV}.",
     )
 
     def tables(self) -> TableStore:
-        return TableStore(Path(self.root))
+        return open_tables(Path(self.root), self.object_store or None)
+
+    def checkpoint_store(self) -> ObjectStore | None:
+        """Where trained checkpoints are published besides the root, if anywhere."""
+        return ObjectStore(self.object_store) if self.object_store else None
 
     def blobs(self, kind: str = "hidden_states") -> BlobStore:
         """Hidden-state files (safetensors) or target responses (JSON)."""

@@ -121,7 +121,7 @@ def _print_summary(partitions: tuple[str, ...]) -> None:
             "GROUP BY ALL ORDER BY ALL"
         ).fetchall()
     print("demo: quarantined rows:", ", ".join(f"{d}/{r}: {n}" for d, r, n in reasons) or "none")
-    print(f"demo: tables under {tables.tables_dir}; SQL catalog {tables.catalog_path}")
+    print(f"demo: tables under {tables.location}; SQL catalog {tables.catalog_path}")
 
 
 def main() -> None:

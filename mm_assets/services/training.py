@@ -110,7 +110,7 @@ def training_key(job: SpeculatorJob, tables: TableStore) -> str:
     return json_sha256(
         [
             TRAINING_VERSION,
-            [file_sha256(tables.path(table, job.partition)) for table in TRAINING_TABLES],
+            [tables.content_hash(table, job.partition) for table in TRAINING_TABLES],
             str(job.target_dir),
             job.target_fingerprint,
             job.layer_ids,

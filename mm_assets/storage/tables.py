@@ -57,9 +57,10 @@ _CURRENT_VIEWS: set[tuple[str, int, int, int, str]] = set()
 
 @dataclass(frozen=True)
 class WrittenTable:
-    """What a write produced: where, how many rows, and a hash of the file's bytes."""
+    """What a write produced: where (a path, or an object store URL), how many rows, and
+    a hash of the file's bytes."""
 
-    path: Path
+    path: Path | str
     num_rows: int
     content_hash: str
 
@@ -95,14 +96,26 @@ class BatchWriter:
 
 
 class TableStore:
-    """Parquet files under `<root>/tables/<table>/dataset=<partition>/data.parquet`."""
+    """Parquet files under `<root>/tables/<table>/dataset=<partition>/data.parquet`.
+
+    `ObjectTableStore` keeps the same tables on an object store instead; both keep the
+    catalog (and resolve the blob paths tables record) under the local root."""
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
         self.tables_dir = self.root / "tables"
         self.catalog_path = self.root / "catalog.duckdb"
 
-    def path(self, table: str, partition: str) -> Path:
+    @property
+    def location(self) -> str:
+        """Where the tables are, for people: a directory or a URL."""
+        return str(self.tables_dir)
+
+    def connect_code(self) -> str:
+        """Python that opens this catalog for reading, for people to paste."""
+        return f"duckdb.connect('{self.catalog_path}', read_only=True)"
+
+    def path(self, table: str, partition: str) -> Path | str:
         return self.tables_dir / table / f"{PARTITION_COLUMN}={partition}" / DATA_FILE
 
     def resolve(self, stored: str) -> Path:
@@ -111,14 +124,21 @@ class TableStore:
         return self.root / stored
 
     def exists(self, table: str, partition: str) -> bool:
-        return self.path(table, partition).is_file()
+        return self._local_path(table, partition).is_file()
+
+    def content_hash(self, table: str, partition: str) -> str:
+        """SHA-256 of the partition's current file: what a result computed from it keys on."""
+        return file_sha256(self._existing(table, partition))
+
+    def _local_path(self, table: str, partition: str) -> Path:
+        return self.tables_dir / table / f"{PARTITION_COLUMN}={partition}" / DATA_FILE
 
     @contextmanager
     def writer(
         self, table: str, partition: str, schema: pa.Schema, batch_size: int = 1024
     ) -> Iterator[BatchWriter]:
         """Stream rows into a new version of the table; it replaces the old one on success."""
-        final = self.path(table, partition)
+        final = self._local_path(table, partition)
         with atomic_path(final) as tmp:
             pq_writer = pq.ParquetWriter(tmp, schema, compression="zstd")
             batch_writer = BatchWriter(pq_writer, schema, batch_size)
@@ -140,9 +160,7 @@ class TableStore:
         return out.result
 
     def read(self, table: str, partition: str, columns: Sequence[str] | None = None) -> pa.Table:
-        # One open file: `pq.read_table(path)` opens the path more than once, and a
-        # concurrent rewrite between the opens tears the read.
-        with pq.ParquetFile(self._existing(table, partition)) as parquet:
+        with self._open(table, partition) as parquet:
             return parquet.read(columns=columns)
 
     def iter_rows(
@@ -153,21 +171,25 @@ class TableStore:
         batch_size: int = 1024,
     ) -> Iterator[dict[str, Any]]:
         """Rows as dicts, read batch by batch so memory stays flat in the table's size."""
-        with pq.ParquetFile(self._existing(table, partition)) as parquet:
+        with self._open(table, partition) as parquet:
             for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
                 yield from batch.to_pylist()
 
     def num_rows(self, table: str, partition: str) -> int:
-        with pq.ParquetFile(self._existing(table, partition)) as parquet:
+        with self._open(table, partition) as parquet:
             return parquet.metadata.num_rows
 
+    @contextmanager
+    def _open(self, table: str, partition: str) -> Iterator[pq.ParquetFile]:
+        """The partition's current version, opened once: `pq.read_table(path)` opens the
+        path more than once, and a concurrent rewrite between the opens tears the read."""
+        with pq.ParquetFile(self._existing(table, partition)) as parquet:
+            yield parquet
+
     def _existing(self, table: str, partition: str) -> Path:
-        path = self.path(table, partition)
+        path = self._local_path(table, partition)
         if not path.is_file():
-            raise FileNotFoundError(
-                f"table {table!r} has no data for partition {partition!r} ({path}); "
-                f"materialize the asset that writes it for this partition first"
-            )
+            raise missing_table(table, partition, path)
         return path
 
     # -- DuckDB catalog -------------------------------------------------------------
@@ -179,10 +201,13 @@ class TableStore:
             d.name for d in self.tables_dir.iterdir() if d.is_dir() and any(d.glob("*/*.parquet"))
         )
 
+    def _view_glob(self, table: str) -> str:
+        """The files a view reads, newest per partition: the snapshots."""
+        return (self.tables_dir / table / "*" / SNAPSHOTS_DIR / "*.parquet").as_posix()
+
     def _snapshot_glob(self, table: str) -> str:
         """The view's file pattern as a SQL string literal."""
-        glob = (self.tables_dir / table / "*" / SNAPSHOTS_DIR / "*.parquet").as_posix()
-        return "'" + glob.replace("'", "''") + "'"
+        return "'" + self._view_glob(table).replace("'", "''") + "'"
 
     def _view_sql(self, table: str) -> str:
         """The newest snapshot per partition, picked inside one scan: DuckDB plans
@@ -205,9 +230,13 @@ class TableStore:
         for table in tables:
             for partition_dir in sorted((self.tables_dir / table).glob(f"*/{DATA_FILE}")):
                 complete &= _publish_snapshot(partition_dir.parent)
+        return self._ensure_views(tables, wait_s) and complete
+
+    def _ensure_views(self, tables: Sequence[str], wait_s: float) -> bool:
+        """Create the views these tables lack; False when the catalog stayed busy."""
         known = self._catalog_identity()
-        if known and all((*known, table) in _CURRENT_VIEWS for table in tables):
-            return complete
+        if known and all((*known, self._view_glob(t)) in _CURRENT_VIEWS for t in tables):
+            return True
         try:
             if self.catalog_path.exists():
                 with self._open_catalog(read_only=True, wait_s=wait_s) as con:
@@ -221,8 +250,8 @@ class TableStore:
         except (duckdb.IOException, duckdb.ConnectionException):
             return False
         if known := self._catalog_identity():
-            _CURRENT_VIEWS.update((*known, table) for table in tables)
-        return complete
+            _CURRENT_VIEWS.update((*known, self._view_glob(t)) for t in tables)
+        return True
 
     def _catalog_identity(self) -> tuple[str, int, int, int] | None:
         try:
@@ -240,7 +269,7 @@ class TableStore:
         """A read-only SQL connection with every table as a view (`SELECT * FROM <table>`)."""
         self.add_to_catalog(self.table_names(), wait_s)
         if not self.catalog_path.exists():
-            raise FileNotFoundError(f"no tables under {self.tables_dir} yet")
+            raise FileNotFoundError(f"no tables under {self.location} yet")
         try:
             return self._open_catalog(read_only=True, wait_s=wait_s)
         except (duckdb.IOException, duckdb.ConnectionException) as exc:
@@ -259,12 +288,24 @@ class TableStore:
         delay = 0.01
         while True:
             try:
-                return duckdb.connect(str(self.catalog_path), read_only=read_only)
+                con = duckdb.connect(str(self.catalog_path), read_only=read_only)
+                self._prepare(con)
+                return con
             except (duckdb.IOException, duckdb.ConnectionException) as exc:
                 if not _is_busy(exc) or time.monotonic() + delay > deadline:
                     raise
             time.sleep(delay * random.uniform(0.5, 1.5))  # jitter: writers do not march
             delay = min(delay * 2, 0.2)
+
+    def _prepare(self, con: duckdb.DuckDBPyConnection) -> None:
+        """What a connection needs before it can read the views (nothing, on a local disk)."""
+
+
+def missing_table(table: str, partition: str, where: Path | str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"table {table!r} has no data for partition {partition!r} ({where}); "
+        f"materialize the asset that writes it for this partition first"
+    )
 
 
 def _publish_snapshot(partition_dir: Path, grace_s: float = SNAPSHOT_GRACE_S) -> bool:

@@ -1,0 +1,114 @@
+"""An object store (S3, GCS, Azure Blob) reached through fsspec, for what every worker of a
+cluster must read but need not write as files: tables and trained checkpoints.
+
+Hidden-state blobs are not among them: vLLM's hidden-state connector writes files, so they
+stay on the storage root, which must then be a filesystem every worker mounts (NFS,
+Lustre, EFS). What makes an object store safe to write without a rename is that one
+upload (a PUT, or a multipart upload's completion) appears whole or not at all: a writer
+killed mid-upload leaves nothing a reader can list. Only stores with that guarantee are
+accepted. Credentials and endpoints come from the store's usual configuration (for S3:
+`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`, `~/.aws/`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mm_assets.common.hashing import file_sha256
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
+
+# fsspec protocols whose uploads are atomic, and the package that implements each.
+ATOMIC_STORES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
+                 "abfs": "adlfs", "abfss": "adlfs"}  # fmt: skip
+ENV_VAR = "MM_ASSETS_OBJECT_STORE"
+PUBLISHED = "mm_assets_published.json"  # a published directory's files and their SHA-256
+
+
+@dataclass(frozen=True)
+class ObjectStore:
+    """`s3://bucket/prefix`: the prefix under which `tables/` and `speculators/` go."""
+
+    url: str
+
+    def __post_init__(self) -> None:
+        scheme, _, rest = self.url.partition("://")
+        if scheme not in ATOMIC_STORES or not rest.strip("/"):
+            raise ValueError(
+                f"{ENV_VAR}={self.url!r} is not an object store URL: use "
+                f"<scheme>://<bucket>[/<prefix>] with a scheme among "
+                f"{', '.join(ATOMIC_STORES)} (uploads there are atomic), or leave it unset to "
+                "keep tables and checkpoints under the storage root"
+            )
+
+    @property
+    def scheme(self) -> str:
+        return self.url.partition("://")[0]
+
+    @cached_property
+    def fs(self) -> AbstractFileSystem:
+        """One filesystem per store, listing afresh each time: another worker's new
+        table version must be seen by the next read, not after a cache expires."""
+        import fsspec
+
+        try:
+            return fsspec.filesystem(
+                self.scheme, use_listings_cache=False, skip_instance_cache=True
+            )
+        except ImportError as exc:
+            package = ATOMIC_STORES[self.scheme]
+            raise ImportError(
+                f"{self.url} needs the fsspec driver {package!r}: pip install {package} "
+                "(s3fs comes with `pip install -e '.[cluster]'`)"
+            ) from exc
+
+    def key(self, *parts: str) -> str:
+        """The path the filesystem takes (no scheme): `bucket/prefix/<parts>`."""
+        return "/".join([self.url.partition("://")[2].strip("/"), *parts])
+
+    def url_of(self, *parts: str) -> str:
+        return f"{self.scheme}://{self.key(*parts)}"
+
+
+def publish_directory(
+    store: ObjectStore, local: Path, *parts: str, entry_point: str = "config.json"
+) -> tuple[str, int]:
+    """Upload `local`'s files under `parts`, those that differ from the copy there (by
+    SHA-256, listed in `PUBLISHED`). Returns the URL and how many files were uploaded.
+
+    A reader must never load one training's weights with another's config: a changed
+    `entry_point` (what a loader opens first) is removed before anything else is
+    replaced and uploaded after everything else, and `PUBLISHED` comes last, so an
+    interrupted upload leaves a directory that is not a checkpoint, or is the complete
+    new one, and is published again next time. Files the local directory no longer
+    holds are removed."""
+    fs, dest = store.fs, store.key(*parts)
+    local_hashes = {
+        p.name: file_sha256(p)
+        for p in sorted(local.iterdir())
+        if p.is_file() and not p.name.startswith(".")
+    }
+    if entry_point not in local_hashes:
+        raise FileNotFoundError(f"{local / entry_point} is missing: nothing to publish")
+    try:
+        remote_hashes = json.loads(fs.cat_file(f"{dest}/{PUBLISHED}"))
+    except (FileNotFoundError, ValueError):
+        remote_hashes = {}
+    if remote_hashes == local_hashes:
+        return store.url_of(*parts), 0
+    changed = [n for n, h in local_hashes.items() if remote_hashes.get(n) != h]
+    for name in (PUBLISHED, *([entry_point] if entry_point in changed else [])):
+        if fs.exists(f"{dest}/{name}"):
+            fs.rm_file(f"{dest}/{name}")
+    for name in sorted(changed, key=lambda n: n == entry_point):  # the entry point last
+        fs.put_file(str(local / name), f"{dest}/{name}")
+    for remote in fs.ls(dest, detail=False):
+        if remote.rsplit("/", 1)[-1] not in local_hashes:
+            fs.rm_file(remote)
+    fs.pipe_file(f"{dest}/{PUBLISHED}", json.dumps(local_hashes, indent=1).encode())
+    return store.url_of(*parts), len(changed)

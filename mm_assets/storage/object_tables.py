@@ -1,0 +1,175 @@
+"""The tables on an object store: every worker of a cluster reads the same ones, wherever
+it runs and whatever it mounts.
+
+An object store has no rename and no hard link, so the local layout's two tricks (write
+a temporary name, rename it over `data.parquet`; hard-link snapshots for DuckDB) give way
+to one rule: a table version is an object that is never changed, named
+`<table>/dataset=<partition>/<time_ns>-<sha256>.parquet`, and the newest name is the
+current version. A write stages the file on the local root and uploads it whole (an
+upload appears complete or not at all, `object_store`), so a killed writer leaves
+nothing; a reader opens one version and reads it to the end, however many writers come
+after; the catalog's views read the same objects by glob, newest per partition, as they
+read snapshots on a local disk. A version superseded more than `SNAPSHOT_GRACE_S` ago is
+deleted by the next write of its partition. Rewriting a partition with the bytes it
+already holds uploads nothing (a cached rerun costs a listing).
+
+The DuckDB catalog stays a file under the local root. Its views name the store's URLs;
+`connect()` hands DuckDB the same fsspec filesystem that wrote them. Another DuckDB
+session (the CLI) reads them with the httpfs extension and a secret for the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from mm_assets.common.files import make_dirs, remove_stale_temporaries
+from mm_assets.common.hashing import file_sha256
+from mm_assets.storage.object_store import ObjectStore
+from mm_assets.storage.tables import (
+    CATALOG_WAIT_S,
+    PARTITION_COLUMN,
+    SNAPSHOT_GRACE_S,
+    WRITE_CATALOG_WAIT_S,
+    BatchWriter,
+    TableStore,
+    WrittenTable,
+    missing_table,
+)
+
+VERSION = re.compile(r"^(\d{20})-([0-9a-f]{64})\.parquet$")
+
+
+class ObjectTableStore(TableStore):
+    """Tables under `<store>/tables/`; the catalog, staging files and the blobs that tables
+    point to under the local `root`."""
+
+    def __init__(self, root: Path | str, store: ObjectStore) -> None:
+        super().__init__(root)
+        self.store = store
+        self.grace_s = SNAPSHOT_GRACE_S
+
+    @property
+    def location(self) -> str:
+        return self.store.url_of("tables")
+
+    def connect_code(self) -> str:
+        return f"mm_assets.storage.open_tables('{self.root}', '{self.store.url}').connect()"
+
+    def path(self, table: str, partition: str) -> str:
+        """The URL of the partition's current version (of its folder, when it has none)."""
+        versions = self._versions(table, partition)
+        key = versions[-1] if versions else self._partition_key(table, partition)
+        return f"{self.store.scheme}://{key}"
+
+    def exists(self, table: str, partition: str) -> bool:
+        return bool(self._versions(table, partition))
+
+    def content_hash(self, table: str, partition: str) -> str:
+        match = VERSION.match(self._current(table, partition).rsplit("/", 1)[-1])
+        assert match is not None  # `_versions` lists only names that match
+        return match.group(2)
+
+    @contextmanager
+    def writer(
+        self, table: str, partition: str, schema: pa.Schema, batch_size: int = 1024
+    ) -> Iterator[BatchWriter]:
+        """Stream rows into a staged file; on success it is uploaded as the new version."""
+        staging = self.root / "staging"
+        make_dirs(staging)
+        remove_stale_temporaries(staging)  # what killed writers left
+        tmp = staging / f".{table}.{partition}.parquet.{os.getpid()}-{uuid.uuid4().hex}.tmp"
+        try:
+            pq_writer = pq.ParquetWriter(tmp, schema, compression="zstd")
+            batch_writer = BatchWriter(pq_writer, schema, batch_size)
+            try:
+                yield batch_writer
+                batch_writer.flush()
+            finally:
+                pq_writer.close()
+            content_hash = file_sha256(tmp)
+            key = self._upload(tmp, table, partition, content_hash)
+        finally:
+            tmp.unlink(missing_ok=True)
+        url = f"{self.store.scheme}://{key}"
+        batch_writer.result = WrittenTable(url, batch_writer.num_rows, content_hash)
+        self._prune(table, partition)
+        self.add_to_catalog([table], WRITE_CATALOG_WAIT_S)
+
+    def _upload(self, staged: Path, table: str, partition: str, content_hash: str) -> str:
+        """The key of the new current version: the upload, or the newest version when it
+        holds these bytes already."""
+        versions = self._versions(table, partition)
+        if versions and versions[-1].endswith(f"-{content_hash}.parquet"):
+            return versions[-1]
+        name = f"{time.time_ns():020d}-{content_hash}.parquet"
+        key = f"{self._partition_key(table, partition)}/{name}"
+        self.store.fs.put_file(str(staged), key)
+        return key
+
+    def _prune(self, table: str, partition: str) -> None:
+        """Delete the versions superseded more than the grace period ago (by the name of
+        the version after them), so a reader that listed one can still open it."""
+        now = time.time_ns()
+        for older, newer in itertools.pairwise(self._versions(table, partition)):
+            if now - _written_ns(newer) > self.grace_s * 1e9:
+                with contextlib.suppress(FileNotFoundError):  # pruned by another writer
+                    self.store.fs.rm_file(older)
+
+    @contextmanager
+    def _open(self, table: str, partition: str) -> Iterator[pq.ParquetFile]:
+        with (
+            self.store.fs.open(self._current(table, partition), "rb") as handle,
+            pq.ParquetFile(handle) as parquet,
+        ):
+            yield parquet
+
+    def _current(self, table: str, partition: str) -> str:
+        versions = self._versions(table, partition)
+        if not versions:
+            raise missing_table(table, partition, self.path(table, partition))
+        return versions[-1]
+
+    def _versions(self, table: str, partition: str) -> list[str]:
+        """The partition's versions, oldest first (names start with the write's time)."""
+        try:
+            keys = self.store.fs.ls(self._partition_key(table, partition), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(k for k in keys if VERSION.match(k.rsplit("/", 1)[-1]))
+
+    def _partition_key(self, table: str, partition: str) -> str:
+        return self.store.key("tables", table, f"{PARTITION_COLUMN}={partition}")
+
+    # -- DuckDB catalog -------------------------------------------------------------
+
+    def table_names(self) -> list[str]:
+        keys = self.store.fs.glob(self.store.key("tables", "*", "*", "*.parquet"))
+        return sorted({k.split("/")[-3] for k in keys if VERSION.match(k.rsplit("/", 1)[-1])})
+
+    def add_to_catalog(self, tables: Sequence[str], wait_s: float = CATALOG_WAIT_S) -> bool:
+        """Versions are never rewritten, so views read them directly: no snapshots."""
+        return self._ensure_views(tables, wait_s)
+
+    def _view_glob(self, table: str) -> str:
+        return self.store.url_of("tables", table, "*", "*.parquet")
+
+    def _prepare(self, con: duckdb.DuckDBPyConnection) -> None:
+        con.register_filesystem(self.store.fs)
+
+
+def _written_ns(key: str) -> int:
+    match = VERSION.match(key.rsplit("/", 1)[-1])
+    assert match is not None
+    return int(match.group(1))
