@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -50,23 +51,34 @@ def _quantize(
     and each row's largest decoding error relative to the row's maximum — computed from
     the very dequantization `decode` does, in the same pass.
 
-    Written for a real width (a 1000-token row at H=3584 is 43 MB per layer group):
-    one scratch tensor updated in place, because allocating fresh ones costs more than
-    the arithmetic (2x faster than the plain expression on one thread, measured)."""
+    Written for a real width (a 1000-token row at H=3584 is 43 MB per layer group) and
+    for the demo's (where each torch call's overhead outweighs its arithmetic): one
+    scratch tensor updated in place, and fp8 decoded through a table (`fp8_to_float32`)."""
     x = x.float()
-    amax = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg())
+    amax = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_())  # 5-10x `aminmax`, measured
     if dtype == StorageDtype.FP8_E4M3:
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(torch.bfloat16)
+        scale = torch.where(amax > 0, amax / FP8_MAX, 1.0).to(torch.bfloat16)
         unit = scale.float().unsqueeze(-1)
-        scratch = torch.div(x, unit).clamp_(-FP8_MAX, FP8_MAX)
+        # No clamp: the bf16 scale is at most half a bf16 step (2^-8) below amax / 448, so
+        # |x / unit| <= 449.75, which rounds to 448 (only values from 464 would not).
+        scratch = torch.div(x, unit)
         stored = scratch.to(torch.float8_e4m3fn)
-        # |decoded - x| = unit * |stored - x / unit|, clamping included
-        torch.div(x, unit, out=scratch)
-        error = scratch.sub_(stored.float()).abs_().amax(dim=-1) * unit.squeeze(-1)
+        error = scratch.sub_(fp8_to_float32(stored)).abs_().amax(dim=-1) * unit.squeeze(-1)
     else:
         scale, stored = None, x.to(torch.bfloat16)
         error = stored.float().sub_(x).abs_().amax(dim=-1)
     return stored, scale, error / amax.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+# Every e4m3 value by its bit pattern: a table lookup decodes 2-4x faster than torch's
+# own fp8 -> float32 conversion on CPU (measured: 0.13 vs 0.51 ms for 700x3x64 values,
+# 27 vs 57 ms for 1000x3x3584, one thread).
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+
+def fp8_to_float32(values: torch.Tensor) -> torch.Tensor:
+    """e4m3 values as float32, exactly as `.float()` gives them."""
+    return torch.from_numpy(np.take(_FP8_VALUES, values.view(torch.uint8).numpy()))
 
 
 def encode(
@@ -115,10 +127,12 @@ def decode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | No
             f"hidden-states format {metadata.get('format')!r} is not one this mm_assets "
             f"reads (native, or {FORMAT_TAG}); rematerialize hidden_states with this version"
         )
-    aux, final = tensors["aux"].float(), tensors["final"].float()
+    aux, final = tensors["aux"], tensors["final"]
     if "aux_scale" in tensors:
-        aux = aux * tensors["aux_scale"].float().unsqueeze(-1)
-        final = final * tensors["final_scale"].float().unsqueeze(-1)
+        aux = fp8_to_float32(aux).mul_(tensors["aux_scale"].float().unsqueeze(-1))
+        final = fp8_to_float32(final).mul_(tensors["final_scale"].float().unsqueeze(-1))
+    else:
+        aux, final = aux.float(), final.float()
     runs = tensors.get("final_runs")
     positions = None if runs is None else _positions(runs)
     return StoredStates(aux, final, positions)
