@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export MM_ASSETS_HOME ?= $(CURDIR)/.mm_assets
 export DAGSTER_HOME ?= $(MM_ASSETS_HOME)/dagster_home
 
-.PHONY: setup demo test test-fast test-distributed lint format bench chaos dev clean
+.PHONY: setup demo test test-fast test-long lint format bench chaos dev clean
 
 setup:
 	@bash scripts/setup_env.sh
@@ -15,15 +15,16 @@ demo: setup
 	$(PY) -m mm_assets.demo run
 
 test: setup lint
-	$(PY) -m pytest -q -m "not distributed"
+	$(PY) -m pytest -q -m "not long" --durations=15
 
-# The text demo chain on two Celery workers with a Redis broker (~4 min; .ci/run runs it).
-test-distributed: setup
-	$(PY) -m pytest -q -m distributed
+# Whole-chain runs (~10 min; .ci/run runs it after `make test`): the text demo chain on two
+# Celery workers with Redis and an S3 server, and killed three times then resumed.
+test-long: setup
+	$(PY) -m pytest -q -m long --durations=5
 
 # What needs no vLLM server, no Dagster subprocess and no browser (a few minutes at most).
 test-fast: setup lint
-	$(PY) -m pytest -q -m "not slow and not distributed"
+	$(PY) -m pytest -q -m "not slow and not long"
 
 # The Dagster UI on 127.0.0.1:3000 with run history in $(DAGSTER_HOME).
 dev: setup

@@ -57,7 +57,7 @@ ops:
   trained_speculator:
     config: {learning_rate: 0.003, batch_tokens: 512, measure_untrained_in_vllm: false}
 """
-TEMPORARY = re.compile(r"^\..+\.\d+-[0-9a-f]{32}\.(tmp|old)$")
+TEMPORARY = re.compile(r"^\..+\.\d+(@[0-9a-f]{8})?-[0-9a-f]{32}\.(tmp|old)$")
 BLOB_TOLERANCE = 1e-3  # relative to a row's largest value: CPU batches differ in rounding
 
 

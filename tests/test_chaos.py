@@ -14,6 +14,7 @@ from bench.chaos import Kill, check, leftover_servers, run_killed, start
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_three_kills_on_the_text_chain_lose_nothing(
     clean_text_chain, demo_dir: Path, tmp_path: Path
 ) -> None:

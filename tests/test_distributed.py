@@ -90,7 +90,7 @@ def _step_workers(dagster_home: Path) -> dict[str, set[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.distributed
+@pytest.mark.long
 def test_the_text_chain_on_two_celery_workers_equals_the_local_run(
     clean_text_chain: tuple[Chain, Path, object],
     demo_dir: Path,

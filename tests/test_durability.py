@@ -282,6 +282,31 @@ def test_move_into_place_flushes_the_servers_file_before_the_rename(
     assert final.read_bytes() == b"hidden states" and not source.exists()
 
 
+# -- temporaries of dead writers -------------------------------------------------------
+
+
+def test_a_sweep_removes_only_what_dead_writers_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pid means something only on the machine that wrote the name: on a root that
+    several machines share, another one's temporary is left alone until it is old."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = "data.parquet"
+    ours = f".{name}.{os.getpid()}@{files._host_tag()}-{'a' * 32}.tmp"
+    ours_dead = f".{name}.{dead.pid}@{files._host_tag()}-{'b' * 32}.tmp"
+    legacy_dead = f".{name}.{dead.pid}-{'c' * 32}.tmp"  # before names carried the host
+    foreign = f".{name}.{dead.pid}@0badc0de-{'d' * 32}.tmp"
+    foreign_old = f".{name}.{os.getpid()}@0badc0de-{'e' * 32}.old"
+    for entry in (ours, ours_dead, legacy_dead, foreign, foreign_old, name):
+        (tmp_path / entry).write_text("x")
+    old = time.time() - files.FOREIGN_STALE_S - 60
+    os.utime(tmp_path / foreign_old, (old, old))
+    assert files.remove_stale_temporaries(tmp_path) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ours, foreign, name])
+    assert files.temporary_name(name).startswith(f".{name}.{os.getpid()}@{files._host_tag()}-")
+
+
 # -- two runs of one partition at once -------------------------------------------------
 
 TABLE, PARTITION = "normalized_conversations", "shared"

@@ -14,9 +14,12 @@ the temporary file is removed, so a full disk never costs the last good version.
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import shutil
+import socket
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -57,13 +60,36 @@ def make_dirs(path: Path) -> None:
     fsync_path(path.parent)
 
 
+def _host_tag() -> str:
+    """This machine (or container: a pod has a hostname, and pids, of its own)."""
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def temporary_name(name: str, suffix: str = "tmp") -> str:
+    """`.<name>.<pid>@<host>-<random>.<suffix>`: the writer's pid and host tell a sweep
+    whether the file is still being written or was left by a process that died."""
+    return f".{name}.{os.getpid()}@{_host_tag()}-{uuid.uuid4().hex}.{suffix}"
+
+
 def _temporary_sibling(path: Path, suffix: str = "tmp") -> Path:
-    """`.<name>.<pid>-<random>.<suffix>`: the writer's pid tells a sweep whether the
-    file is still being written or was left by a process that died."""
-    return path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex}.{suffix}")
+    return path.with_name(temporary_name(path.name, suffix))
 
 
-_TEMPORARY = re.compile(r"^\..+\.(\d+)-[0-9a-f]{32}\.(tmp|old)$")
+# (names without a host are an older version's, written on this machine)
+_TEMPORARY = re.compile(r"^\..+\.(\d+)(?:@([0-9a-f]{8}))?-[0-9a-f]{32}\.(tmp|old)$")
+# A pid says nothing about a process on another machine sharing the root: its
+# temporaries are removed only when they have not changed for this long.
+FOREIGN_STALE_S = 6 * 3600.0
+
+
+def _writer_gone(entry: os.DirEntry, match: re.Match[str]) -> bool:
+    host = match.group(2)
+    if host is None or host == _host_tag():
+        return not _pid_alive(int(match.group(1)))
+    try:
+        return time.time() - entry.stat(follow_symlinks=False).st_mtime > FOREIGN_STALE_S
+    except FileNotFoundError:
+        return False
 
 
 def _pid_alive(pid: int) -> bool:
@@ -78,7 +104,9 @@ def _pid_alive(pid: int) -> bool:
 
 def remove_stale_temporaries(directory: Path) -> int:
     """Remove the temporaries in `directory` whose writer died (a kill between a write
-    and its rename); a live writer's are kept. Returns how many were removed."""
+    and its rename); a live writer's are kept, and so are another machine's until they
+    are `FOREIGN_STALE_S` old (a root on a shared filesystem). Returns how many were
+    removed."""
     removed = 0
     try:
         entries = list(os.scandir(directory))
@@ -88,7 +116,7 @@ def remove_stale_temporaries(directory: Path) -> int:
         if not entry.name.startswith("."):
             continue
         match = _TEMPORARY.match(entry.name)
-        if match is None or _pid_alive(int(match.group(1))):
+        if match is None or not _writer_gone(entry, match):
             continue
         if entry.is_dir(follow_symlinks=False):
             shutil.rmtree(entry.path, ignore_errors=True)

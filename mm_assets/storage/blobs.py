@@ -9,9 +9,7 @@ that runs out of space raises `DiskFullError` and leaves no blob and no temporar
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +18,7 @@ from mm_assets.common.files import (
     atomic_write_text,
     move_into_place,
     remove_stale_temporaries,
+    temporary_name,
 )
 
 if TYPE_CHECKING:
@@ -55,7 +54,7 @@ class BlobStore:
         parent = self.dir.parent / "incoming"
         parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(parent)
-        path = parent / f".run.{os.getpid()}-{uuid.uuid4().hex}.tmp"
+        path = parent / temporary_name("run")
         path.mkdir()
         return path
 

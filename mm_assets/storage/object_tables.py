@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import re
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,7 +32,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mm_assets.common.files import make_dirs, remove_stale_temporaries
+from mm_assets.common.files import make_dirs, remove_stale_temporaries, temporary_name
 from mm_assets.common.hashing import file_sha256
 from mm_assets.storage.object_store import ObjectStore
 from mm_assets.storage.tables import (
@@ -89,7 +87,7 @@ class ObjectTableStore(TableStore):
         staging = self.root / "staging"
         make_dirs(staging)
         remove_stale_temporaries(staging)  # what killed writers left
-        tmp = staging / f".{table}.{partition}.parquet.{os.getpid()}-{uuid.uuid4().hex}.tmp"
+        tmp = staging / temporary_name(f"{table}.{partition}.parquet")
         try:
             pq_writer = pq.ParquetWriter(tmp, schema, compression="zstd")
             batch_writer = BatchWriter(pq_writer, schema, batch_size)
