@@ -8,7 +8,10 @@ native layout and the compact `fp8_e4m3` + `final_layer: needed`:
   formats' bytes come from encoding the native blobs with the same encoder;
 - extraction tokens/s of the `hidden_states` asset (the request phase it reports), one
   extraction server for the whole run, formats alternating round by round, fresh blobs
-  each round;
+  each round; and the CPU seconds each round cost the server's process tree and the
+  client (this process), per 1,000 tokens: on a machine whose cores the server and
+  client share, throughput goes as the inverse of their sum, and CPU seconds drift far
+  less than wall-clock rates with the machine's speed;
 - training tokens/s reading each format, and the acceptance of the drafts trained on
   each (same seed and settings: the demo's), estimated offline and measured by vLLM on
   the same held-out prompts.
@@ -26,6 +29,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +161,21 @@ def client_cost_at_real_width(tokens: int = 1000, hidden_size: int = 3584, rows:
     return {name: round(statistics.median(c), 1) for name, c in cost.items()}
 
 
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its children so far."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def _training_figures(meta: dict) -> dict:
     keys = (
         "train_tokens_per_s", "acceptance_length_estimate", "vllm_acceptance_length",
@@ -179,6 +198,7 @@ def run(home: Path, rounds: int, train: bool = True) -> dict:
     for root in [*roots.values(), scratch / "warmup"]:
         _copy_tables(home, root)
     extraction: dict[str, dict[str, list]] = {f: {p: [] for p in PARTITIONS} for f in FORMATS}
+    cpu: dict[str, dict[str, list]] = {f: {p: [] for p in PARTITIONS} for f in FORMATS}
     metadata: dict[str, dict[str, dict]] = {f: {} for f in FORMATS}
     server = ManagedVllmServer(
         str(home / "demo" / "target"),
@@ -196,7 +216,14 @@ def run(home: Path, rounds: int, train: bool = True) -> dict:
                 shutil.rmtree(roots[name] / "blobs", ignore_errors=True)
                 for partition in PARTITIONS:
                     config = {**storage, "concurrency": CONCURRENCY}
+                    assert server.process is not None
+                    before = (_tree_cpu_s(server.process.pid), time.process_time())
                     meta = _materialize("hidden_states", partition, roots[name], external, config)
+                    spent = (_tree_cpu_s(server.process.pid), time.process_time())
+                    per_1k = 1000 / meta["tokens_generated"]
+                    cpu[name][partition].append(
+                        [(b - a) * per_1k * 1000 for a, b in zip(before, spent, strict=True)]
+                    )  # [server, client] ms per 1,000 tokens
                     extraction[name][partition].append(meta["tokens_per_s"])
                     metadata[name][partition] = meta
     trained: dict[str, dict[str, dict]] = {f: {} for f in FORMATS}
@@ -226,6 +253,13 @@ def run(home: Path, rounds: int, train: bool = True) -> dict:
             "max_rel_error_fp8_needed": compact["max_rel_error_per_layer"],
             "extraction_tokens_per_s": {f: extraction[f][partition] for f in FORMATS},
             "extraction_ratio": speed["fp8_e4m3/needed"] / speed["native"],
+            "extraction_cpu_ms_per_1k_tokens": {
+                f: {
+                    "server": statistics.median(s for s, _ in cpu[f][partition]),
+                    "client": statistics.median(c for _, c in cpu[f][partition]),
+                }
+                for f in FORMATS
+            },
             "training": {f: _training_figures(trained[f].get(partition, {})) for f in FORMATS},
         }
     shutil.rmtree(scratch, ignore_errors=True)
@@ -252,6 +286,19 @@ def markdown(results: dict, command: str) -> str:
             lines.append(
                 f"| `{partition}` | {fmt} | {r['bytes_vs_bf16_layout'][fmt]:.3f} | | | | |"
             )
+    lines += ["", "Extraction CPU per 1,000 tokens (medians over the rounds; server process "
+              "tree + client):", ""]  # fmt: skip
+    lines.append("| partition | native server + client | fp8_e4m3/needed server + client | "
+                 "CPU-bound ratio | tok/s ratio of medians |")  # fmt: skip
+    lines.append("|---|---:|---:|---:|---:|")
+    for partition, r in results["partitions"].items():
+        c = r["extraction_cpu_ms_per_1k_tokens"]
+        totals = {f: c[f]["server"] + c[f]["client"] for f in FORMATS}
+        lines.append(
+            f"| `{partition}` | {c['native']['server']:.1f} + {c['native']['client']:.1f} | "
+            f"{c['fp8_e4m3/needed']['server']:.1f} + {c['fp8_e4m3/needed']['client']:.1f} | "
+            f"{totals['native'] / totals['fp8_e4m3/needed']:.2f} | {r['extraction_ratio']:.2f} |"
+        )
     cost = results["client_cpu_ms_per_1k_tokens_at_H3584"]
     lines += [
         "",
@@ -274,6 +321,7 @@ def main() -> None:
     results = run(home, args.rounds, train=not args.no_training)
     command = (
         f".venv/bin/python -m bench.hidden_state_storage --home {args.home} --rounds {args.rounds}"
+        + (" --no-training" if args.no_training else "")
     )
     print(markdown(results, command))
     print(json.dumps(results, indent=2))
