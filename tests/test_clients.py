@@ -505,19 +505,26 @@ def test_environment_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
     assert env["LD_PRELOAD"] == "/lib/tcmalloc.so:/venv/libiomp5.so:/lib/mine.so"
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the worker in the engine core
+    assert env["KMP_BLOCKTIME"] == "1"  # Intel OpenMP, preloaded: no 200 ms spin
     small = _managed(monkeypatch, False, options=EngineOptions(kv_cache_gib=0.3)).environment()
     assert small["VLLM_CPU_KVCACHE_SPACE"] == "1"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's choice stands
-    assert _managed(monkeypatch, False).environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    monkeypatch.setenv("KMP_BLOCKTIME", "200")
+    chosen = _managed(monkeypatch, False).environment()
+    assert chosen["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and chosen["KMP_BLOCKTIME"] == "200"
+    monkeypatch.delenv("KMP_BLOCKTIME")
+    monkeypatch.setattr(vllm_server, "cpu_preload", lambda: None)  # no Intel OpenMP: no knob
+    assert "KMP_BLOCKTIME" not in _managed(monkeypatch, False).environment()
 
 
 def test_environment_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
     env = _managed(monkeypatch, True, options=EngineOptions(kv_cache_gib=2.0)).environment()
     assert "VLLM_CPU_KVCACHE_SPACE" not in env and "LD_PRELOAD" not in env
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env and "KMP_BLOCKTIME" not in env
 
 
 @pytest.mark.parametrize(
