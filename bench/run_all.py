@@ -26,6 +26,7 @@ def main() -> None:
         "cached_rerun",
         "cli_overhead",
         "hidden_state_storage",  # on the demo home: after `make demo`
+        "omp_blocktime",  # likewise
     ):
         out = subprocess.run(
             [sys.executable, "-m", f"bench.{name}"],

@@ -179,8 +179,8 @@ class ManagedVllmServer:
                 env["LD_PRELOAD"] = ":".join(p for p in (preload, env.get("LD_PRELOAD")) if p)
                 # Intel OpenMP spins 200 ms after each parallel region by default, holding
                 # the cores the API server and the client need between forward passes. On 2
-                # cores, 1 ms against the default: extraction 1.10x, generation 1.05x (0 ms:
-                # extraction 1.2-1.6x, but generation 0.90x).
+                # cores, 1 ms against the default: extraction 1.3-1.5x, generation 1.37x;
+                # 0 ms: extraction 1.2-1.4x but generation 0.78x (bench/omp_blocktime.py).
                 env.setdefault("KMP_BLOCKTIME", "1")
         return env
 
