@@ -44,6 +44,7 @@ from mm_assets.storage.tables import (
     TableStore,
     WrittenTable,
     missing_table,
+    parquet_rows,
 )
 
 VERSION = re.compile(r"^(\d{20})-([0-9a-f]{64})\.parquet$")
@@ -89,13 +90,8 @@ class ObjectTableStore(TableStore):
         remove_stale_temporaries(staging)  # what killed writers left
         tmp = staging / temporary_name(f"{table}.{partition}.parquet")
         try:
-            pq_writer = pq.ParquetWriter(tmp, schema, compression="zstd")
-            batch_writer = BatchWriter(pq_writer, schema, batch_size)
-            try:
+            with parquet_rows(tmp, schema, batch_size) as batch_writer:
                 yield batch_writer
-                batch_writer.flush()
-            finally:
-                pq_writer.close()
             content_hash = file_sha256(tmp)
             key = self._upload(tmp, table, partition, content_hash)
         finally:

@@ -95,6 +95,18 @@ class BatchWriter:
         self._pending = []
 
 
+@contextmanager
+def parquet_rows(path: Path, schema: pa.Schema, batch_size: int) -> Iterator[BatchWriter]:
+    """A new Parquet file (zstd) at `path`, fed rows; flushed and closed when the block ends."""
+    pq_writer = pq.ParquetWriter(path, schema, compression="zstd")
+    batch_writer = BatchWriter(pq_writer, schema, batch_size)
+    try:
+        yield batch_writer
+        batch_writer.flush()
+    finally:
+        pq_writer.close()
+
+
 class TableStore:
     """Parquet files under `<root>/tables/<table>/dataset=<partition>/data.parquet`.
 
@@ -140,13 +152,8 @@ class TableStore:
         """Stream rows into a new version of the table; it replaces the old one on success."""
         final = self._local_path(table, partition)
         with atomic_path(final) as tmp:
-            pq_writer = pq.ParquetWriter(tmp, schema, compression="zstd")
-            batch_writer = BatchWriter(pq_writer, schema, batch_size)
-            try:
+            with parquet_rows(tmp, schema, batch_size) as batch_writer:
                 yield batch_writer
-                batch_writer.flush()
-            finally:
-                pq_writer.close()
             content_hash = file_sha256(tmp)  # `final` may already hold another run's version
         batch_writer.result = WrittenTable(final, batch_writer.num_rows, content_hash)
         self.add_to_catalog([table], WRITE_CATALOG_WAIT_S)
