@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mm_assets.clients.vllm_client import ExtractionRequest, ExtractionResponse
+from mm_assets.domain.model import hidden_state_codec
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 from mm_assets.domain.model.hidden_state_codec import (
     StoredStates,
@@ -77,6 +78,26 @@ def test_decoding_stays_within_the_formats_bound(fmt: StorageFormat, bound: floa
     kept = 15 if fmt.final_layer == FinalLayer.NEEDED else 40
     assert stored.final.shape == (kept, 64)
     assert tensors["token_ids"].dtype == torch.int32
+
+
+@pytest.mark.parametrize("fmt", [FP8_NEEDED, StorageFormat(StorageDtype.BF16)], ids=lambda f: f.name)
+def test_encoding_in_blocks_equals_one_pass_and_leaves_the_input_alone(
+    fmt: StorageFormat, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The encoder walks rows in cache-sized blocks: a ragged split (7-row blocks over 40
+    rows) must give the bytes of a single block, and scaling in place must not touch the
+    caller's float32 states."""
+    states, mask = _states(), [0] * 25 + [1] * 15
+    received = states.clone()
+    monkeypatch.setattr(hidden_state_codec, "BLOCK_ELEMENTS", 1 << 30)
+    whole, whole_meta = encode(states, torch.arange(40), fmt, mask)
+    monkeypatch.setattr(hidden_state_codec, "BLOCK_ELEMENTS", 7 * 3 * 64)
+    blocked, blocked_meta = encode(states, torch.arange(40), fmt, mask)
+    assert blocked_meta == whole_meta and blocked.keys() == whole.keys()
+    for name, tensor in whole.items():
+        assert blocked[name].dtype == tensor.dtype
+        assert torch.equal(blocked[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    assert torch.equal(states, received)
 
 
 def test_needed_keeps_exactly_the_positions_the_loss_reads() -> None:

@@ -44,30 +44,46 @@ def _positions(runs: torch.Tensor) -> torch.Tensor:
     return torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
 
 
+# Rows are encoded a block at a time so that the passes over each block (convert, scale,
+# round, decode, compare) run in cache instead of streaming a whole layer group through
+# memory once per pass; the bytes are the same (BENCHMARKS.md, "fp8 encoder"). Decoding
+# is two passes and gains nothing from blocks.
+BLOCK_ELEMENTS = 1 << 18  # 1 MiB of float32
+
+
+def _blocks(x: torch.Tensor) -> list[slice]:
+    """`x`'s first dimension cut into blocks of about `BLOCK_ELEMENTS` each."""
+    step = max(1, BLOCK_ELEMENTS // max(1, x[:1].numel()))
+    return [slice(start, start + step) for start in range(0, x.shape[0], step)]
+
+
 def _quantize(
     x: torch.Tensor, dtype: StorageDtype
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """`x` in the storage dtype (fp8: with a bf16 scale per row of the last dimension),
     and each row's largest decoding error relative to the row's maximum — computed from
-    the very dequantization `decode` does, in the same pass.
-
-    Written for a real width (a 1000-token row at H=3584 is 43 MB per layer group) and
-    for the demo's (where each torch call's overhead outweighs its arithmetic): one
-    scratch tensor updated in place, and fp8 decoded through a table (`fp8_to_float32`)."""
-    x = x.float()
-    amax = torch.maximum(x.amax(dim=-1), x.amin(dim=-1).neg_())  # 5-10x `aminmax`, measured
-    if dtype == StorageDtype.FP8_E4M3:
-        scale = torch.where(amax > 0, amax / FP8_MAX, 1.0).to(torch.bfloat16)
-        unit = scale.float().unsqueeze(-1)
-        # No clamp: the bf16 scale is at most half a bf16 step (2^-8) below amax / 448, so
-        # |x / unit| <= 449.75, which rounds to 448 (only values from 464 would not).
-        scratch = torch.div(x, unit)
-        stored = scratch.to(torch.float8_e4m3fn)
-        error = scratch.sub_(fp8_to_float32(stored)).abs_().amax(dim=-1) * unit.squeeze(-1)
-    else:
-        scale, stored = None, x.to(torch.bfloat16)
-        error = stored.float().sub_(x).abs_().amax(dim=-1)
-    return stored, scale, error / amax.clamp_min(torch.finfo(torch.float32).tiny)
+    the very dequantization `decode` does, in the same pass over each block."""
+    fp8 = dtype == StorageDtype.FP8_E4M3
+    stored = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    scale = torch.empty(x.shape[:-1], dtype=torch.bfloat16) if fp8 else None
+    error = torch.empty(x.shape[:-1], dtype=torch.float32)
+    for rows in _blocks(x):
+        block = x[rows].to(torch.float32, copy=True)  # scaled in place below
+        amax = torch.maximum(block.amax(dim=-1), block.amin(dim=-1).neg_())  # 5-10x `aminmax`
+        if scale is not None:
+            scale[rows] = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+            unit = scale[rows].float().unsqueeze(-1)
+            # No clamp: the bf16 scale is at most half a bf16 step (2^-8) below amax / 448,
+            # so |x / unit| <= 449.75, which rounds to 448 (only values from 464 would not).
+            block.div_(unit)
+            stored[rows] = block.to(torch.float8_e4m3fn)
+            decoded = fp8_to_float32(stored[rows])
+            error[rows] = block.sub_(decoded).abs_().amax(dim=-1).mul_(unit.squeeze(-1))
+        else:
+            stored[rows] = block
+            error[rows] = stored[rows].float().sub_(block).abs_().amax(dim=-1)
+        error[rows] /= amax.clamp_min(torch.finfo(torch.float32).tiny)
+    return stored, scale, error
 
 
 # Every e4m3 value by its bit pattern: a table lookup decodes 2-4x faster than torch's
