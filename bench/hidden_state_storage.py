@@ -189,7 +189,6 @@ def run(home: Path, rounds: int, train: bool = True) -> dict:
     os.environ.setdefault("DAGSTER_HOME", str(home / "dagster_home"))
     from mm_assets.assets.resources import VllmResource
     from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
-    from mm_assets.demo.__main__ import DEMO_RUN_CONFIG
     from mm_assets.domain.model.hidden_states import default_layer_ids
 
     client_cost = client_cost_at_real_width()  # before the server takes the cores
@@ -227,11 +226,11 @@ def run(home: Path, rounds: int, train: bool = True) -> dict:
                     extraction[name][partition].append(meta["tokens_per_s"])
                     metadata[name][partition] = meta
     trained: dict[str, dict[str, dict]] = {f: {} for f in FORMATS}
-    settings = DEMO_RUN_CONFIG["ops"]["trained_speculator"]["config"]
     managed = VllmResource(dtype="float32")
     for name in FORMATS if train else ():
         for partition in PARTITIONS:
-            config = {**settings, "measure_untrained_in_vllm": False, "retrain": True}
+            # the demo's training settings come from its registry entries
+            config = {"measure_untrained_in_vllm": False, "retrain": True}
             trained[name][partition] = _materialize(
                 "trained_speculator", partition, roots[name], managed, config
             )

@@ -13,7 +13,7 @@ from mm_assets.assets.executors import step_executor
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
 from mm_assets.assets.model import hidden_states, trained_speculator
 from mm_assets.assets.prep import normalized_conversations, tokenized_samples
-from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
+from mm_assets.assets.resources import StorageResource, TargetModelResource, vllm_resource
 from mm_assets.assets.responses import target_responses
 from mm_assets.assets.schedules import refresh_raw_datasets, refresh_raw_datasets_job
 from mm_assets.common import paths
@@ -36,6 +36,6 @@ defs = dg.Definitions(
     resources={
         "storage": StorageResource(),
         "target_model": TargetModelResource(),
-        "vllm": VllmResource(),
+        "vllm": vllm_resource(),
     },
 )

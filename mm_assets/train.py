@@ -64,10 +64,11 @@ def main() -> None:
     device = _device(int(os.environ.get("WORLD_SIZE", "1")))
     target = TargetModel(paths.default_target_model())
     root = paths.home()
-    job = SpeculatorJob.for_target(partition, root, target, settings)
+    tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
+    job = SpeculatorJob.for_target(partition, root, target, settings, tables)
     rank = dist.get_rank() if dist.is_initialized() else 0
     outcome = train_speculator(
-        job, open_tables(root, os.environ.get(OBJECT_STORE_ENV)),
+        job, tables,
         lambda m: print(f"[rank {rank}] {m}"), not retrain, device,
     )  # fmt: skip
     if rank == 0:

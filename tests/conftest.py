@@ -54,7 +54,7 @@ bad_inputs:
   image_root: {BAD_DIR}/coco
   image_path_strip_prefix: "coco/"
   min_image_availability: 0.0
-  max_quarantine_ratio: 0.5
+  max_tokenization_quarantine_ratio: 0.5
 
 bad_inputs_strict:
   path: {BAD_DIR}/data.json
@@ -191,7 +191,7 @@ def plain_vllm_server(demo_dir: Path):
         yield server
 
 
-ON_POLICY = {"max_tokens": 48, "max_quarantine_ratio": 0.5}  # a random target: some empty
+ON_POLICY = {"max_tokens": 48, "max_response_quarantine_ratio": 0.5}  # a random target: some empty
 
 
 @pytest.fixture(scope="session")

@@ -80,7 +80,9 @@ def test_decoding_stays_within_the_formats_bound(fmt: StorageFormat, bound: floa
     assert tensors["token_ids"].dtype == torch.int32
 
 
-@pytest.mark.parametrize("fmt", [FP8_NEEDED, StorageFormat(StorageDtype.BF16)], ids=lambda f: f.name)
+@pytest.mark.parametrize(
+    "fmt", [FP8_NEEDED, StorageFormat(StorageDtype.BF16)], ids=lambda f: f.name
+)
 def test_encoding_in_blocks_equals_one_pass_and_leaves_the_input_alone(
     fmt: StorageFormat, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.slow
 PARTITION = "demo_regen_text"  # 24 ShareGPT demo text records, `responses: target`
 MAX_TOKENS = 24
 # a random target answers some prompts with `</s>` at once (quarantined as empty)
-SETTINGS = {"max_tokens": MAX_TOKENS, "max_quarantine_ratio": 0.5}
+SETTINGS = {"max_tokens": MAX_TOKENS, "max_response_quarantine_ratio": 0.5}
 RUN_CONFIG = {"ops": {"target_responses": {"config": SETTINGS}}}
 MIN_EXACT_OR_SPLICED = 0.995
 

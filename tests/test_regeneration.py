@@ -27,7 +27,7 @@ from tests.conftest import SESSION_HOME, materialize
 pytestmark = pytest.mark.slow
 PARTITION = "demo_regen"  # 24 ShareGPT4V demo records, `responses: target`
 # the random-weight demo target answers some prompts with nothing at once (quarantined)
-SETTINGS = {"max_tokens": 24, "max_quarantine_ratio": 0.5}
+SETTINGS = {"max_tokens": 24, "max_response_quarantine_ratio": 0.5}
 CONFIG = {"ops": {"target_responses": {"config": SETTINGS}}}
 
 

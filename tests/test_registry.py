@@ -128,8 +128,8 @@ def test_keyword_construction_defaults_and_frozen() -> None:
             id="min-supervised-tokens",
         ),
         pytest.param(
-            "path: x.json\n  format: sharegpt\n  max_quarantine_ratio: 1.5",
-            ["'max_quarantine_ratio'", "less than or equal to 1", "a fraction"],
+            "path: x.json\n  format: sharegpt\n  max_tokenization_quarantine_ratio: 1.5",
+            ["'max_tokenization_quarantine_ratio'", "less than or equal to 1", "a fraction"],
             id="max-quarantine-ratio",
         ),
         pytest.param(
@@ -254,3 +254,61 @@ mine:
     assert demo.resolved_image_root() == (home / "demo" / "coco").resolve()
     text_only = DatasetSpec(name="t", format="sharegpt", path="x")
     assert text_only.resolved_image_root() == (home / "coco").resolve()
+
+
+def test_a_renamed_key_is_refused_with_its_new_name(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _user_file(
+        monkeypatch, tmp_path, "d:\n  path: x\n  format: sharegpt\n  max_quarantine_ratio: 0.2\n"
+    )
+    with pytest.raises(ValueError, match="'max_quarantine_ratio' is now called "
+                       "'max_tokenization_quarantine_ratio'"):  # fmt: skip
+        load_registry()
+
+
+def test_stage_settings_are_checked_against_the_stages_models() -> None:
+    """An entry's `settings` are validated like launch config: the stage must exist, each
+    key must be one of its settings (a typo is named with the closest), values are typed."""
+    from mm_assets.assets.config import STAGE_SETTINGS
+
+    good = {"path": "x", "format": "sharegpt", "settings": {
+        "target_responses": {"max_tokens": 64},
+        "trained_speculator": {"learning_rate": "3e-3", "vllm_prompts": 8},
+    }}  # fmt: skip
+    spec = parse_entries({"ok": good}, "f.yaml", STAGE_SETTINGS)["ok"]
+    assert spec.settings["trained_speculator"] == {"learning_rate": "3e-3", "vllm_prompts": 8}
+    bad = {"path": "x", "format": "sharegpt", "settings": {
+        "trained_speculatr": {"epochs": 2},
+        "target_responses": {"max_token": 64, "temperature": -1},
+        "hidden_states": [1],
+    }}  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        parse_entries({"d": bad}, "f.yaml", STAGE_SETTINGS)
+    lines = str(info.value).splitlines()
+    assert len(lines) == 4 and all(line.startswith("f.yaml: dataset 'd': ") for line in lines)
+    assert "'settings.trained_speculatr': unknown stage" in lines[0]
+    assert "did you mean 'trained_speculator'" in lines[0]
+    assert "unknown setting 'max_token' (did you mean 'max_tokens'?" in lines[1]
+    assert (
+        "'settings.target_responses.temperature': input should be greater than or equal to 0"
+        in lines[2]
+    )
+    assert "'settings.hidden_states': expected a mapping of settings" in lines[3]
+    # without the stages' models (a caller below the assets) only their shape is checked
+    loose = {stage: values for stage, values in bad["settings"].items() if stage != "hidden_states"}
+    assert parse_entries({"d": {**bad, "settings": loose}}, "f.yaml")["d"].settings == loose
+
+
+def test_the_demo_entries_carry_the_demo_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`make demo`, the UI and the CLI read the same entry, so they train the same draft."""
+    from mm_assets.assets.config import STAGE_SETTINGS
+
+    monkeypatch.setenv("MM_ASSETS_DATASETS", str(tmp_path / "absent.yaml"))
+    registry = load_registry(STAGE_SETTINGS)
+    for name in ("demo_sharegpt4v_coco", "demo_sharegpt"):
+        settings = registry[name].settings
+        assert settings["target_responses"] == {"max_tokens": 64}
+        assert settings["trained_speculator"] == {"learning_rate": 3e-3, "batch_tokens": 512}

@@ -3,23 +3,93 @@ settings models, with the same names, defaults and bounds."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import dagster as dg
 import pydantic
 import pytest
 
+from mm_assets.assets.config import STAGE_SETTINGS, stage_settings
 from mm_assets.assets.model import HiddenStatesConfig, SpeculatorConfig
-from mm_assets.domain.model.hidden_states import ExtractionSettings
+from mm_assets.assets.prep import TokenizationConfig
+from mm_assets.assets.resources import VllmResource, vllm_resource
+from mm_assets.assets.responses import ResponsesConfig
+from mm_assets.clients.vllm_server import EngineOptions
 from mm_assets.domain.model.settings import SpeculatorSettings
+from mm_assets.registry import DatasetSpec
 from mm_assets.train import parser
 
+CONFIGS = {
+    "tokenized_samples": TokenizationConfig,
+    "target_responses": ResponsesConfig,
+    "hidden_states": HiddenStatesConfig,
+    "trained_speculator": SpeculatorConfig,
+}
 
-@pytest.mark.parametrize(
-    ("config", "settings"),
-    [(SpeculatorConfig, SpeculatorSettings), (HiddenStatesConfig, ExtractionSettings)],
-)
-def test_asset_config_has_every_setting_with_its_default(config, settings) -> None:
-    for name, info in settings.model_fields.items():
-        assert config.model_fields[name].default == info.default, name
-        assert config.model_fields[name].description == info.description, name
+
+@pytest.mark.parametrize("stage", sorted(STAGE_SETTINGS))
+def test_asset_config_has_every_setting_with_its_default(stage: str) -> None:
+    config = CONFIGS[stage]
+    for settings in STAGE_SETTINGS[stage]:
+        for name, info in settings.model_fields.items():
+            assert config.model_fields[name].default == info.default, name
+            where = f" (registry entry: settings.{stage}.{name})"
+            assert config.model_fields[name].description == info.description + where, name
+
+
+def test_the_vllm_resource_has_every_engine_option_with_its_default() -> None:
+    for name, info in EngineOptions.model_fields.items():
+        assert VllmResource.model_fields[name].default == info.default, name
+        assert VllmResource.model_fields[name].description == info.description, name
+    options = VllmResource(dtype="float32", kv_cache_gib=1.0).engine().options
+    assert options == EngineOptions(dtype="float32", kv_cache_gib=1.0)
+
+
+def test_the_api_key_is_an_env_var_not_a_config_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key reaches the engine, yet the resource's config names only the variable."""
+    monkeypatch.setenv("MM_ASSETS_VLLM_API_KEY", "s3cret")
+    resource = vllm_resource()
+    assert "s3cret" not in repr(resource._get_non_default_public_field_values())
+    seen: dict[str, str] = {}
+
+    @dg.asset
+    def probe(vllm: VllmResource) -> None:
+        seen["key"] = vllm.engine().api_key
+
+    assert dg.materialize([probe], resources={"vllm": resource}).success
+    assert seen["key"] == "s3cret"
+    monkeypatch.delenv("MM_ASSETS_VLLM_API_KEY")
+    assert vllm_resource().api_key == "EMPTY"
+
+
+def _settings_seen(spec: DatasetSpec, run_config: dict[str, Any]) -> SpeculatorSettings:
+    """What a real asset step reads as its settings, for this entry and launch config."""
+    seen: list[SpeculatorSettings] = []
+
+    def step(context: dg.AssetExecutionContext, config: Any) -> None:
+        seen.append(stage_settings(context, spec, "trained_speculator", SpeculatorSettings))
+
+    # the real config class (this module's annotations are strings Dagster cannot resolve)
+    step.__annotations__ |= {"context": dg.AssetExecutionContext, "config": SpeculatorConfig}
+    asset = dg.asset(name="trained_speculator")(step)
+    assert dg.materialize([asset], run_config=run_config).success
+    return seen[0]
+
+
+def test_settings_come_from_the_entry_unless_the_launch_sets_them() -> None:
+    """Defaults, then the registry entry, then only the keys a launch set — even a launch
+    that sets a key to its default value overrides the entry."""
+    spec = DatasetSpec(
+        name="d", path="x", format="sharegpt",
+        settings={"trained_speculator": {"learning_rate": 3e-3, "batch_tokens": 512}},
+    )  # fmt: skip
+    plain = _settings_seen(spec, {})
+    assert (plain.learning_rate, plain.batch_tokens, plain.epochs) == (3e-3, 512, 8)
+    launched = {"ops": {"trained_speculator": {"config": {"batch_tokens": 1024, "epochs": 2}}}}
+    both = _settings_seen(spec, launched)
+    assert (both.learning_rate, both.batch_tokens, both.epochs) == (3e-3, 1024, 2)
+    bare = _settings_seen(DatasetSpec(name="e", path="x", format="sharegpt"), {})
+    assert bare == SpeculatorSettings()
 
 
 def test_asset_config_keeps_the_bounds() -> None:
@@ -34,10 +104,18 @@ def test_training_cli_options_are_the_settings() -> None:
     assert {k: v for k, v in defaults.items() if k not in ("partition", "retrain")} == (
         SpeculatorSettings().model_dump()
     )
-    args = parser().parse_args(
-        ["--partition", "p", "--learning-rate", "0.01", "--layer-ids", "[2, 16, 29, 32]"]
-    )
+    args = parser().parse_args(["--partition", "p", "--learning-rate", "0.01"])
     settings = SpeculatorSettings(
         **{k: v for k, v in vars(args).items() if k not in ("partition", "retrain")}
     )
-    assert settings.learning_rate == 0.01 and settings.layer_ids == [2, 16, 29, 32]
+    assert settings.learning_rate == 0.01
+
+
+def test_layer_ids_are_a_setting_of_hidden_states_only() -> None:
+    """Training reads the ids its states were generated with; choosing them again there
+    could only disagree."""
+    assert "layer_ids" not in SpeculatorSettings.model_fields
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--partition", "p", "--layer-ids", "[2, 16, 29, 32]"])
+    with pytest.raises(pydantic.ValidationError, match="layer_ids"):
+        HiddenStatesConfig(layer_ids=[2, 4, 8])

@@ -1,30 +1,72 @@
 """Dagster config classes generated from the settings models the services use, so a
 setting is declared once (name, type, default, bounds, description) and the UI's config
-editor, the CLI and the services all read that one declaration."""
+editor, the CLI and the services all read that one declaration.
+
+A setting's value comes from, last wins: the model's default, the dataset's registry
+entry (`settings: {stage: {...}}`), the config the run was launched with. Only keys a
+user actually launched with override the entry — Dagster fills every default into the
+config object, so the launched keys are read from the run's own config — which is how
+the UI, the CLI, schedules, automation and `make demo` all build the same thing from the
+same entry.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import dagster as dg
 from pydantic import BaseModel, create_model
 from pydantic.fields import FieldInfo
 
+from mm_assets.domain.model.hidden_states import ExtractionSettings
+from mm_assets.domain.model.responses import ResponseSettings
+from mm_assets.domain.model.settings import MeasurementSettings, SpeculatorSettings
+from mm_assets.domain.prep.settings import TokenizationSettings
+from mm_assets.registry import DatasetSpec
+
 M = TypeVar("M", bound=BaseModel)
+
+# The stages a registry entry may set settings of, and the models those come from.
+STAGE_SETTINGS: dict[str, tuple[type[BaseModel], ...]] = {
+    "tokenized_samples": (TokenizationSettings,),
+    "target_responses": (ResponseSettings,),
+    "hidden_states": (ExtractionSettings,),
+    "trained_speculator": (SpeculatorSettings, MeasurementSettings),
+}
 
 
 def config_class(
-    name: str, *models: type[BaseModel], **extra: tuple[Any, FieldInfo]
+    name: str, stage: str, *models: type[BaseModel], **extra: tuple[Any, FieldInfo]
 ) -> type[dg.Config]:
-    """A `dg.Config` with every field of `models`, plus `extra` fields `(type, Field(...))`."""
+    """A `dg.Config` with every field of `models` (the description says where else the
+    value may come from), plus `extra` fields `(type, Field(...))` that only a launch sets."""
     fields: dict[str, Any] = {}
     for model in models:
         for field_name, info in model.model_fields.items():
-            fields[field_name] = (info.annotation, info)
+            note = f" (registry entry: settings.{stage}.{field_name})"
+            described = FieldInfo.merge_field_infos(info, description=f"{info.description}{note}")
+            fields[field_name] = (info.annotation, described)
     fields.update(extra)
     return create_model(name, __base__=dg.Config, **fields)
 
 
-def settings_from(config: dg.Config, model: type[M]) -> M:
-    """The settings model's part of a generated config."""
-    return model(**config.model_dump(include=set(model.model_fields)))
+def resource_base(name: str, *models: type[BaseModel]) -> type[dg.ConfigurableResource]:
+    """A `dg.ConfigurableResource` base with every field of `models`, to subclass."""
+    fields = {key: (info.annotation, info) for m in models for key, info in m.model_fields.items()}
+    return create_model(name, __base__=dg.ConfigurableResource, **fields)
+
+
+def launched_config(context: dg.AssetExecutionContext) -> dict[str, Any]:
+    """The config keys this step's run was launched with, without Dagster's defaults."""
+    ops: Mapping[str, Any] = context.run.run_config.get("ops") or {}
+    return dict((ops.get(context.op_execution_context.op.name) or {}).get("config") or {})
+
+
+def stage_settings(
+    context: dg.AssetExecutionContext, spec: DatasetSpec, stage: str, model: type[M]
+) -> M:
+    """`model`'s settings for this step: its defaults, then the registry entry's, then
+    what the run was launched with."""
+    values = {**spec.settings.get(stage, {}), **launched_config(context)}
+    return model(**{key: value for key, value in values.items() if key in model.model_fields})

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 from pydantic import Field
 
-from mm_assets.assets.config import config_class, settings_from
+from mm_assets.assets.config import config_class, stage_settings
 from mm_assets.assets.metadata import (
     acceptance_plot,
     loss_curve,
@@ -18,7 +18,11 @@ from mm_assets.assets.partitions import accelerator_asset, dataset_spec
 from mm_assets.assets.prep import tokenized_samples
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION, ExtractionSettings
-from mm_assets.domain.model.settings import TRAINING_VERSION, SpeculatorSettings
+from mm_assets.domain.model.settings import (
+    TRAINING_VERSION,
+    MeasurementSettings,
+    SpeculatorSettings,
+)
 from mm_assets.storage.object_store import publish_directory
 
 if TYPE_CHECKING:
@@ -29,7 +33,7 @@ if TYPE_CHECKING:
 
 REJECTION_CHECK = "token_id_rejections"
 
-HiddenStatesConfig = config_class("HiddenStatesConfig", ExtractionSettings)
+HiddenStatesConfig = config_class("HiddenStatesConfig", "hidden_states", ExtractionSettings)
 
 
 @accelerator_asset(
@@ -68,7 +72,7 @@ def hidden_states(
     from mm_assets.services.extraction import PartitionExtraction
 
     spec, tables = dataset_spec(context), storage.tables()
-    settings = settings_from(config, ExtractionSettings)
+    settings = stage_settings(context, spec, "hidden_states", ExtractionSettings)
     report = PartitionExtraction(
         spec.name, tables, storage.blobs(), target_model.model(), vllm.engine(), settings,
         spec.resolved_image_root(), storage.log_path(f"vllm_{context.run.run_id}"),
@@ -146,21 +150,9 @@ def rejection_check(report: "ExtractionReport", max_ratio: float) -> dg.AssetChe
 
 SpeculatorConfig = config_class(
     "SpeculatorConfig",
+    "trained_speculator",
     SpeculatorSettings,
-    measure_in_vllm=(
-        bool,
-        Field(True, description="Serve the target with the draft; read vLLM's counters."),
-    ),
-    vllm_prompts=(int, Field(32, ge=1, description="Held-out prompts vLLM generates from.")),
-    vllm_max_tokens=(int, Field(64, ge=1, description="Tokens generated per prompt.")),
-    measure_untrained_in_vllm=(
-        bool,
-        Field(
-            True,
-            description="Also serve the untrained draft on the same prompts (one more "
-            "server start): the baseline the trained draft's acceptance is read against.",
-        ),
-    ),
+    MeasurementSettings,
     retrain=(
         bool,
         Field(False, description="Train and measure again even when nothing changed."),
@@ -188,16 +180,19 @@ def trained_speculator(
     from mm_assets.services.training import SpeculatorJob, train_speculator
 
     spec, tables = dataset_spec(context), storage.tables()
-    settings = settings_from(config, SpeculatorSettings)
-    job = SpeculatorJob.for_target(spec.name, Path(storage.root), target_model.model(), settings)
+    settings = stage_settings(context, spec, "trained_speculator", SpeculatorSettings)
+    measure = stage_settings(context, spec, "trained_speculator", MeasurementSettings)
+    job = SpeculatorJob.for_target(
+        spec.name, Path(storage.root), target_model.model(), settings, tables
+    )
     outcome = train_speculator(job, tables, context.log.info, reuse=not config.retrain)
     metadata = training_metadata(outcome, job.layer_ids)
     measured = None
-    if config.measure_in_vllm and outcome.result.held_out_replies:
+    if measure.measure_in_vllm and outcome.result.held_out_replies:
         measured = measure_drafts(
             job, outcome, tables, vllm.engine(), spec.resolved_image_root(),
-            storage.log_path(f"vllm_spec_{context.run.run_id}"), config.vllm_prompts,
-            config.vllm_max_tokens, not config.retrain, config.measure_untrained_in_vllm,
+            storage.log_path(f"vllm_spec_{context.run.run_id}"), measure.vllm_prompts,
+            measure.vllm_max_tokens, not config.retrain, measure.measure_untrained_in_vllm,
         )  # fmt: skip
         metadata.update(measurement_metadata(measured.trained, measured.trained_estimate))
         if measured.same_as_target is not None:

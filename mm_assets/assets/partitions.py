@@ -9,6 +9,7 @@ from typing import Any
 import dagster as dg
 
 from mm_assets.assets.automation import materialize_on_change
+from mm_assets.assets.config import STAGE_SETTINGS
 from mm_assets.assets.executors import accelerator_step_tags
 from mm_assets.assets.pool import WATCH_KEY, taking_watch, watch_resource
 from mm_assets.registry import DatasetSpec, load_registry
@@ -20,7 +21,7 @@ ACCELERATOR_POOL = "accelerator"
 # the accelerator assets: Dagster requires a resource key to mean the same object everywhere.
 ACCELERATOR_WATCH = watch_resource([ACCELERATOR_POOL])
 
-REGISTRY = load_registry()
+REGISTRY = load_registry(STAGE_SETTINGS)
 dataset_partitions = dg.StaticPartitionsDefinition(sorted(REGISTRY))
 
 

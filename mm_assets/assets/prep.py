@@ -3,7 +3,6 @@
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
-from pydantic import Field
 
 from mm_assets.assets.checks import (
     has_rows,
@@ -11,6 +10,7 @@ from mm_assets.assets.checks import (
     quarantine_ratio,
     quarantine_ratio_spec,
 )
+from mm_assets.assets.config import config_class, stage_settings
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
 from mm_assets.assets.metadata import (
     length_histogram,
@@ -21,6 +21,7 @@ from mm_assets.assets.metadata import (
 )
 from mm_assets.assets.partitions import dataset_asset, dataset_spec
 from mm_assets.assets.resources import StorageResource, TargetModelResource
+from mm_assets.domain.prep.settings import TokenizationSettings
 from mm_assets.storage import TableStore
 
 if TYPE_CHECKING:
@@ -60,20 +61,7 @@ def normalized_conversations(
     )
 
 
-class TokenizationConfig(dg.Config):
-    max_length: int = Field(
-        4096, description="Rows are cut to this many tokens, never inside an image-token block."
-    )
-    repeated_rejection_rows: int = Field(
-        100, ge=1, description="How many first rows `max_repeated_rejection_share` looks at."
-    )
-    max_repeated_rejection_share: float = Field(
-        0.5,
-        gt=0,
-        le=1,
-        description="The step stops (instead of quarantining) when one kind of rejection "
-        "takes more than this share of the first rows: a setup problem, not bad rows.",
-    )
+TokenizationConfig = config_class("TokenizationConfig", "tokenized_samples", TokenizationSettings)
 
 
 @dataset_asset(
@@ -81,12 +69,14 @@ class TokenizationConfig(dg.Config):
     code_version="3",  # 3: rows supervising only special tokens are quarantined
     deps=["target_responses"],
     check_specs=[
-        quarantine_ratio_spec("tokenized_samples", "conversations", "max_quarantine_ratio")
+        quarantine_ratio_spec(
+            "tokenized_samples", "conversations", "max_tokenization_quarantine_ratio"
+        )
     ],
 )
 def tokenized_samples(
     context: dg.AssetExecutionContext,
-    config: TokenizationConfig,
+    config: TokenizationConfig,  # type: ignore[valid-type]
     storage: StorageResource,
     target_model: TargetModelResource,
 ) -> dg.MaterializeResult:
@@ -102,13 +92,14 @@ def tokenized_samples(
     from mm_assets.services.prep import tokenize_partition
 
     spec, tables, target = dataset_spec(context), storage.tables(), target_model.model()
-    chat = ChatTokenizer(target.load_processor(), config.max_length, spec.min_supervised_tokens)
-    watch = RowFailureWatch(config.repeated_rejection_rows, config.max_repeated_rejection_share)
+    settings = stage_settings(context, spec, "tokenized_samples", TokenizationSettings)
+    chat = ChatTokenizer(target.load_processor(), settings.max_length, spec.min_supervised_tokens)
+    watch = RowFailureWatch(settings.repeated_rejection_rows, settings.max_repeated_rejection_share)
     report = tokenize_partition(spec.name, tables, chat, context.log.info, watch)
     assert report.kept is not None and report.quarantine is not None
     check = quarantine_ratio(
         report.kept.num_rows, report.quarantine.num_rows, report.conversations,
-        spec.max_quarantine_ratio, report.reasons, "conversations",
+        spec.max_tokenization_quarantine_ratio, report.reasons, "conversations",
     )  # fmt: skip
     return dg.MaterializeResult(
         metadata=rounded(tokenization_metadata(report, target.path, tables, spec.name)),

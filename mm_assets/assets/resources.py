@@ -10,6 +10,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
+from mm_assets.assets.config import resource_base
 from mm_assets.clients.vllm_server import EngineOptions
 from mm_assets.common import paths
 from mm_assets.services.engine import VllmEngine
@@ -70,9 +71,13 @@ def _env_list(name: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
 
 
-class VllmResource(dg.ConfigurableResource):
+API_KEY_ENV = "MM_ASSETS_VLLM_API_KEY"
+
+
+class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignore[misc]
     """The vLLM engine: started per step (managed, default) or already running elsewhere
-    (external, when `base_urls` is set)."""
+    (external, when `base_urls` is set). How a managed server runs the target comes from
+    `EngineOptions`, declared there once."""
 
     base_urls: list[str] = Field(
         default_factory=lambda: _env_list("MM_ASSETS_VLLM_URLS"),
@@ -85,16 +90,15 @@ class VllmResource(dg.ConfigurableResource):
         "serving, no extraction config); empty = start a managed server. Default "
         "$MM_ASSETS_VLLM_RESPONSE_URLS (comma-separated).",
     )
-    dtype: str = Field(default="auto", description="auto = the target config's dtype.")
-    max_model_len: int | None = Field(default=None, description="--max-model-len")
-    kv_cache_gib: float | None = Field(default=2.0, description="KV cache size in GiB.")
-    enforce_eager: bool | None = Field(default=None, description="None: eager on CPU only.")
-    extra_args: list[str] = Field(default_factory=list, description="More `vllm` CLI args.")
     connector: str = Field(
         default="auto", description="auto | cpu | stock hidden-states connector."
     )
     startup_timeout_s: float = 600.0
-    api_key: str = Field(default_factory=lambda: os.environ.get("MM_ASSETS_VLLM_API_KEY", "EMPTY"))
+    api_key: str = Field(
+        default="EMPTY",
+        description=f"The servers' API key: set it as dg.EnvVar({API_KEY_ENV!r}) (what "
+        f"`definitions` does when ${API_KEY_ENV} is set), never as a value.",
+    )
     server_path_prefix: str = Field(
         default="", description="External mode: prefix of the paths the servers report…"
     )
@@ -104,13 +108,17 @@ class VllmResource(dg.ConfigurableResource):
         """The engine of one fleet: `extraction` (hidden states) or `responses`."""
         urls = self.base_urls if fleet == "extraction" else self.response_urls
         options = EngineOptions(
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            kv_cache_gib=self.kv_cache_gib,
-            enforce_eager=self.enforce_eager,
-            extra_args=tuple(self.extra_args),
+            **{name: getattr(self, name) for name in EngineOptions.model_fields}
         )
         return VllmEngine(
             tuple(urls), options, self.connector, self.startup_timeout_s,
             self.api_key, self.server_path_prefix, self.local_path_prefix,
         )  # fmt: skip
+
+
+def vllm_resource() -> VllmResource:
+    """The `vllm` resource, its API key read from the environment by Dagster at run time
+    (an `EnvVar` shows in the UI as the variable's name, not its value)."""
+    if os.environ.get(API_KEY_ENV):
+        return VllmResource(api_key=dg.EnvVar(API_KEY_ENV))
+    return VllmResource()

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 
 from mm_assets.assets.checks import quarantine_ratio, quarantine_ratio_spec
-from mm_assets.assets.config import config_class, settings_from
+from mm_assets.assets.config import config_class, stage_settings
 from mm_assets.assets.metadata import (
     length_histogram,
     quarantine_metadata,
@@ -22,7 +22,7 @@ from mm_assets.domain.model.responses import ResponseSettings
 if TYPE_CHECKING:
     from mm_assets.services.regeneration import RegenerationReport
 
-ResponsesConfig = config_class("ResponsesConfig", ResponseSettings)
+ResponsesConfig = config_class("ResponsesConfig", "target_responses", ResponseSettings)
 
 
 @accelerator_asset(
@@ -30,7 +30,7 @@ ResponsesConfig = config_class("ResponsesConfig", ResponseSettings)
     deps=[normalized_conversations],
     kinds={"vllm", "parquet"},
     check_specs=[
-        quarantine_ratio_spec("target_responses", "conversations", "max_quarantine_ratio")
+        quarantine_ratio_spec("target_responses", "conversations", "max_response_quarantine_ratio")
     ],
 )
 def target_responses(
@@ -49,7 +49,7 @@ def target_responses(
     from mm_assets.services.regeneration import TargetRegeneration
 
     spec, tables = dataset_spec(context), storage.tables()
-    settings = settings_from(config, ResponseSettings)
+    settings = stage_settings(context, spec, "target_responses", ResponseSettings)
     report = TargetRegeneration(
         spec.name, tables, storage.blobs("responses"), target_model.model(),
         vllm.engine("responses"), settings, spec.resolved_image_root(),
@@ -59,7 +59,7 @@ def target_responses(
     quarantined = report.quarantine.num_rows if report.quarantine else 0
     check = quarantine_ratio(
         report.kept.num_rows, quarantined, report.conversations,
-        settings.max_quarantine_ratio, report.reasons, "conversations",
+        settings.max_response_quarantine_ratio, report.reasons, "conversations",
     )  # fmt: skip
     return dg.MaterializeResult(
         metadata=rounded(

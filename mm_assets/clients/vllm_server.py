@@ -21,10 +21,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from pydantic import BaseModel, ConfigDict, Field
 
 CPU_CONNECTOR = ("CpuHiddenStatesConnector", "mm_assets.clients.cpu_hidden_states_connector")
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
@@ -36,13 +36,23 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    kv_cache_gib: float | None = None
-    enforce_eager: bool | None = None  # None: eager on CPU (fast start), graphs on GPU
-    extra_args: Sequence[str] = field(default_factory=tuple)
+class EngineOptions(BaseModel):
+    """How a managed server runs the target, declared once: the `vllm` resource's config
+    is generated from these fields."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dtype: str = Field(default="auto", description="auto = the target config's dtype.")
+    max_model_len: int | None = Field(
+        default=None, ge=1, description="--max-model-len; None: the model's own."
+    )
+    kv_cache_gib: float | None = Field(
+        default=2.0, gt=0, description="KV cache size in GiB; None: vLLM's own default."
+    )
+    enforce_eager: bool | None = Field(
+        default=None, description="None: eager on CPU (fast start), CUDA graphs on GPU."
+    )
+    extra_args: list[str] = Field(default_factory=list, description="More `vllm` CLI args.")
 
 
 def free_port() -> int:
@@ -120,14 +130,14 @@ class ManagedVllmServer:
         serve_args: Sequence[str],
         image_root: Path | None,
         log_path: Path,
-        options: EngineOptions = EngineOptions(),
+        options: EngineOptions | None = None,
         startup_timeout_s: float = 600.0,
     ) -> None:
         self.model = model
         self.serve_args = list(serve_args)
         self.image_root = image_root
         self.log_path = log_path
-        self.options = options
+        self.options = options or EngineOptions()
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
         self.port: int | None = None

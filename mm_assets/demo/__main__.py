@@ -21,18 +21,6 @@ from mm_assets.common import paths
 
 BUILD_VERSION = "1"
 DEMO_PARTITIONS = ("demo_sharegpt4v_coco", "demo_sharegpt")
-# The random demo target never ends a reply: every one runs to `max_tokens`. Replies as
-# long as the measured generations (`vllm_max_tokens`, 64) keep the demo's generation
-# pass short and train on the span vLLM then measures. The demo's draft is tiny (hidden
-# size 64) and its data a few hundred rows: it learns in the demo's minute of training
-# with a larger step and more, smaller batches than a real draft wants (measured on the
-# multimodal partition: 1.46 -> 1.91 estimated acceptance, in less training time).
-DEMO_RUN_CONFIG = {
-    "ops": {
-        "target_responses": {"config": {"max_tokens": 64}},
-        "trained_speculator": {"config": {"learning_rate": 3e-3, "batch_tokens": 512}},
-    }
-}
 
 
 def build(demo_dir: Path | None = None, force: bool = False) -> Path:
@@ -64,9 +52,8 @@ def run(partitions: tuple[str, ...] = DEMO_PARTITIONS) -> None:
     speculators = {}
     for partition in partitions:
         started = time.perf_counter()
-        result = job.execute_in_process(
-            partition_key=partition, instance=instance, run_config=DEMO_RUN_CONFIG
-        )
+        # no run config: the demo's settings are its registry entries', as for the UI and CLI
+        result = job.execute_in_process(partition_key=partition, instance=instance)
         if not result.success:
             sys.exit(f"demo: materializing {partition} failed; see the run in `make dev`")
         print(f"demo: {partition}: materialized in {time.perf_counter() - started:.1f}s")

@@ -5,6 +5,11 @@ a typo in a key (`max_sample:`) must not silently fall back to a default and pro
 whole dataset, and a wrong type or an unknown `format` must be refused when the registry
 loads, not discovered hours later as a run that found no images. Problems are reported
 one per line, naming the file, the dataset entry and the field, with what is allowed.
+
+An entry may also set its stages' settings (`settings: {stage: {field: value}}`), so the
+UI, the CLI, schedules and `make demo` build the same thing from the same data; they are
+checked against the stage's settings models, which the caller hands in (the registry sits
+below the floors that declare them).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -28,6 +33,10 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 DatasetFormat = Literal["sharegpt4v", "sharegpt", "messages"]
 # the filters `domain.ingest.sources.FILTERS` implements, each taking a string
 FilterName = Literal["image_prefix"]
+# keys an earlier release knew under another name: refused with the new one
+RENAMED = {"max_quarantine_ratio": "max_tokenization_quarantine_ratio"}
+# stage name -> the settings models its fields come from (`load_registry(stages)`)
+StageSettings = Mapping[str, Sequence[type[BaseModel]]]
 
 
 class DatasetSpec(BaseModel):
@@ -71,7 +80,7 @@ class DatasetSpec(BaseModel):
         description="a positive whole number: rows whose loss reads fewer tokens besides "
         "the tokenizer's special tokens (the end-of-turn marker) are quarantined",
     )
-    max_quarantine_ratio: float = Field(
+    max_tokenization_quarantine_ratio: float = Field(
         default=0.1,
         ge=0.0,
         le=1.0,
@@ -83,6 +92,11 @@ class DatasetSpec(BaseModel):
         default="dataset",
         description="'target' (the target rewrites every assistant turn: on-policy "
         "training data) or 'dataset' (train on the dataset's own answers)",
+    )
+    settings: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="a mapping {stage: {setting: value}}: the stage's settings for this "
+        "dataset (launch config still overrides them)",
     )
 
     @field_validator("name")
@@ -127,11 +141,45 @@ def _known_keys() -> list[str]:
     return [key for key in DatasetSpec.model_fields if key != "name"]
 
 
-def _unknown_key(key: Any) -> str:
-    known = _known_keys()
+def _unknown_key(key: Any, known: Sequence[str] | None = None, where: str = "key") -> str:
+    if key in RENAMED and known is None:
+        return f"{key!r} is now called {RENAMED[key]!r}: rename the key"
+    known = list(known) if known is not None else _known_keys()
     close = difflib.get_close_matches(str(key), known, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"unknown key {key!r} ({hint}known: {', '.join(known)})"
+    return f"unknown {where} {key!r} ({hint}known: {', '.join(known)})"
+
+
+def _stage_problems(settings: Any, stages: StageSettings) -> list[str]:
+    """`settings` checked against each stage's models: the stage must exist, every field
+    must belong to one of its models and hold a value that model accepts."""
+    if not isinstance(settings, dict):
+        return [
+            f"'settings': expected a mapping {{stage: {{setting: value}}}}, got {_got(settings)}"
+        ]
+    problems = []
+    for stage, values in settings.items():
+        where = f"settings.{stage}"
+        if stage not in stages:
+            problems.append(f"{where!r}: " + _unknown_key(stage, list(stages), "stage"))
+            continue
+        if not isinstance(values, dict):
+            problems.append(f"{where!r}: expected a mapping of settings, got {_got(values)}")
+            continue
+        models = stages[stage]
+        fields = [name for model in models for name in model.model_fields]
+        problems += [
+            f"{where!r}: " + _unknown_key(key, fields, "setting")
+            for key in values
+            if key not in fields
+        ]
+        for model in models:
+            mine = {key: value for key, value in values.items() if key in model.model_fields}
+            try:
+                model.model_validate(mine)
+            except ValidationError as exc:
+                problems += [_describe(error, model, f"{where}.") for error in exc.errors()]
+    return problems
 
 
 def _got(value: Any) -> str:
@@ -139,7 +187,9 @@ def _got(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _describe(error: Mapping[str, Any]) -> str:
+def _describe(
+    error: Mapping[str, Any], model: type[BaseModel] = DatasetSpec, prefix: str = ""
+) -> str:
     """One pydantic error as `'field': what is wrong, got X (allowed: ...)`."""
     loc = error["loc"]
     kind = error["type"]
@@ -152,9 +202,9 @@ def _describe(error: Mapping[str, Any]) -> str:
     field = loc[0]
     if kind == "extra_forbidden" and len(loc) == 1:
         return _unknown_key(field)
-    info = DatasetSpec.model_fields.get(str(field))
+    info = model.model_fields.get(str(field))
     allowed = info.description if info is not None else None
-    where = ".".join(str(part) for part in loc if part != "[key]")
+    where = prefix + ".".join(str(part) for part in loc if part != "[key]")
     if kind == "missing":
         return f"{where!r} is required" + (f" ({allowed})" if allowed else "")
     if "[key]" in loc:  # a mapping's key, e.g. a filter name
@@ -165,8 +215,11 @@ def _describe(error: Mapping[str, Any]) -> str:
     return text
 
 
-def parse_entries(entries: Any, origin: str) -> dict[str, DatasetSpec]:
+def parse_entries(
+    entries: Any, origin: str, stages: StageSettings | None = None
+) -> dict[str, DatasetSpec]:
     """Validate raw YAML entries; each problem is one line naming the file and the entry.
+    With `stages`, each entry's `settings` are checked against the stages' models.
 
     All entries are checked before raising, so one pass shows everything to fix.
     """
@@ -186,6 +239,10 @@ def parse_entries(entries: Any, origin: str) -> dict[str, DatasetSpec]:
                 f"known: {', '.join(_known_keys())})"
             )
         data = {key: value for key, value in entry.items() if key != "name"}
+        if stages is not None and "settings" in data:
+            if settings_problems := _stage_problems(data["settings"], stages):
+                lines.extend(settings_problems)
+                data.pop("settings")  # reported once, not again by the type check
         try:
             spec = DatasetSpec.model_validate({"name": name, **data})
         except ValidationError as exc:
@@ -212,12 +269,14 @@ def _read_yaml(text: str, origin: str) -> Any:
         raise ValueError(f"{origin}: not valid YAML: {exc}") from exc
 
 
-def load_registry() -> dict[str, DatasetSpec]:
-    """Built-in entries, then the user's file (when present) adding or replacing entries."""
+def load_registry(stages: StageSettings | None = None) -> dict[str, DatasetSpec]:
+    """Built-in entries, then the user's file (when present) adding or replacing entries;
+    with `stages`, the entries' `settings` are checked against those stages' models."""
     text = resources.files("mm_assets.registry").joinpath(BUILTIN_FILE).read_text()
-    specs = parse_entries(_read_yaml(text, f"built-in {BUILTIN_FILE}"), f"built-in {BUILTIN_FILE}")
+    origin = f"built-in {BUILTIN_FILE}"
+    specs = parse_entries(_read_yaml(text, origin), origin, stages)
     user_file = user_registry_file()
     if user_file.is_file():
         origin = str(user_file)
-        specs.update(parse_entries(_read_yaml(user_file.read_text(), origin) or {}, origin))
+        specs.update(parse_entries(_read_yaml(user_file.read_text(), origin) or {}, origin, stages))
     return specs

@@ -48,7 +48,7 @@ class VllmEngine:
         """This engine with its dtype resolved for a target (`auto`: the config's),
         refusing dtypes the hidden-state store does not know."""
         dtype = resolve_dtype(self.options.dtype, facts)
-        return dataclasses.replace(self, options=dataclasses.replace(self.options, dtype=dtype))
+        return dataclasses.replace(self, options=self.options.model_copy(update={"dtype": dtype}))
 
     def map_path(self, path: str) -> str:
         """A path the server reported, as this machine sees it."""

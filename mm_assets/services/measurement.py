@@ -109,7 +109,7 @@ def measured_acceptance(
     prompts and settings: starting a server costs about a minute on CPU and holds the
     accelerator."""
     record = draft_dir / MEASUREMENT_RECORD
-    options = asdict(engine.options)
+    options = engine.options.model_dump()
     key = json_sha256([weights_sha256, target, prompts, options, speculative_tokens, max_tokens])
     if reuse and (cached := load_record(record, key)):
         return Measurement(**cached, reused=True)

@@ -46,11 +46,18 @@ class SpeculatorJob:
 
     @classmethod
     def for_target(
-        cls, partition: str, storage_root: Path, target: TargetModel, settings: SpeculatorSettings
+        cls,
+        partition: str,
+        storage_root: Path,
+        target: TargetModel,
+        settings: SpeculatorSettings,
+        tables: TableStore,
     ) -> SpeculatorJob:
+        """The job for the layer ids `hidden_states` generated this partition's states
+        with: decided there, once, and never chosen again here."""
         return cls(
             partition, storage_root, target.local_dir, target.config, target.fingerprint,
-            target.layer_ids(settings.layer_ids), settings,
+            stored_layer_ids(tables, partition), settings,
         )  # fmt: skip
 
     @property
@@ -84,6 +91,21 @@ class SpeculatorOutcome:
     """Hash of the saved `model.safetensors` (None on ranks that do not save)."""
     untrained_sha256: str | None = None
     """Hash of the untrained draft's `model.safetensors` (`SpeculatorJob.untrained_dir`)."""
+
+
+def stored_layer_ids(tables: TableStore, partition: str) -> list[int]:
+    """The layer ids of the partition's stored hidden states (one set for every row)."""
+    found = {
+        tuple(row["layer_ids"])
+        for row in tables.iter_rows("hidden_states_manifest", partition, ["layer_ids"])
+    }
+    if len(found) != 1:
+        state = "no stored row" if not found else f"rows of several layer ids {sorted(found)}"
+        raise ValueError(
+            f"hidden_states of {partition!r} has {state}: materialize hidden_states for "
+            "this partition (with one `layer_ids`) before training"
+        )
+    return list(found.pop())
 
 
 def sample_refs(tables: TableStore, partition: str, layer_ids: list[int]) -> list[SampleRef]:

@@ -153,7 +153,11 @@ class ExtractionSettings(RequestSettings):
     """Knobs of a hidden-states run (the `hidden_states` asset's config)."""
 
     layer_ids: list[int] | None = Field(
-        default=None, description="Three auxiliary layers and the last; default [2, L//2, L-3, L]."
+        default=None,
+        min_length=4,
+        max_length=4,
+        description="Three auxiliary layers and the last (default [2, L//2, L-3, L]), checked "
+        "against the target before any request; training reads them from the stored states.",
     )
     max_rejection_ratio: float = Field(
         default=0.01, ge=0, le=1, description="The blocking check fails above this share."

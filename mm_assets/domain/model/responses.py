@@ -43,8 +43,12 @@ class ResponseSettings(RequestSettings):
         description="None keeps each conversation's system turn; a text replaces it (or "
         "is added first); an empty text removes it.",
     )
-    max_quarantine_ratio: float = Field(
-        default=0.05, ge=0, le=1, description="The blocking check fails above this share."
+    max_response_quarantine_ratio: float = Field(
+        default=0.05,
+        ge=0,
+        le=1,
+        description="The blocking check on target_responses fails when more of the "
+        "conversations than this are quarantined.",
     )
 
     def sampling(self) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 The `trained_speculator` asset's config and the `python -m mm_assets.train` (torchrun)
 arguments are both generated from these fields, so a knob has one name, one default and
 one description wherever a user sets it. The device is not a setting: it is where the
-run happens (auto: CUDA when present), and it does not change what is learned.
+run happens (auto: CUDA when present), and it does not change what is learned. Nor are
+the layer ids: they are decided once, by `hidden_states` (`ExtractionSettings.layer_ids`),
+and training reads them from the states it trains on.
 """
 
 from __future__ import annotations
@@ -35,11 +37,23 @@ class SpeculatorSettings(BaseModel):
     held_out_fraction: float = Field(
         default=0.1, ge=0, lt=1, description="Share of rows kept out of training for evaluation."
     )
-    layer_ids: list[int] | None = Field(
-        default=None,
-        description="Three auxiliary layers and the last (default [2, L//2, L-3, L]); must "
-        "equal the ids the hidden states were generated with (checked).",
-    )
     speculative_tokens: int = Field(
         default=3, ge=1, description="Draft tokens per step when vLLM serves the checkpoint."
+    )
+
+
+class MeasurementSettings(BaseModel):
+    """How `trained_speculator` measures the draft in vLLM after training."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    measure_in_vllm: bool = Field(
+        default=True, description="Serve the target with the draft; read vLLM's counters."
+    )
+    vllm_prompts: int = Field(default=32, ge=1, description="Held-out prompts vLLM generates from.")
+    vllm_max_tokens: int = Field(default=64, ge=1, description="Tokens generated per prompt.")
+    measure_untrained_in_vllm: bool = Field(
+        default=True,
+        description="Also serve the untrained draft on the same prompts (one more server "
+        "start): the baseline the trained draft's acceptance is read against.",
     )
