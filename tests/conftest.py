@@ -1,32 +1,52 @@
 """Test session setup: an isolated storage root with the demo built once.
 
-The environment is set before `mm_assets` is imported, because the dataset registry (and
-so the partitions) is read when the definitions load. A user registry file adds a
-`bad_inputs` dataset (files written by its test), and the demo data twice more: with
-a wrong image root, and as a partition whose tokens a test tampers with.
+The environment is set in `pytest_configure`, before any test module is collected (and
+so imports `mm_assets`), because the dataset registry (and so the partitions) is read
+when the definitions load; `pytest_unconfigure` restores it and removes the root. A user
+registry file adds a `bad_inputs` dataset (files written by its test), and the demo data
+twice more: with a wrong image root, and as a partition whose tokens a test tampers with.
 """
 
 from __future__ import annotations
 
-import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
-SESSION_HOME = Path(tempfile.mkdtemp(prefix="mm_assets_test_"))
-os.environ["MM_ASSETS_HOME"] = str(SESSION_HOME)
-os.environ["DAGSTER_HOME"] = str(SESSION_HOME / "dagster_home")
-os.environ["MM_ASSETS_DATASETS"] = str(SESSION_HOME / "datasets.yaml")
-os.environ.pop("MM_ASSETS_TARGET_MODEL", None)
-os.environ.pop("COCO_DIR", None)
-(SESSION_HOME / "dagster_home").mkdir(parents=True)
-BAD_DIR = SESSION_HOME / "bad_inputs"
-# The demo partitions as the dataset wrote them keep the orchestration tests (UI, CLI,
-# pipeline, hidden states) off the generation pass; `demo_onpolicy` and `demo_regen*`
-# are the on-policy partitions (`responses: target`, as the shipped demo).
-(SESSION_HOME / "datasets.yaml").write_text(
-    f"""
+SESSION_HOME: Path
+"""The session's storage root (`MM_ASSETS_HOME`), made by `pytest_configure`."""
+BAD_DIR: Path
+"""Where `tests/bad_inputs.py` writes the `bad_inputs` dataset."""
+_ENVIRONMENT = pytest.StashKey[pytest.MonkeyPatch]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global SESSION_HOME, BAD_DIR
+    SESSION_HOME = Path(tempfile.mkdtemp(prefix="mm_assets_test_"))
+    BAD_DIR = SESSION_HOME / "bad_inputs"
+    env = config.stash[_ENVIRONMENT] = pytest.MonkeyPatch()
+    env.setenv("MM_ASSETS_HOME", str(SESSION_HOME))
+    env.setenv("DAGSTER_HOME", str(SESSION_HOME / "dagster_home"))
+    env.setenv("MM_ASSETS_DATASETS", str(SESSION_HOME / "datasets.yaml"))
+    env.delenv("MM_ASSETS_TARGET_MODEL", raising=False)
+    env.delenv("COCO_DIR", raising=False)
+    (SESSION_HOME / "dagster_home").mkdir(parents=True)
+    (SESSION_HOME / "datasets.yaml").write_text(_user_registry())
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _ENVIRONMENT in config.stash:
+        config.stash[_ENVIRONMENT].undo()
+        shutil.rmtree(SESSION_HOME, ignore_errors=True)
+
+
+def _user_registry() -> str:
+    # The demo partitions as the dataset wrote them keep the orchestration tests (UI, CLI,
+    # pipeline, hidden states) off the generation pass; `demo_onpolicy` and `demo_regen*`
+    # are the on-policy partitions (`responses: target`, as the shipped demo).
+    return f"""
 demo_sharegpt4v_coco:
   path: {SESSION_HOME}/demo/data/sharegpt4v_coco.json
   format: sharegpt4v
@@ -101,7 +121,6 @@ demo_wrong_root:
   image_root: {SESSION_HOME}/no_such_root
   image_path_strip_prefix: "coco/"
 """
-)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ command line, and its start-up failures with stand-in processes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -278,20 +279,38 @@ def test_a_dead_server_leaves_the_rotation_and_its_requests_go_to_the_others() -
     assert "http://a.test/v1 taken out of rotation after 3 failed tries" in line
 
 
+class FakeClock:
+    """A monotonic clock that moves only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_a_server_out_of_rotation_is_probed_and_comes_back() -> None:
     """A server that failed comes back after `probe_after_s` with one request; while it
     is out, the other takes everything."""
     flaky = FakeVllm([503, 503])
     steady = FakeVllm()
     client = _fleet(
-        {"a.test": flaky, "b.test": steady}, concurrency=1, breaker_failures=2, probe_after_s=0.05
+        {"a.test": flaky, "b.test": steady}, concurrency=1, breaker_failures=2, probe_after_s=30
     )
+    clock = client.clock = FakeClock()
 
     async def main() -> list[ExtractionResponse]:
         try:
-            first = [await client.extract(TEXT_REQUEST) for _ in range(4)]
-            await asyncio.sleep(0.06)
-            return first + [await client.extract(TEXT_REQUEST) for _ in range(4)]
+            replies = [await client.extract(TEXT_REQUEST) for _ in range(4)]
+            clock.advance(29.5)
+            replies.append(await client.extract(TEXT_REQUEST))  # before the probe: b answers
+            a, b = client.server_stats()
+            assert not a["in_rotation"] and a["answered"] == 0 and b["answered"] == 5
+            clock.advance(0.5)
+            return replies + [await client.extract(TEXT_REQUEST) for _ in range(3)]
         finally:
             await client.close()
 
@@ -423,6 +442,7 @@ def metrics_server() -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+        thread.join()
 
 
 def test_spec_decode_counters_read_the_servers_metrics(metrics_server: str) -> None:
@@ -580,6 +600,18 @@ class ScriptedServer(ManagedVllmServer):
         return dict(os.environ)
 
 
+def _wait_for_child(parent: psutil.Process, argv: list[str], within_s: float = 30.0) -> None:
+    """Until `parent` has a child running `argv` (forked and exec'd)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        for child in parent.children():
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                if child.cmdline()[: len(argv)] == argv:
+                    return
+        time.sleep(0.02)
+    pytest.fail(f"{parent.pid} did not start {argv} within {within_s:.0f}s")
+
+
 def _gone(pid: int, within_s: float = 5.0) -> bool:
     """Whether `pid` exits (or is left a zombie) within `within_s`."""
     deadline = time.monotonic() + within_s
@@ -623,10 +655,27 @@ time.sleep(60)
 """
 
 
+class HangingServer(ScriptedServer):
+    """HANGING_SERVER, whose start-up clock starts once its worker runs, so the timeout
+    under test cannot fire before there is a worker to stop."""
+
+    def __init__(self, log_path: Path, startup_timeout_s: float) -> None:
+        super().__init__(HANGING_SERVER, log_path, startup_timeout_s)
+
+    def _wait_until_healthy(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + 60
+        while not any(ln.startswith("worker ") for ln in self.log_tail().splitlines()):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the stand-in never started its worker; log:\n{self.log_tail()}")
+            time.sleep(0.02)
+        super()._wait_until_healthy()
+
+
 def test_startup_timeout_kills_the_process_group(tmp_path: Path) -> None:
     """A server that never answers `/health` is stopped with every process it started,
     a worker that ignores SIGTERM included."""
-    server = ScriptedServer(HANGING_SERVER, tmp_path / "vllm.log", startup_timeout_s=1.5)
+    server = HangingServer(tmp_path / "vllm.log", startup_timeout_s=1.5)
     started = time.monotonic()
     with pytest.raises(ServerStartupError, match="did not become healthy"):
         server.start()
@@ -667,20 +716,21 @@ def test_a_guarded_command_ends_with_the_process_that_started_it(tmp_path: Path)
     """The managed server's guard: when the process that started it is SIGKILLed (its
     stop() never runs), the command and its children end too; the server runs in its
     own session, so nothing else would stop it."""
-    pids = tmp_path / "pids"
     starter = subprocess.Popen(
         [
             sys.executable, "-c",
             "import os, subprocess, sys, time\n"
             "guard = subprocess.Popen([sys.executable, '-m', 'mm_assets.clients.parent_guard',"
-            " str(os.getpid()), '--', 'sleep', '600'], start_new_session=True)\n"
-            f"time.sleep(1.5); open({str(pids)!r}, 'w').write(str(guard.pid)); time.sleep(600)",
-        ]
+            " str(os.getpid()), '--', 'sleep', '600'], start_new_session=True,"
+            " stdout=subprocess.DEVNULL)\n"
+            "print(guard.pid, flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
     )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while not pids.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    guard = psutil.Process(int(pids.read_text()))
+    assert starter.stdout is not None
+    with starter.stdout:
+        guard = psutil.Process(int(starter.stdout.readline()))
+    _wait_for_child(guard, ["sleep", "600"])
     (sleeper,) = guard.children()
     assert sleeper.cmdline()[:2] == ["sleep", "600"]
     starter.kill()

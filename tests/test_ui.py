@@ -226,6 +226,23 @@ def _wait(condition, timeout: float, what: str):
     pytest.fail(f"timed out waiting for {what}")
 
 
+QUEUE_PASS = "Priority sorting and checking tag concurrency limits for queued runs"
+
+
+def _queue_passes_since_held(dev_log: Path, run_ids: list[str]) -> int | None:
+    """How many passes of the run queue began after it reported every run in `run_ids`
+    held by the pool limits (its daemon logs into `dagster dev`'s log); None until then."""
+    lines = dev_log.read_text(errors="replace").splitlines()
+    held_at = []
+    for run_id in run_ids:
+        blocked = f"Run {run_id} is blocked by global concurrency limits"
+        reported = [i for i, line in enumerate(lines) if blocked in line]
+        if not reported:
+            return None
+        held_at.append(reported[0])
+    return sum(QUEUE_PASS in line for line in lines[max(held_at) :])
+
+
 def test_partitions_backfilled_together_never_extract_hidden_states_at_once(
     dagster_ui: str, ui_homes: tuple[Path, Path]
 ) -> None:
@@ -248,7 +265,16 @@ def test_partitions_backfilled_together_never_extract_hidden_states_at_once(
         return sorted(r["status"] for r in _runs(dagster_ui, "dagster/backfill", backfill))
 
     _wait(lambda: statuses() == ["QUEUED", "QUEUED"], 300, "the backfill's two runs")
-    time.sleep(12)  # the run queue is checked every few seconds: both must stay held
+    # Proof that the queue holds them, not that it has not looked yet: its daemon reports
+    # each run it holds for a pool (in the pass that would otherwise launch it); two passes
+    # begun since then mean the first of them ended, and it held them again.
+    queued = [r["runId"] for r in _runs(dagster_ui, "dagster/backfill", backfill)]
+
+    def passes_since_held() -> int | None:
+        return _queue_passes_since_held(home / "dev.log", queued)
+
+    _wait(lambda: passes_since_held() is not None, 120, "the queue to hold both runs")
+    _wait(lambda: (passes_since_held() or 0) >= 2, 120, "two more passes of the run queue")
     assert statuses() == ["QUEUED", "QUEUED"]
     _set_pool_limit(home, 1)
 

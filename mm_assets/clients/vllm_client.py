@@ -157,6 +157,9 @@ class VllmClient:
     own (tests inject an `httpx.MockTransport`); `backoff_s` is the first retry's mean
     wait when no other server can take it, doubling with each further try."""
 
+    clock: Callable[[], float] = staticmethod(time.monotonic)
+    """Seconds for the rotation's probe waits (tests set a clock they advance)."""
+
     def __init__(
         self,
         base_urls: Sequence[str],
@@ -192,7 +195,7 @@ class VllmClient:
         """Servers in rotation, plus those out of it whose wait is over and that no
         request is probing yet."""
         in_rotation = [s for s in self.servers if s.out_until is None]
-        now = time.monotonic()
+        now = self.clock()
         probes = [
             s for s in self.servers
             if s.out_until is not None and now >= s.out_until and s.in_flight == 0
@@ -212,7 +215,7 @@ class VllmClient:
         probing = server.out_until is not None
         others = any(s.out_until is None for s in self.servers if s is not server)
         if probing or (others and server.failed_in_a_row >= self.breaker_failures):
-            server.out_until = time.monotonic() + self.probe_after_s
+            server.out_until = self.clock() + self.probe_after_s
         if not probing and server.out_until is not None:
             server.stats.taken_out += 1
             self.log(
