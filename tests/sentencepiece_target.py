@@ -18,22 +18,32 @@ rare characters do with a real checkpoint's tokenizer. The tags tokenize as in L
 
 The checkpoint is written with `save_pretrained`; transformers loads it as
 `LlamaForCausalLM` + `LlamaTokenizerFast` and vLLM serves it (head_dim 32: vLLM's CPU
-attention needs head sizes of at least 32).
+attention needs head sizes of at least 32). It ships a `tokenizer.json`; for a target
+that ships only a SentencePiece `tokenizer.model`, as older Llama/Mistral checkpoints do
+(transformers converts it on load), `write_sentencepiece_model_target` trains a real one
+with the `sentencepiece` library.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from pathlib import Path
 
+import sentencepiece
 from tokenizers import Tokenizer, pre_tokenizers, trainers
 from tokenizers.models import BPE
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LlamaTokenizerFast
 
 from mm_assets.demo.target import random_model
 
-__all__ = ["INST_CHAT_TEMPLATE", "build_sentencepiece_target", "sentencepiece_tokenizer"]
+__all__ = [
+    "INST_CHAT_TEMPLATE",
+    "build_sentencepiece_target",
+    "sentencepiece_tokenizer",
+    "write_sentencepiece_model_target",
+]
 
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 BYTE_PIECES: tuple[str, ...] = tuple(f"<0x{b:02X}>" for b in range(256))
@@ -197,4 +207,33 @@ def build_sentencepiece_target(
     )
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def write_sentencepiece_model_target(out_dir: Path, seed: int = 0) -> Path:
+    """A target directory whose tokenizer is only a SentencePiece `tokenizer.model` (BPE,
+    byte fallback, Llama-2's ids for `<unk>`, `<s>`, `</s>`) trained by `sentencepiece`
+    itself, a `tokenizer_config.json`, the `[INST]` chat template and a Llama config: no
+    `tokenizer.json`, so loading it runs transformers' SentencePiece conversion."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(_corpus(random.Random(seed), n_sentences=1000)),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=400,
+        byte_fallback=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    (out_dir / "tokenizer.model").write_bytes(model.getvalue())
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "legacy": False}
+    config |= {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    (out_dir / "chat_template.jinja").write_text(INST_CHAT_TEMPLATE)
+    LlamaConfig(vocab_size=400, hidden_size=64, num_hidden_layers=1).save_pretrained(out_dir)
     return out_dir

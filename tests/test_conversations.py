@@ -13,6 +13,7 @@ from mm_assets.domain.prep.conversations import (
     image_references,
     normalize,
     parse_record,
+    reply_indices,
     reply_prompts,
     to_vllm_messages,
 )
@@ -90,6 +91,7 @@ def test_placeholder_after_text_and_list_of_images() -> None:
             DropReason.IMAGE_PLACEHOLDER_MISMATCH,
         ),
         (_v4(None, ("human", "hi"), ("human", "again")), DropReason.NO_ASSISTANT_TURN),
+        (_v4(None, ("gpt", "Hello."), ("human", "hi")), DropReason.NO_ASSISTANT_TURN),
         (_v4(None), DropReason.EMPTY_CONVERSATION),
         ({"image": None, "conversations": "human: hi"}, DropReason.MALFORMED_ROW),
         ({"conversations": [{"from": "human"}]}, DropReason.MALFORMED_ROW),
@@ -118,6 +120,26 @@ def test_sharegpt_maps_roles_and_keeps_text_placeholders() -> None:
     conv = normalize(record, "sharegpt", {})
     assert [t["role"] for t in conv.turns] == ["system", "user", "assistant"]
     assert conv.turns[1]["content"] == "What is <image> in HTML?" and not conv.multimodal
+
+
+def test_assistant_turns_before_the_first_question_are_context_not_replies() -> None:
+    """A dump scraped mid-conversation opens with an answer to no question in the row:
+    it stays in the conversation the target reads, but is no reply to train on."""
+    record = {
+        "conversations": [
+            {"from": "gpt", "value": "...so that is the first half."},
+            {"from": "system", "value": "Be brief."},
+            {"from": "gpt", "value": "Anything else?"},
+            {"from": "human", "value": "And the second?"},
+            {"from": "gpt", "value": "It rhymes."},
+        ]
+    }
+    conv = normalize(record, "sharegpt", {})
+    assert [t["role"] for t in conv.turns] == [
+        "assistant", "system", "assistant", "user", "assistant",
+    ]  # fmt: skip
+    assert reply_indices(conv.turns) == [4]
+    assert reply_prompts(conv.turns) == [(4, conv.turns[:4])]
 
 
 def test_messages_format_with_image_parts() -> None:
@@ -186,8 +208,8 @@ def test_reply_prompts_follow_the_rows_replies() -> None:
     assert reply_prompts(turns) == [(2, turns[:2]), (4, turns[:4])]
     assert reply_prompts(turns, turn_index_of("s1/turn4")) == [(4, turns[:4])]
     assert turn_index_of("s1") is None and turn_index_of(make_row_id("s1", 2)) == 2
-    # an opening assistant turn answers no prompt, but keeps its place in the order
-    assert reply_prompts([turns[2], *turns[3:]]) == [(0, []), (2, turns[2:4])]
+    # an opening assistant turn answers no question: context for the replies, not one
+    assert reply_prompts([turns[2], *turns[3:]]) == [(2, turns[2:4])]
 
 
 def test_an_empty_assistant_turn_in_parts_is_rejected_too() -> None:

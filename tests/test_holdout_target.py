@@ -26,7 +26,7 @@ import pytest
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
 from mm_assets.domain.prep.conversations import to_vllm_messages
-from mm_assets.domain.prep.tokenization import supervised_runs
+from mm_assets.domain.prep.supervision import supervised_runs
 from tests.conftest import PREP_ASSETS, materialize
 from tests.sentencepiece_target import build_sentencepiece_target
 

@@ -10,18 +10,16 @@ import pytest
 
 from mm_assets.domain.ingest.images import probe_reference
 from mm_assets.domain.prep.conversations import Rejected, image_references, normalize
-from mm_assets.domain.prep.tokenization import (
+from mm_assets.domain.prep.pixel_reference import tokenize_with_pixels
+from mm_assets.domain.prep.supervision import (
     GENERATION_MARKER,
-    ChatTokenizer,
     TokenizeDropReason,
     TokenizeRejected,
     check_generated_ids,
-    expand_image_tokens,
     mask_from_spans,
     supervised_runs,
-    tokenize_with_pixels,
-    truncate,
 )
+from mm_assets.domain.prep.tokenization import ChatTokenizer, expand_image_tokens, truncate
 
 # -- pure functions ----------------------------------------------------------------
 

@@ -18,13 +18,13 @@ from mm_assets.domain.prep.conversations import (
     parse_record,
     to_vllm_messages,
 )
-from mm_assets.domain.prep.tokenization import (
-    ChatTokenizer,
+from mm_assets.domain.prep.supervision import (
     TokenizedRow,
     TokenizeRejected,
     check_generated_ids,
     render_supervision,
 )
+from mm_assets.domain.prep.tokenization import ChatTokenizer
 from mm_assets.domain.rejection import RowFailureWatch, RowRejected, failed_on
 from mm_assets.domain.row_ids import make_row_id
 from mm_assets.storage import TableStore, WrittenTable, schemas

@@ -5,8 +5,9 @@ wrote; trained on answers someone else wrote it learns another distribution (abo
 accepted tokens per step on the demo). For the assistant turn at index k the prompt is
 the conversation before k with every earlier assistant turn already replaced by the
 target's own reply — what the target would have seen had it held that conversation —
-images included; the user turns stay as the dataset wrote them. Turns are generated in
-order, conversations independently.
+images included; the user turns stay as the dataset wrote them, and so do assistant
+turns before the first user turn (they answer no question: context, not replies). Turns
+are generated in order, conversations independently.
 
 A conversation whose first reply fails or comes back empty has nothing to train on and
 is quarantined with the reason; one that fails later keeps the turns before the failing
@@ -24,7 +25,7 @@ from pydantic import Field
 
 from mm_assets.common.hashing import json_sha256
 from mm_assets.domain.model.request_settings import RequestSettings
-from mm_assets.domain.prep.conversations import Turn, canonical_turns
+from mm_assets.domain.prep.conversations import Turn, canonical_turns, reply_indices
 from mm_assets.domain.rejection import RowRejected
 
 RESPONSES_VERSION = "2"  # 2: a reply cut by max_tokens is kept even with no text yet
@@ -89,7 +90,8 @@ def with_system_prompt(turns: list[Turn], system_prompt: str | None) -> list[Tur
 
 
 def assistant_indices(turns: list[Turn]) -> list[int]:
-    return [i for i, t in enumerate(turns) if t["role"] == "assistant"]
+    """The turns the target rewrites: the replies (`reply_indices`)."""
+    return reply_indices(turns)
 
 
 def response_key(
@@ -100,13 +102,12 @@ def response_key(
     image_hashes: list[str],
 ) -> str:
     """What the replies depend on: the target and the dtype it is served at, the sampling
-    settings and the prompt side of the conversation (every turn but the assistant's
+    settings and the prompt side of the conversation (every turn but the replies'
     text, images by content), so a rerun, a reordering or an edit of another row reuses
     them."""
-    prompt_side = [
-        {"role": "assistant"} if t["role"] == "assistant" else t
-        for t in canonical_turns(with_system_prompt(turns, settings.system_prompt), image_hashes)
-    ]
+    turns = canonical_turns(with_system_prompt(turns, settings.system_prompt), image_hashes)
+    replies = set(reply_indices(turns))
+    prompt_side = [{"role": "assistant"} if i in replies else t for i, t in enumerate(turns)]
     sampling = {**settings.sampling(), "system_prompt": settings.system_prompt}
     return json_sha256([RESPONSES_VERSION, target_fingerprint, dtype, sampling, prompt_side])
 

@@ -7,13 +7,18 @@ where content is a string or a list of parts `{"type": "text", "text": ...}` /
 Unknown roles quarantine the whole row rather than being dropped or guessed: a turn
 silently removed or relabelled would train the draft on a conversation shape the target
 never serves, and the row stays visible with its reason for someone to map the role.
+
+Replies are the assistant turns after the first user turn (`reply_indices`). A
+conversation scraped mid-way can open with assistant turns: they answer no question in
+the row, so they are kept as context (the target reads them, as it would a system turn)
+but never supervised nor regenerated. A row with no reply is quarantined.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -274,8 +279,9 @@ def normalize(
     turns = NORMALIZERS[fmt](record, images)
     if not turns:
         raise Rejected(DropReason.EMPTY_CONVERSATION, "no turns")
-    if not any(t["role"] == "assistant" for t in turns):
-        raise Rejected(DropReason.NO_ASSISTANT_TURN, "nothing to supervise")
+    if not reply_indices(turns):
+        where = "after a user turn" if any(t["role"] == "assistant" for t in turns) else ""
+        raise Rejected(DropReason.NO_ASSISTANT_TURN, f"no assistant turn {where}".strip())
     for index, turn in enumerate(turns):
         # an empty answer would supervise only the template's end-of-turn token: it
         # teaches the draft to stop, and breaks the conversation the next turns continue
@@ -319,11 +325,27 @@ def image_urls(messages: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def _first_user_turn(turns: Sequence[Turn]) -> int:
+    return next((i for i, t in enumerate(turns) if t["role"] == "user"), len(turns))
+
+
+def reply_indices(turns: Sequence[Turn]) -> list[int]:
+    """The assistant turns that answer something: those after the first user turn. The
+    ones before it (a conversation scraped mid-way) are context, never a reply."""
+    first_user = _first_user_turn(turns)
+    return [i for i in range(first_user + 1, len(turns)) if turns[i]["role"] == "assistant"]
+
+
+def opens_with_assistant(turns: Sequence[Turn]) -> bool:
+    """Whether assistant turns come before the first user turn (context, not replies)."""
+    return any(t["role"] == "assistant" for t in turns[: _first_user_turn(turns)])
+
+
 def reply_prompts(turns: list[Turn], turn_index: int | None = None) -> list[tuple[int, list[Turn]]]:
     """The prompts a training row's replies answer, in order, each with its assistant
-    turn's index: the conversation up to that turn (earlier replies as stored; empty for
-    an opening assistant turn), or only up to `turn_index` for a per-turn row."""
-    indices = [i for i, turn in enumerate(turns) if turn["role"] == "assistant"]
+    turn's index: the conversation up to that turn (earlier turns as stored), or only up
+    to `turn_index` for a per-turn row."""
+    indices = reply_indices(turns)
     if turn_index is not None:
         indices = [i for i in indices if i == turn_index]
     return [(i, turns[:i]) for i in indices]

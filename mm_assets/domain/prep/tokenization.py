@@ -8,58 +8,56 @@ are compared with ours for every sample.
 Loss masks are template-agnostic:
 - when the chat template marks assistant content with `{% generation %}`, HF's
   assistant-token mask (`return_assistant_tokens_mask`);
-- otherwise the prefix-render boundary: for assistant turn j, what the full render of
+- otherwise the prefix-render boundary: for reply j, what the full render of
   `turns[:j+1]` adds to the render of `turns[:j]` with the generation prompt is
   supervised (trailing whitespace excluded: it is template formatting, never generated).
   If a template rewrites history (a later render is not an extension of an earlier one,
   as reasoning templates that drop old `<think>` blocks do), one row per assistant turn
   is emitted, so no row trains on a history inference never sees.
+
+Only replies are supervised (`conversations.reply_indices`): assistant turns before the
+first user turn are context, and everything before the first reply's generation prompt
+ends is unsupervised, so a special token the template writes outside a reply (BOS, a
+turn header) never is. A template that refuses such an opening (`[INST]` templates
+demand alternating user/assistant turns) quarantines the row as `template_error`.
+
+Special-token strings in dataset text (`<|im_end|>`, `<|endoftext|>`, `</s>` typed into a
+prompt or pasted into an answer):
+- in a prompt (every turn but a reply) they are tokenized as control tokens, as vLLM
+  tokenizes the same chat request: it renders the template to text and encodes it with
+  the tokenizer's default, which reads special-token strings as special tokens
+  (`vllm/renderers/base.py`, `_tokenize_prompt`). The stored ids are then those of the
+  prompts the deployed target reads, and the hidden states computed on them too.
+- in a reply the row is quarantined (`special_token_in_reply`): the target never writes
+  a control token inside a reply, and the same text encoded as plain characters would
+  be tokenized differently again once the reply is history in a later prompt.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
-from mm_assets.domain.prep.conversations import Turn
-from mm_assets.domain.rejection import RowRejected
+from mm_assets.domain.prep.conversations import (
+    Turn,
+    opens_with_assistant,
+    reply_indices,
+    turn_text,
+)
+from mm_assets.domain.prep.supervision import (
+    GENERATION_MARKER,
+    TokenizeDropReason,
+    TokenizedRow,
+    TokenizeRejected,
+    control_token_ids,
+    mask_from_spans,
+    without_trailing,
+)
 
 if TYPE_CHECKING:  # transformers is imported where it is used: it takes seconds
-    from transformers import PreTrainedTokenizerBase, ProcessorMixin
-
-GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-class TokenizeDropReason(StrEnum):
-    NO_SUPERVISED_TOKENS = "no_supervised_tokens"
-    TOO_FEW_SUPERVISED_TOKENS = "too_few_supervised_tokens"
-    TEMPLATE_ERROR = "template_error"
-    RETOKENIZATION_MISMATCH = "retokenization_mismatch"
-
-
-class TokenizeRejected(RowRejected):
-    """A row this stage cannot use, with its reason."""
-
-
-@dataclass(frozen=True)
-class TokenizedRow:
-    """One training row: ids, 0/1 loss mask, and how much of the conversation it covers."""
-
-    input_ids: list[int]
-    loss_mask: list[int]
-    num_turns: int  # the row covers turns[:num_turns]
-    num_images: int  # images inside those turns
-    truncated: bool
-    untruncated_length: int
-
-    @property
-    def num_supervised(self) -> int:
-        return sum(self.loss_mask)
+    from transformers import PreTrainedTokenizerBase
 
 
 def _template_turns(turns: Sequence[Turn]) -> list[Turn]:
@@ -80,20 +78,6 @@ def count_images(turns: Sequence[Turn]) -> int:
         for p in t["content"]
         if p["type"] == "image"
     )
-
-
-def mask_from_spans(
-    offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
-) -> list[int]:
-    """1 for each token whose character range overlaps a supervised span."""
-    mask = []
-    for start, end in offsets:
-        hit = any(
-            (start < s_end and end > s_start) if end > start else s_start <= start < s_end
-            for s_start, s_end in spans
-        )
-        mask.append(int(hit))
-    return mask
 
 
 def expand_image_tokens(
@@ -152,7 +136,7 @@ class ChatTokenizer:
         )
         self.max_length = max_length
         self.min_supervised_tokens = min_supervised_tokens
-        self.special_ids = frozenset(self.tokenizer.all_special_ids)
+        self.special_ids = control_token_ids(self.tokenizer)
         template = getattr(processor, "chat_template", None) or self.tokenizer.chat_template
         if not template:
             raise ValueError(
@@ -192,6 +176,8 @@ class ChatTokenizer:
         )
 
     def _encode(self, text: str, spans: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        """Ids of rendered text as vLLM encodes a rendered chat (no added BOS; special-token
+        strings read as special tokens), 1 where a token overlaps a span."""
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), mask_from_spans(enc["offset_mapping"], spans)
 
@@ -203,17 +189,41 @@ class ChatTokenizer:
             return_dict=True,
             return_assistant_tokens_mask=True,
         )
-        return [(len(turns), list(out["input_ids"]), list(out["assistant_masks"]))]
+        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+        replies = reply_indices(turns)
+        if not replies:
+            mask = [0] * len(ids)
+        elif opens_with_assistant(turns):
+            mask = self._context_unsupervised(turns, replies[0], ids, mask)
+        return [(len(turns), ids, mask)]
+
+    def _context_unsupervised(
+        self, turns: Sequence[Turn], first_reply: int, ids: list[int], mask: list[int]
+    ) -> list[int]:
+        """`mask` with nothing supervised before the first reply's generation prompt ends:
+        the template marks the opening assistant turns as generation too, but they answer
+        no question in the row."""
+        prompt = self.render(turns[:first_reply], add_generation_prompt=True)
+        full = self.render(turns)
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        if not full.startswith(prompt) or list(enc["input_ids"]) != ids:
+            raise TokenizeRejected(
+                TokenizeDropReason.TEMPLATE_ERROR,
+                f"turn {first_reply}: the conversation opens with an assistant turn and the "
+                "full render does not extend the first reply's prompt, so that turn cannot "
+                "be told apart from the replies",
+            )
+        starts = [start for start, _ in enc["offset_mapping"]]
+        return [m if start >= len(prompt) else 0 for m, start in zip(mask, starts, strict=True)]
 
     def _rows_from_prefix_renders(self, turns: Sequence[Turn]) -> list[tuple[int, list, list]]:
         full = self.render(turns)
         spans: list[tuple[int, int]] = []
         renders: list[str] = []
         extends_history = True
-        for j, turn in enumerate(turns):
-            if turn["role"] != "assistant":
-                continue
-            prompt = self.render(turns[:j], add_generation_prompt=True) if j else ""
+        replies = reply_indices(turns)
+        for j in replies:
+            prompt = self.render(turns[:j], add_generation_prompt=True)
             upto = self.render(turns[: j + 1])
             if not upto.startswith(prompt):
                 raise TokenizeRejected(
@@ -227,30 +237,49 @@ class ChatTokenizer:
             extends_history &= full.startswith(upto)
         if extends_history:
             return [(len(turns), *self._encode(full, spans))]
-        assistant_turns = [j for j, t in enumerate(turns) if t["role"] == "assistant"]
         return [
             (j + 1, *self._encode(text, [span]))
-            for j, text, span in zip(assistant_turns, renders, spans, strict=True)
+            for j, text, span in zip(replies, renders, spans, strict=True)
         ]
+
+    def _refuse_special_tokens_in_replies(self, turns: Sequence[Turn]) -> None:
+        """`special_token_in_reply` when a reply's text holds a string the tokenizer reads
+        as a special token (see the module docstring)."""
+        for j in reply_indices(turns):
+            ids = self.tokenizer(turn_text(turns[j]), add_special_tokens=False)["input_ids"]
+            found = sorted({t for t in ids if t in self.special_ids})
+            if found:
+                raise TokenizeRejected(
+                    TokenizeDropReason.SPECIAL_TOKEN_IN_REPLY,
+                    f"turn {j} holds {self.tokenizer.convert_ids_to_tokens(found)}, text the "
+                    "tokenizer reads as special tokens; the target never writes one inside "
+                    "a reply (clean the reply, or drop the row from the dataset)",
+                )
 
     def tokenize(
         self, turns: Sequence[Turn], image_sizes: Sequence[tuple[int, int]] = ()
     ) -> list[TokenizedRow]:
-        """Rows for one conversation; `image_sizes` are (height, width) in part order."""
+        """Rows for one conversation; `image_sizes` are (height, width) in part order.
+        A conversation that gives no row worth training on is refused for that first
+        (a reply of nothing but `<|im_end|>` is `too_few_supervised_tokens`)."""
         try:
             if self.uses_generation_markers:
                 raw_rows = self._rows_from_markers(turns)
             else:
                 raw_rows = self._rows_from_prefix_renders(turns)
         except TemplateError as exc:  # the template refusing this row's content
+            opening = opens_with_assistant(turns)
+            note = " (the conversation opens with an assistant turn)" if opening else ""
             raise TokenizeRejected(
-                TokenizeDropReason.TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}"
+                TokenizeDropReason.TEMPLATE_ERROR, f"{type(exc).__name__}: {exc}{note}"
             ) from exc
         rows = [
             self._training_row(turns, num_turns, ids, mask, image_sizes)
             for num_turns, ids, mask in raw_rows
         ]
-        return self.worth_training(rows)
+        kept = self.worth_training(rows)
+        self._refuse_special_tokens_in_replies(turns)
+        return kept
 
     def content_tokens(self, row: TokenizedRow) -> int:
         """Supervised tokens that are not the tokenizer's special tokens: what the reply
@@ -336,126 +365,3 @@ class ChatTokenizer:
             ids, mask = ids + closing_ids, mask + [1] * len(closing_ids)
             rows.append(self._training_row(turns, index + 1, ids, mask, image_sizes))
         return self.worth_training(rows)
-
-
-def without_trailing(ids: Sequence[int], special_ids: set[int]) -> list[int]:
-    """`ids` without the special tokens at their end (the stop token a reply ends with;
-    the template writes its own)."""
-    out = list(ids)
-    while out and out[-1] in special_ids:
-        out.pop()
-    return out
-
-
-def supervised_runs(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
-    """The [start, end) spans of consecutive supervised tokens, in order."""
-    runs, start = [], None
-    for position, flag in enumerate([*loss_mask, 0]):
-        if flag and start is None:
-            start = position
-        elif not flag and start is not None:
-            runs.append((start, position))
-            start = None
-    return runs
-
-
-def check_generated_ids(
-    row: TokenizedRow, replies: Sequence[tuple[int, Sequence[int]]], special_ids: set[int]
-) -> int:
-    """The trainer must see exactly the tokens the target generated. `replies` are
-    (turn index, generated ids) of the regenerated turns; each supervised run of the row
-    (the last ones it covers: a row per turn supervises only its last) must begin with
-    the reply's ids, without the stop token the template writes itself. A template whose
-    re-tokenization of the decoded text differs (merges across the boundary, stripped
-    whitespace) is refused. Returns the number of replies checked."""
-    covered = [
-        without_trailing(ids, special_ids) for index, ids in replies if index < row.num_turns
-    ]
-    runs = supervised_runs(row.loss_mask)
-    if len(runs) > len(covered):
-        raise TokenizeRejected(
-            TokenizeDropReason.RETOKENIZATION_MISMATCH,
-            f"{len(runs)} supervised spans for {len(covered)} generated replies",
-        )
-    last = covered[len(covered) - len(runs) :]
-    for n, ((start, end), ids) in enumerate(zip(runs, last, strict=True)):
-        got = row.input_ids[start:end]
-        cut = row.truncated and end == len(row.input_ids)
-        expected = ids[: len(got)] if cut else ids
-        if got[: len(expected)] != expected:
-            raise TokenizeRejected(
-                TokenizeDropReason.RETOKENIZATION_MISMATCH,
-                f"reply {n}: {first_mismatch(got, expected)}",
-            )
-    return len(runs)
-
-
-def first_mismatch(got: Sequence[int], expected: Sequence[int]) -> str:
-    for position, (a, b) in enumerate(zip(got, expected, strict=False)):
-        if a != b:
-            return f"token {position}: template gives {a}, the target generated {b}"
-    return f"template gives {len(got)} tokens, the target generated {len(expected)}"
-
-
-def tokenize_with_pixels(processor: ProcessorMixin, turns: Sequence[Turn]) -> dict[str, list]:
-    """The eager reference: the processor decodes every image. Used by tests and the
-    benchmark to check and measure the lazy path, never by the pipeline."""
-    from PIL import Image
-
-    def decoded(path: str) -> Image.Image:
-        # Pillow, not transformers' loader: its torchvision decoder needs compiled ops
-        # that the CPU build here lacks.
-        with Image.open(path) as image:
-            return image.convert("RGB")
-
-    conv = [
-        {
-            **t,
-            "content": [
-                {"type": "image", "image": decoded(p["path"])} if p["type"] == "image" else p
-                for p in t["content"]
-            ],
-        }
-        if isinstance(t["content"], list)
-        else t
-        for t in turns
-    ]
-    has_markers = bool(GENERATION_MARKER.search(processor.chat_template or ""))
-    out = processor.apply_chat_template(
-        conv, tokenize=True, return_dict=True, return_assistant_tokens_mask=has_markers
-    )
-    ids = out["input_ids"]
-    ids = ids[0] if ids and isinstance(ids[0], list) else ids
-    result = {"input_ids": list(ids)}
-    if has_markers:
-        mask = out["assistant_masks"]
-        result["loss_mask"] = list(mask[0] if mask and isinstance(mask[0], list) else mask)
-    return result
-
-
-def render_supervision(
-    tokenizer: PreTrainedTokenizerBase,
-    ids: Sequence[int],
-    mask: Sequence[int],
-    image_token_id: int | None = None,
-) -> str:
-    """Decoded text with supervised spans in ⟦…⟧ and image blocks collapsed, for the UI."""
-    pieces: list[str] = []
-    i = 0
-    while i < len(ids):
-        j = i
-        if image_token_id is not None and ids[i] == image_token_id:
-            while j < len(ids) and ids[j] == image_token_id:
-                j += 1
-            pieces.append(f"<image ×{j - i}>")
-        else:
-            while (
-                j < len(ids)
-                and mask[j] == mask[i]
-                and (image_token_id is None or ids[j] != image_token_id)
-            ):
-                j += 1
-            text = tokenizer.decode(list(ids[i:j]), skip_special_tokens=False)
-            pieces.append(f"⟦{text}⟧" if mask[i] else text)
-        i = j
-    return "".join(pieces)
