@@ -331,3 +331,62 @@ def test_a_row_answered_without_a_readable_file_is_requested_again(tmp_path: Pat
     (rejection,) = tally.rejections
     assert rejection["row_id"] == "never" and rejection["reason"] == "bad_file"
     assert "after 3 requests" in rejection["detail"] and "local_path_prefix" in rejection["detail"]
+
+
+def _completions_server(tmp_path: Path, ask: list[list[int]] | None = None):
+    """A stand-in vLLM answering every Completions request with a valid file for its
+    prompt (written and released, as the connector leaves it)."""
+    import itertools
+    import json
+
+    import httpx
+
+    names = itertools.count()
+
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "m", "object": "model",
+                                  "created": 0, "owned_by": "x"}], "object": "list"})  # fmt: skip
+        prompt = json.loads(request.content)["prompt"]
+        path = _response_file(tmp_path, _tensors(len(prompt), ids=prompt),
+                              f"answer{next(names)}.safetensors")  # fmt: skip
+        choice = {"index": 0, "text": "x", "finish_reason": "length", "prompt_token_ids": prompt}
+        return httpx.Response(200, json={
+            "id": "c", "object": "text_completion", "created": 0, "model": "m",
+            "choices": [choice], "kv_transfer_params": {"hidden_states_path": str(path)},
+        })  # fmt: skip
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(server))
+
+
+def test_counts_of_many_concurrent_stores_equal_the_manifest(tmp_path: Path) -> None:
+    """Many storer threads finish at once; the counts the step reports (rows, tokens,
+    bytes) are exactly what the manifest lists. The interpreter switches threads as
+    often as it can, so a count updated from the storer threads would lose updates."""
+    import sys
+
+    from mm_assets.services.extraction import manifest_rows, run_extraction
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        layout = HiddenStatesLayout("t", [2, 4, 5, 8], 8, "float32")
+        rows = [
+            {"row_id": f"r{i}", "sample_id": f"r{i}", "input_ids": [i, i + 1, *range(i % 7)],
+             "image_hashes": [], "loss_mask": [0, 1, *([1] * (i % 7))]}
+            for i in range(300)
+        ]  # fmt: skip
+        blobs = BlobStore(tmp_path / "root")
+        plan = plan_extraction(rows, layout, blobs)
+        client = HiddenStatesClient(
+            ["http://vllm.test/v1"], concurrency=32, http_client=_completions_server(tmp_path)
+        )
+        requests = [ExtractionRequest(r["row_id"], r["input_ids"]) for r in rows]
+        tally = run_extraction(client, requests, plan, layout, blobs)
+    finally:
+        sys.setswitchinterval(previous)
+    manifest = list(manifest_rows(plan, set(), layout, blobs))
+    assert len(manifest) == len(rows) and not tally.rejections
+    assert tally.stored == len(manifest)
+    assert tally.stored_tokens == sum(r["num_tokens"] for r in manifest)
+    assert tally.stored_bytes == sum(r["bytes"] for r in manifest)
