@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from mm_assets.assets.resources import StorageResource, VllmResource
 from mm_assets.clients.vllm_client import HiddenStatesClient
 from mm_assets.domain.model.hidden_state_format import FP8_ERROR_BOUND
+from mm_assets.domain.model.hidden_state_plan import plan_extraction
 from mm_assets.domain.model.hidden_states import (
     HiddenStatesLayout,
     TextConfigFacts,
@@ -29,7 +30,7 @@ from mm_assets.domain.model.hidden_states import (
     text_config_facts,
 )
 from mm_assets.domain.model.training_data import read_states
-from mm_assets.services.extraction import plan_extraction, requests_for, run_extraction
+from mm_assets.services.extraction import requests_for, run_extraction
 from mm_assets.storage.blobs import BlobStore
 from tests.conftest import PREP_ASSETS, SESSION_HOME, materialize
 
@@ -169,7 +170,7 @@ def test_token_mismatch_is_rejected_and_nothing_stored(
     rows = [{**row, "input_ids": altered}]
     blobs = BlobStore(tmp_path)
     settings = _settings(demo_dir)
-    plan = plan_extraction(rows, settings, blobs)
+    plan = plan_extraction(rows, settings, blobs.has)
     client = HiddenStatesClient([vllm_server.base_url], concurrency=1)
     (request,) = requests_for(rows, {row["row_id"]}, image_token)
     assert request.image_urls and request.prompt_ids.count(image_token) == 1

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mm_assets.clients.connector_files import wait_for_writer
 from mm_assets.clients.vllm_client import (
     ExtractionRequest,
     ExtractionResponse,
@@ -25,6 +26,7 @@ from mm_assets.domain.model.hidden_state_checks import (
     HiddenStatesRejected,
     validate_tensors,
 )
+from mm_assets.domain.model.hidden_state_plan import manifest_rows, plan_extraction
 from mm_assets.domain.model.hidden_states import (
     HiddenStatesLayout,
     cache_key,
@@ -33,12 +35,12 @@ from mm_assets.domain.model.hidden_states import (
     text_config_facts,
     validate_layer_ids,
 )
+from mm_assets.services.errors import DiskBudgetError
 from mm_assets.services.extraction import (
-    DiskBudgetError,
     check_disk_budget,
-    plan_extraction,
+    run_extraction,
     store_response,
-    wait_for_writer,
+    stored_blobs,
 )
 from mm_assets.storage.blobs import BlobStore
 
@@ -128,7 +130,7 @@ def test_plan_skips_cached_and_duplicate_rows(tmp_path: Path) -> None:
     ]
     rows = [{**row, "loss_mask": [0] + [1] * (len(row["input_ids"]) - 1)} for row in rows]
     blobs.put_tensors(_tensors(3), settings.key([3, 4, 5], [], [0, 1, 1]))
-    plan = plan_extraction(rows, settings, blobs)
+    plan = plan_extraction(rows, settings, blobs.has)
     assert plan.missing == {"a"} and plan.cache_hits == 2 and plan.missing_tokens == 2
 
 
@@ -137,7 +139,6 @@ def test_the_manifest_records_blob_paths_relative_to_the_storage_root(tmp_path: 
     the manifest lists; a manifest of older runs (absolute paths) still reads."""
     import shutil
 
-    from mm_assets.services.extraction import manifest_rows
     from mm_assets.storage import TableStore
 
     layout = HiddenStatesLayout("t", [2, 4, 5, 8], 8, "float32")
@@ -145,7 +146,8 @@ def test_the_manifest_records_blob_paths_relative_to_the_storage_root(tmp_path: 
     row = {"row_id": "a", "sample_id": "a", "input_ids": [1, 2, 3], "image_hashes": []}
     row["loss_mask"] = [0, 1, 1]
     blobs.put_tensors(_tensors(3), layout.key(row["input_ids"], [], row["loss_mask"]))
-    (listed,) = manifest_rows(plan_extraction([row], layout, blobs), set(), layout, blobs)
+    plan = plan_extraction([row], layout, blobs.has)
+    (listed,) = manifest_rows(plan, set(), layout, stored_blobs(blobs, layout))
     assert not Path(listed["path"]).is_absolute()
     shutil.move(tmp_path / "before", tmp_path / "after")
     moved = TableStore(tmp_path / "after").resolve(listed["path"])
@@ -163,7 +165,7 @@ def test_disk_budget_refuses_what_cannot_fit(tmp_path: Path, monkeypatch) -> Non
         }
         for i in range(10)
     ]  # fmt: skip
-    plan = plan_extraction(rows, settings, blobs)
+    plan = plan_extraction(rows, settings, blobs.has)
     needed = settings.estimate(81920, 40960, 10)
     assert needed > 4 * 4096 * 2 * 81920  # ~2.7 GB for ten 8k-token rows
     monkeypatch.setattr(BlobStore, "free_bytes", lambda self: needed // 2)
@@ -292,8 +294,6 @@ def test_a_row_answered_without_a_readable_file_is_requested_again(tmp_path: Pat
 
     import httpx
 
-    from mm_assets.services.extraction import run_extraction
-
     layout = HiddenStatesLayout("t", [2, 4, 5, 8], 8, "float32")
     rows = [
         {"row_id": row_id, "sample_id": row_id, "input_ids": ids, "image_hashes": [],
@@ -301,7 +301,7 @@ def test_a_row_answered_without_a_readable_file_is_requested_again(tmp_path: Pat
         for row_id, ids in (("late", [1, 2, 3]), ("never", [4, 5, 6]))
     ]  # fmt: skip
     blobs = BlobStore(tmp_path / "root")
-    plan = plan_extraction(rows, layout, blobs)
+    plan = plan_extraction(rows, layout, blobs.has)
     asked: list[list[int]] = []
 
     def server(request: httpx.Request) -> httpx.Response:
@@ -365,8 +365,6 @@ def test_counts_of_many_concurrent_stores_equal_the_manifest(tmp_path: Path) -> 
     often as it can, so a count updated from the storer threads would lose updates."""
     import sys
 
-    from mm_assets.services.extraction import manifest_rows, run_extraction
-
     previous = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
@@ -377,7 +375,7 @@ def test_counts_of_many_concurrent_stores_equal_the_manifest(tmp_path: Path) -> 
             for i in range(300)
         ]  # fmt: skip
         blobs = BlobStore(tmp_path / "root")
-        plan = plan_extraction(rows, layout, blobs)
+        plan = plan_extraction(rows, layout, blobs.has)
         client = HiddenStatesClient(
             ["http://vllm.test/v1"], concurrency=32, http_client=_completions_server(tmp_path)
         )
@@ -385,7 +383,7 @@ def test_counts_of_many_concurrent_stores_equal_the_manifest(tmp_path: Path) -> 
         tally = run_extraction(client, requests, plan, layout, blobs)
     finally:
         sys.setswitchinterval(previous)
-    manifest = list(manifest_rows(plan, set(), layout, blobs))
+    manifest = list(manifest_rows(plan, set(), layout, stored_blobs(blobs, layout)))
     assert len(manifest) == len(rows) and not tally.rejections
     assert tally.stored == len(manifest)
     assert tally.stored_tokens == sum(r["num_tokens"] for r in manifest)

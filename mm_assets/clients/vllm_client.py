@@ -26,6 +26,7 @@ retries' backoff; a dead fleet stops the run within a few tries per request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -35,6 +36,7 @@ from typing import Any, TypeVar
 import httpx
 import openai
 
+logger = logging.getLogger(__name__)
 TOKEN_IN_PATH = "/inference/v1/generate"
 TRANSIENT = (
     openai.APIConnectionError,
@@ -155,7 +157,9 @@ class VllmClient:
     transient errors on another server when there is one, a failing server taken out of
     rotation (see the module's docstring). `http_client` replaces the `openai` client's
     own (tests inject an `httpx.MockTransport`); `backoff_s` is the first retry's mean
-    wait when no other server can take it, doubling with each further try."""
+    wait when no other server can take it, doubling with each further try. Rotation
+    changes are logged to this module's logger (Dagster captures it); `log` gets the
+    same lines too (tests collect them)."""
 
     def __init__(
         self,
@@ -215,10 +219,11 @@ class VllmClient:
             server.out_until = time.monotonic() + self.probe_after_s
         if not probing and server.out_until is not None:
             server.stats.taken_out += 1
-            self.log(
+            self._tell(
+                logging.WARNING,
                 f"vLLM server {server.stats.url} taken out of rotation after "
                 f"{server.failed_in_a_row} failed tries in a row ({server.last_error}); "
-                f"its requests go to the others, a probe in {self.probe_after_s:.0f}s"
+                f"its requests go to the others, a probe in {self.probe_after_s:.0f}s",
             )
 
     def _answered(self, server: _Server, tokens: int) -> None:
@@ -227,7 +232,12 @@ class VllmClient:
         server.stats.tokens += tokens
         if server.out_until is not None:
             server.out_until = None
-            self.log(f"vLLM server {server.stats.url} answers again: back in rotation")
+            line = f"vLLM server {server.stats.url} answers again: back in rotation"
+            self._tell(logging.INFO, line)
+
+    def _tell(self, level: int, line: str) -> None:
+        logger.log(level, line)
+        self.log(line)
 
     async def call(
         self,
