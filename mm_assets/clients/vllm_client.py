@@ -130,13 +130,8 @@ class _Server:
         timeout_s: float,
         http_client: httpx.AsyncClient | None,
     ) -> None:
-        self.client = openai.AsyncOpenAI(
-            base_url=base_url,
-            api_key=api_key,
-            timeout=timeout_s,
-            max_retries=0,
-            http_client=http_client,
-        )
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s,
+                                         max_retries=0, http_client=http_client)  # fmt: skip
         self.in_flight = 0
         self.model: str | None = None
         self.failed_in_a_row = 0
@@ -158,8 +153,7 @@ class VllmClient:
     rotation (see the module's docstring). `http_client` replaces the `openai` client's
     own (tests inject an `httpx.MockTransport`); `backoff_s` is the first retry's mean
     wait when no other server can take it, doubling with each further try. Rotation
-    changes are logged to this module's logger (Dagster captures it); `log` gets the
-    same lines too (tests collect them)."""
+    changes go to this module's logger, and to `log` too (tests collect them)."""
 
     def __init__(
         self,
@@ -220,10 +214,10 @@ class VllmClient:
         if not probing and server.out_until is not None:
             server.stats.taken_out += 1
             self._tell(
-                logging.WARNING,
                 f"vLLM server {server.stats.url} taken out of rotation after "
                 f"{server.failed_in_a_row} failed tries in a row ({server.last_error}); "
                 f"its requests go to the others, a probe in {self.probe_after_s:.0f}s",
+                logging.WARNING,
             )
 
     def _answered(self, server: _Server, tokens: int) -> None:
@@ -232,10 +226,9 @@ class VllmClient:
         server.stats.tokens += tokens
         if server.out_until is not None:
             server.out_until = None
-            line = f"vLLM server {server.stats.url} answers again: back in rotation"
-            self._tell(logging.INFO, line)
+            self._tell(f"vLLM server {server.stats.url} answers again: back in rotation")
 
-    def _tell(self, level: int, line: str) -> None:
+    def _tell(self, line: str, level: int = logging.INFO) -> None:
         logger.log(level, line)
         self.log(line)
 

@@ -27,7 +27,6 @@ from mm_assets.domain.model.hidden_state_checks import (
 from mm_assets.domain.model.hidden_state_codec import encode, stored_error
 from mm_assets.domain.model.hidden_state_plan import (
     Plan,
-    StoredBlob,
     StoredTotals,
     manifest_rows,
     plan_extraction,
@@ -138,17 +137,16 @@ def store_response(
         discard(source)
 
 
-def stored_blobs(
-    blobs: BlobStore, layout: HiddenStatesLayout
-) -> Callable[[str], StoredBlob | None]:
+def stored_blobs(blobs: BlobStore, layout: HiddenStatesLayout) -> Callable[[str], dict | None]:
     """What the manifest records of a key the blob store holds (None: not stored)."""
 
-    def stored(key: str) -> StoredBlob | None:
+    def stored(key: str) -> dict | None:
         path = blobs.path(key)
         if not path.is_file():
             return None
         error = [0.0] * 4 if layout.storage.is_native else stored_error(path)
-        return StoredBlob(blobs.stored_path(key), path.stat().st_size, error)
+        return {"path": blobs.stored_path(key), "bytes": path.stat().st_size,
+                "max_rel_error": error}  # fmt: skip
 
     return stored
 
@@ -178,19 +176,11 @@ class HiddenStatesJob:
         self, request: ExtractionRequest, answer: ExtractionResponse | Exception, final: bool
     ) -> Outcome:
         """Store one response, or say why its row is rejected; `ASK_AGAIN` when its file
-        could not be read (unless `final`)."""
-        outcome = self._store(request, answer, final)
-        if outcome is not ASK_AGAIN and self.loss_masks is not None:
-            self.loss_masks.pop(request.row_id, None)  # held only while its row is in flight
-        return outcome
-
-    def _store(
-        self, request: ExtractionRequest, answer: ExtractionResponse | Exception, final: bool
-    ) -> Outcome:
+        could not be read (unless `final`). A row's mask is held only while it is asked."""
+        masks = self.loss_masks if self.loss_masks is not None else {}
+        mask, key = masks.pop(request.row_id, None), self.keys[request.row_id]
         if isinstance(answer, Exception):
             return Rejected(request.row_id, "request_refused", str(answer))
-        mask = self.loss_masks.get(request.row_id) if self.loss_masks is not None else None
-        key = self.keys[request.row_id]
         try:
             path = store_response(
                 request, answer, key, self.layout, self.blobs, self.path_map, loss_mask=mask
@@ -199,6 +189,8 @@ class HiddenStatesJob:
             return Rejected(request.row_id, exc.reason.value, exc.detail)
         except (OSError, TimeoutError, ValueError) as exc:
             if not final:
+                if mask is not None:
+                    masks[request.row_id] = mask
                 return ASK_AGAIN
             return Rejected(
                 request.row_id, "bad_file",

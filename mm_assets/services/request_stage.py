@@ -1,17 +1,15 @@
 """One request stage for every job that asks vLLM one result per row and stores it:
-target responses, hidden states, and whatever comes next (the trainer fetching hidden
-states).
+target responses, hidden states, and next the trainer fetching hidden states.
 
 The caller plans against its store first: rows whose result is stored under their
-content key are cache hits and are never passed in, and with nothing left no server is
-started. The stage reaches the servers (`VllmEngine`'s session: a managed server or the
-fleet), sends every item through one `VllmClient` (rotation, breaker, retries), hands
-each answer to the job's writer in a storer thread, and returns one `RequestReport`:
-counts, per-server stats, rejections by reason.
+content key are cache hits and never passed in (with none left, no server starts). The
+stage reaches the servers (a managed server or the fleet), sends every item through one
+`VllmClient` (rotation, breaker, retries), hands each answer to the job's writer in a
+storer thread and returns one `RequestReport` (counts, per-server stats, rejections).
 
 Writers run in many threads at once (storing mostly waits on the disk or on vLLM's
-connector, and must not hold back the next requests), so they only return what they did;
-the counts change in one place, on the event loop.
+connector, and must not hold back the next requests), so they only return what they did:
+the counts change in one place, on the event loop (`+=` from the threads loses updates).
 """
 
 from __future__ import annotations
@@ -38,15 +36,13 @@ Client = TypeVar("Client", bound=VllmClient)
 
 @dataclass(frozen=True)
 class Stored:
-    """An answer stored: the tokens it counts and the bytes it takes."""
-
     tokens: int
     bytes: int = 0
 
 
 @dataclass(frozen=True)
 class Rejected:
-    """An answer not stored, with the reason; `tokens`: what it counts all the same."""
+    """Not stored, with the reason; `tokens`: what the answer counts all the same."""
 
     row_id: str
     reason: str
@@ -54,41 +50,31 @@ class Rejected:
     tokens: int = 0
 
 
-ASK_AGAIN = None
-"""A writer's outcome for an answer to ask for again (unless it was the last try)."""
-
+ASK_AGAIN = None  # a writer's outcome: ask for this item again (unless it was the last try)
 Outcome = Stored | Rejected | None
 
 
 class RequestJob(Protocol):
-    """What a stage asks for each item and how it stores the answer."""
-
-    what: str
-    """What the progress lines count ("hidden states")."""
-    kept: str
-    """What a rerun after a dead server finds ("Samples stored so far are kept")."""
-    ask_again: int
-    """How often an item is asked again when its writer returns `ASK_AGAIN`."""
-    workers_per_slot: int
-    """Items in progress per request in flight: more than one when an item waits
-    between its requests (a conversation's turns), so the freed slot serves another."""
+    what: str  # what the progress lines count
+    kept: str  # what a rerun after a dead server finds
+    ask_again: int  # how often an item is asked again when its writer says `ASK_AGAIN`
+    workers_per_slot: int  # items in progress per request in flight (see `VllmClient.map`)
 
     async def ask(self, client: Any, item: Any) -> Any: ...
 
     def write(self, item: Any, answer: Any, final: bool) -> Outcome:
-        """Store one answer (or a `RequestRefused`); runs in a storer thread."""
+        """Store one answer (or a `RequestRefused`), in a storer thread."""
         ...
 
 
 @dataclass
 class RequestReport:
-    """What the requests of one run did."""
+    """What the requests of one run did; `tokens`: of every answer, stored or not."""
 
     stored: int = 0
     stored_tokens: int = 0
     stored_bytes: int = 0
     tokens: int = 0
-    """Tokens of every answer, stored or rejected."""
     rejections: list[dict[str, str]] = field(default_factory=list)
     requests_sent: int = 0
     servers: list[dict[str, Any]] = field(default_factory=list)
@@ -98,24 +84,20 @@ class RequestReport:
     server_rss_bytes: int | None = None
 
     @property
-    def done(self) -> int:
-        return self.stored + len(self.rejections)
-
-    @property
     def rejections_by_reason(self) -> Counter[str]:
         return Counter(r["reason"] for r in self.rejections)
 
     def count(self, outcome: Stored | Rejected) -> None:
-        """Called on the event loop only (see the module's docstring)."""
+        """On the event loop only (see the module's docstring)."""
         self.tokens += outcome.tokens
         if isinstance(outcome, Rejected):
             self.rejections.append(
                 {"row_id": outcome.row_id, "reason": outcome.reason, "detail": outcome.detail}
             )
-            return
-        self.stored += 1
-        self.stored_tokens += outcome.tokens
-        self.stored_bytes += outcome.bytes
+        else:
+            self.stored += 1
+            self.stored_tokens += outcome.tokens
+            self.stored_bytes += outcome.bytes
 
 
 def run_requests(
@@ -123,9 +105,8 @@ def run_requests(
 ) -> RequestReport:
     """Ask for every item and store each answer; per-item problems come back as
     rejections, servers that stop answering raise `CircuitOpen`."""
-    report = RequestReport()
+    report, started = RequestReport(), time.perf_counter()
     progress = Progress(logger.info, job.what, total, every_s=10.0)
-    started = time.perf_counter()
 
     async def ask(item: Any) -> Any:
         return await job.ask(client, item)
@@ -144,12 +125,11 @@ def run_requests(
         assert outcome is not None  # the last try's writer decides
         report.count(outcome)
         rate = report.tokens / max(time.perf_counter() - started, 1e-9)
-        progress.update(report.done, f"{rate:,.0f} tok/s")
+        progress.update(report.stored + len(report.rejections), f"{rate:,.0f} tok/s")
 
     async def main() -> None:
-        workers = job.workers_per_slot * client.concurrency
         try:
-            await client.map(items, ask, handle, workers=workers)
+            await client.map(items, ask, handle, workers=job.workers_per_slot * client.concurrency)
         except* CircuitOpen as group:
             raise group.exceptions[0] from None
         finally:
@@ -168,8 +148,8 @@ def run_requests(
 
 @dataclass(frozen=True)
 class RequestStage:
-    """A step's requests: `session` is `VllmEngine.session(...)` (or its extraction
-    variant), entered here and left when the requests are done."""
+    """A step's requests; `session` is `VllmEngine.session(...)` (or its extraction
+    twin), entered here and left when the requests are done."""
 
     session: AbstractContextManager[ServerSession]
     settings: RequestSettings
@@ -178,8 +158,8 @@ class RequestStage:
     def run(
         self, client_type: type[Client], job: RequestJob, items: Iterable[Any], total: int
     ) -> RequestReport:
-        """Start (or reach) the servers and run every item through them; a server that
-        stops answering stops the step with `ServerUnavailable` (what is stored stays)."""
+        """Every item through the servers; one that stops answering stops the step with
+        `ServerUnavailable` (what is stored stays for the rerun)."""
         with self.session as served:
             if served.managed:
                 startup = served.managed.startup_seconds or 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION, HiddenStatesLayout
 
@@ -60,34 +61,25 @@ def plan_extraction(
     return Plan(planned, missing)
 
 
-@dataclass(frozen=True)
-class StoredBlob:
-    """What the blob store says of one stored key."""
-
-    path: str
-    """As the manifest records it (relative to the storage root)."""
-    bytes: int
-    max_rel_error: list[float]
-
-
 def manifest_rows(
     plan: Plan,
     rejected: set[str],
     layout: HiddenStatesLayout,
-    stored: Callable[[str], StoredBlob | None],
+    stored: Callable[[str], dict[str, Any] | None],
 ) -> Iterator[dict]:
-    """One row per stored sample: its blob and how it was made (checked by training)."""
+    """One row per stored sample: its blob and how it was made (checked by training).
+    `stored(key)`: the blob's `path` (as recorded), `bytes` and `max_rel_error`, or None
+    when the store does not hold it."""
     for row in plan.rows:
-        blob = stored(row.key) if row.row_id not in rejected else None
+        blob = None if row.row_id in rejected else stored(row.key)
         if blob is None:
             continue
         yield {
             "row_id": row.row_id,
             "sample_id": row.sample_id,
             "blob_key": row.key,
-            "path": blob.path,
             "num_tokens": row.num_tokens,
-            "bytes": blob.bytes,
+            **blob,
             "layer_ids": layout.layer_ids,
             "layer_convention": LAYER_CONVENTION,
             "dtype": layout.dtype,
@@ -95,7 +87,6 @@ def manifest_rows(
             "target_fingerprint": layout.target_fingerprint,
             "storage_dtype": layout.storage.dtype.value,
             "final_layer": layout.storage.final_layer.value,
-            "max_rel_error": blob.max_rel_error,
         }
 
 
