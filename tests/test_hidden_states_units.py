@@ -6,7 +6,6 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -176,20 +175,30 @@ def test_disk_budget_refuses_what_cannot_fit(tmp_path: Path, monkeypatch) -> Non
 
 
 def test_wait_for_writer_blocks_until_the_lock_is_released(tmp_path: Path) -> None:
+    """The waiter returns only once the writer released its lock, never before; a lock
+    never released is a `TimeoutError`."""
     path = tmp_path / "x.safetensors"
     fd = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)
-    released = []
+    events: list[str] = []
+    waiting, returned = threading.Event(), threading.Event()
 
-    def release() -> None:
-        time.sleep(0.3)
-        path.write_bytes(b"done")
-        released.append(time.monotonic())
-        os.close(fd)
+    def wait() -> None:
+        waiting.set()
+        wait_for_writer(path, timeout_s=10)
+        events.append("returned")
+        returned.set()
 
-    threading.Thread(target=release).start()
-    wait_for_writer(path, timeout_s=10)
-    assert released and time.monotonic() >= released[0]
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert waiting.wait(timeout=10)
+    # still locked: the waiter must not return, however long it is given
+    assert not returned.wait(timeout=0.2) and events == []
+    path.write_bytes(b"done")
+    events.append("released")
+    os.close(fd)  # releases the lock
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and events == ["released", "returned"]
     fd2 = os.open(f"{path}.lock", os.O_WRONLY)
     fcntl.flock(fd2, fcntl.LOCK_EX)
     with pytest.raises(TimeoutError):
