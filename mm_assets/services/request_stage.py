@@ -1,15 +1,13 @@
-"""One request stage for every job that asks vLLM one result per row and stores it:
-target responses, hidden states, and next the trainer fetching hidden states.
-
-The caller plans against its store first: rows whose result is stored under their
-content key are cache hits and never passed in (with none left, no server starts). The
-stage reaches the servers (a managed server or the fleet), sends every item through one
+"""One request stage for every job that asks vLLM one result per row and stores it
+(target responses, hidden states, next the trainer fetching hidden states). The caller
+plans first: rows stored under their content key are never passed in, and with none left
+no server starts. The stage reaches the servers, sends every item through one
 `VllmClient` (rotation, breaker, retries), hands each answer to the job's writer in a
-storer thread and returns one `RequestReport` (counts, per-server stats, rejections).
+storer thread, and returns one `RequestReport` (counts, per-server stats, rejections).
 
-Writers run in many threads at once (storing mostly waits on the disk or on vLLM's
-connector, and must not hold back the next requests), so they only return what they did:
-the counts change in one place, on the event loop (`+=` from the threads loses updates).
+Writers run in many threads at once (storing waits on the disk or on vLLM's connector,
+and must not hold back the next requests), so they only return what they did: the
+counts change in one place, on the event loop (`+=` from the threads loses updates).
 """
 
 from __future__ import annotations
