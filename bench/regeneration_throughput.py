@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import datetime
 import json
+import logging
 import os
 import shlex
 import statistics
@@ -233,14 +234,14 @@ def _asset_run(setup: Setup, round_index: int) -> ArmRun:
         settings=setup.settings,
         image_root=setup.image_root,
         log_path=setup.work / "logs" / f"asset_round_{round_index}.log",
-        log=_stderr,
     )
     started = time.perf_counter()
     report = regeneration.run("target")
     wall = time.perf_counter() - started
-    if report.requests_sent <= 0 or report.cache_hits != 0:
+    requests = report.requests
+    if requests.requests_sent <= 0 or report.cache_hits != 0:
         raise RuntimeError(
-            f"asset round {round_index}: {report.requests_sent} requests sent, "
+            f"asset round {round_index}: {requests.requests_sent} requests sent, "
             f"{report.cache_hits} cache hits; expected requests and no cache hits"
         )
     if report.conversations != len(setup.rows):
@@ -249,7 +250,7 @@ def _asset_run(setup: Setup, round_index: int) -> ArmRun:
     for row in tables.iter_rows(TABLE, setup.partition, ["sample_id", "reply_token_ids"]):
         replies[row["sample_id"]] = [list(ids) for ids in row["reply_token_ids"]]
     return ArmRun(
-        ASSET, round_index, report.generated_tokens, report.seconds, report.requests_sent,
+        ASSET, round_index, requests.tokens, requests.seconds, requests.requests_sent,
         replies, wall,
     )  # fmt: skip
 
@@ -448,6 +449,8 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=2, help="bare + asset pairs")
     args = parser.parse_args()
+    # the asset path's progress lines (module loggers) on stderr, like `_stderr`'s
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.conversations < 1 or args.max_tokens < 1 or args.rounds < 1:
         parser.error("--conversations, --max-tokens and --rounds must be at least 1")
     command = " ".join(

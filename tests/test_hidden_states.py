@@ -3,13 +3,9 @@ transformers, token-id mismatches, resume after a crash, and the content-address
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
-import signal
-import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import dagster as dg
@@ -21,6 +17,7 @@ from safetensors.torch import load_file
 from mm_assets.assets.resources import StorageResource, VllmResource
 from mm_assets.clients.vllm_client import HiddenStatesClient
 from mm_assets.domain.model.hidden_state_format import FP8_ERROR_BOUND
+from mm_assets.domain.model.hidden_state_plan import plan_extraction
 from mm_assets.domain.model.hidden_states import (
     HiddenStatesLayout,
     TextConfigFacts,
@@ -29,9 +26,10 @@ from mm_assets.domain.model.hidden_states import (
     text_config_facts,
 )
 from mm_assets.domain.model.training_data import read_states
-from mm_assets.services.extraction import plan_extraction, requests_for, run_extraction
+from mm_assets.services.extraction import requests_for, run_extraction
 from mm_assets.storage.blobs import BlobStore
 from tests.conftest import PREP_ASSETS, SESSION_HOME, materialize
+from tests.server_kills import kill_servers_at_store
 
 pytestmark = pytest.mark.slow
 PARITY_ATOL = 1e-5  # fp32, vLLM CPU kernels vs transformers eager; measured ≤ 2e-7
@@ -169,7 +167,7 @@ def test_token_mismatch_is_rejected_and_nothing_stored(
     rows = [{**row, "input_ids": altered}]
     blobs = BlobStore(tmp_path)
     settings = _settings(demo_dir)
-    plan = plan_extraction(rows, settings, blobs)
+    plan = plan_extraction(rows, settings, blobs.has)
     client = HiddenStatesClient([vllm_server.base_url], concurrency=1)
     (request,) = requests_for(rows, {row["row_id"]}, image_token)
     assert request.image_urls and request.prompt_ids.count(image_token) == 1
@@ -217,28 +215,26 @@ def _copy_prep_tables(src_root: Path, dest_root: Path, partition: str) -> None:
         shutil.copyfile(src, dest)
 
 
-def _kill_server_after(blob_dir: Path, count: int, marker: str) -> threading.Thread:
-    """Kill the managed vLLM server (SIGKILL, whole group) once `count` blobs exist."""
+def _servers_started_with(marker: str) -> Callable[[], list[int]]:
+    """The vLLM API servers whose command line holds `marker` (their own directory)."""
 
-    def watch() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if len(list(blob_dir.rglob("*.safetensors"))) >= count:
-                for proc in psutil.process_iter(["cmdline"]):
-                    cmdline = " ".join(proc.info["cmdline"] or ())
-                    if "api_server" in cmdline and marker in cmdline:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
-                            return
-            time.sleep(0.05)
+    def pids() -> list[int]:
+        found = []
+        for proc in psutil.process_iter(["cmdline"]):
+            cmdline = " ".join(proc.info["cmdline"] or ())
+            if "api_server" in cmdline and marker in cmdline:
+                found.append(proc.pid)
+        return found
 
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
+    return pids
+
+
+def _blobs_at_least(blob_dir: Path, count: int) -> Callable[[], bool]:
+    return lambda: len(list(blob_dir.rglob("*.safetensors"))) >= count
 
 
 def test_kill_mid_run_then_resume_matches_uninterrupted_run(
-    extracted, vllm_server, tmp_path: Path
+    extracted, vllm_server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Managed mode, storing the compact format (encoded as files arrive): the server
     dies mid-run, the step fails cleanly, the rerun (on the session's server, to spare a
@@ -254,7 +250,9 @@ def test_kill_mid_run_then_resume_matches_uninterrupted_run(
     settings = {"concurrency": 2, "breaker_failures": 2, "max_retries": 1, **FP8_NEEDED}
     config = {"ops": {"hidden_states": {"config": settings}}}
     blob_dir = root / "blobs" / "hidden_states"
-    watcher = _kill_server_after(blob_dir, 30, str(root))
+    killed = kill_servers_at_store(
+        monkeypatch, _blobs_at_least(blob_dir, 30), _servers_started_with(str(root))
+    )
     from mm_assets.definitions import defs
 
     first = dg.materialize(
@@ -265,8 +263,7 @@ def test_kill_mid_run_then_resume_matches_uninterrupted_run(
         run_config=config,
         raise_on_error=False,
     )
-    watcher.join(timeout=5)
-    assert not first.success
+    assert killed and not first.success
     failure = next(e for e in first.all_events if e.event_type_value == "STEP_FAILURE")
     assert "rerun to resume" in str(failure.event_specific_data.error)
     stored_before = {p.name for p in blob_dir.rglob("*.safetensors")}
@@ -405,7 +402,7 @@ def _servers(meta: dict) -> dict[str, list[str]]:
 
 
 def test_a_server_killed_mid_extraction_leaves_the_rotation_and_every_row_is_stored(
-    extracted, vllm_server, demo_dir: Path, tmp_path: Path
+    extracted, vllm_server, demo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two external servers; one is killed (SIGKILL, its whole process group) once a
     fifth of the rows are stored. Its requests in flight go to the other, it is taken out
@@ -427,7 +424,10 @@ def test_a_server_killed_mid_extraction_leaves_the_rotation_and_every_row_is_sto
     )
     blob_dir = root / "blobs" / "hidden_states"
     with doomed:
-        watcher = _kill_server_after(blob_dir, total // 5, str(root / "doomed_incoming"))
+        killed = kill_servers_at_store(
+            monkeypatch, _blobs_at_least(blob_dir, total // 5),
+            _servers_started_with(str(root / "doomed_incoming")),
+        )  # fmt: skip
         result = materialize(
             partition,
             ["hidden_states"],
@@ -436,7 +436,7 @@ def test_a_server_killed_mid_extraction_leaves_the_rotation_and_every_row_is_sto
                 "vllm": VllmResource(base_urls=[doomed.base_url, vllm_server.base_url]),
             },
         )
-        watcher.join(timeout=5)
+        assert killed, "not killed"
         assert doomed.process is not None and doomed.process.poll() is not None, "not killed"
     meta = _metadata(result)
     servers = _servers(meta)

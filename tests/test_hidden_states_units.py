@@ -6,12 +6,12 @@ from __future__ import annotations
 import fcntl
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from mm_assets.clients.connector_files import wait_for_writer
 from mm_assets.clients.vllm_client import (
     ExtractionRequest,
     ExtractionResponse,
@@ -25,6 +25,7 @@ from mm_assets.domain.model.hidden_state_checks import (
     HiddenStatesRejected,
     validate_tensors,
 )
+from mm_assets.domain.model.hidden_state_plan import manifest_rows, plan_extraction
 from mm_assets.domain.model.hidden_states import (
     HiddenStatesLayout,
     cache_key,
@@ -33,12 +34,12 @@ from mm_assets.domain.model.hidden_states import (
     text_config_facts,
     validate_layer_ids,
 )
+from mm_assets.services.errors import DiskBudgetError
 from mm_assets.services.extraction import (
-    DiskBudgetError,
     check_disk_budget,
-    plan_extraction,
+    run_extraction,
     store_response,
-    wait_for_writer,
+    stored_blobs,
 )
 from mm_assets.storage.blobs import BlobStore
 
@@ -128,7 +129,7 @@ def test_plan_skips_cached_and_duplicate_rows(tmp_path: Path) -> None:
     ]
     rows = [{**row, "loss_mask": [0] + [1] * (len(row["input_ids"]) - 1)} for row in rows]
     blobs.put_tensors(_tensors(3), settings.key([3, 4, 5], [], [0, 1, 1]))
-    plan = plan_extraction(rows, settings, blobs)
+    plan = plan_extraction(rows, settings, blobs.has)
     assert plan.missing == {"a"} and plan.cache_hits == 2 and plan.missing_tokens == 2
 
 
@@ -137,7 +138,6 @@ def test_the_manifest_records_blob_paths_relative_to_the_storage_root(tmp_path: 
     the manifest lists; a manifest of older runs (absolute paths) still reads."""
     import shutil
 
-    from mm_assets.services.extraction import manifest_rows
     from mm_assets.storage import TableStore
 
     layout = HiddenStatesLayout("t", [2, 4, 5, 8], 8, "float32")
@@ -145,7 +145,8 @@ def test_the_manifest_records_blob_paths_relative_to_the_storage_root(tmp_path: 
     row = {"row_id": "a", "sample_id": "a", "input_ids": [1, 2, 3], "image_hashes": []}
     row["loss_mask"] = [0, 1, 1]
     blobs.put_tensors(_tensors(3), layout.key(row["input_ids"], [], row["loss_mask"]))
-    (listed,) = manifest_rows(plan_extraction([row], layout, blobs), set(), layout, blobs)
+    plan = plan_extraction([row], layout, blobs.has)
+    (listed,) = manifest_rows(plan, set(), layout, stored_blobs(blobs, layout))
     assert not Path(listed["path"]).is_absolute()
     shutil.move(tmp_path / "before", tmp_path / "after")
     moved = TableStore(tmp_path / "after").resolve(listed["path"])
@@ -163,7 +164,7 @@ def test_disk_budget_refuses_what_cannot_fit(tmp_path: Path, monkeypatch) -> Non
         }
         for i in range(10)
     ]  # fmt: skip
-    plan = plan_extraction(rows, settings, blobs)
+    plan = plan_extraction(rows, settings, blobs.has)
     needed = settings.estimate(81920, 40960, 10)
     assert needed > 4 * 4096 * 2 * 81920  # ~2.7 GB for ten 8k-token rows
     monkeypatch.setattr(BlobStore, "free_bytes", lambda self: needed // 2)
@@ -174,20 +175,30 @@ def test_disk_budget_refuses_what_cannot_fit(tmp_path: Path, monkeypatch) -> Non
 
 
 def test_wait_for_writer_blocks_until_the_lock_is_released(tmp_path: Path) -> None:
+    """The waiter returns only once the writer released its lock, never before; a lock
+    never released is a `TimeoutError`."""
     path = tmp_path / "x.safetensors"
     fd = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)
-    released = []
+    events: list[str] = []
+    waiting, returned = threading.Event(), threading.Event()
 
-    def release() -> None:
-        time.sleep(0.3)
-        path.write_bytes(b"done")
-        released.append(time.monotonic())
-        os.close(fd)
+    def wait() -> None:
+        waiting.set()
+        wait_for_writer(path, timeout_s=10)
+        events.append("returned")
+        returned.set()
 
-    threading.Thread(target=release).start()
-    wait_for_writer(path, timeout_s=10)
-    assert released and time.monotonic() >= released[0]
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    assert waiting.wait(timeout=10)
+    # still locked: the waiter must not return, however long it is given
+    assert not returned.wait(timeout=0.2) and events == []
+    path.write_bytes(b"done")
+    events.append("released")
+    os.close(fd)  # releases the lock
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and events == ["released", "returned"]
     fd2 = os.open(f"{path}.lock", os.O_WRONLY)
     fcntl.flock(fd2, fcntl.LOCK_EX)
     with pytest.raises(TimeoutError):
@@ -292,8 +303,6 @@ def test_a_row_answered_without_a_readable_file_is_requested_again(tmp_path: Pat
 
     import httpx
 
-    from mm_assets.services.extraction import run_extraction
-
     layout = HiddenStatesLayout("t", [2, 4, 5, 8], 8, "float32")
     rows = [
         {"row_id": row_id, "sample_id": row_id, "input_ids": ids, "image_hashes": [],
@@ -301,7 +310,7 @@ def test_a_row_answered_without_a_readable_file_is_requested_again(tmp_path: Pat
         for row_id, ids in (("late", [1, 2, 3]), ("never", [4, 5, 6]))
     ]  # fmt: skip
     blobs = BlobStore(tmp_path / "root")
-    plan = plan_extraction(rows, layout, blobs)
+    plan = plan_extraction(rows, layout, blobs.has)
     asked: list[list[int]] = []
 
     def server(request: httpx.Request) -> httpx.Response:
@@ -331,3 +340,60 @@ def test_a_row_answered_without_a_readable_file_is_requested_again(tmp_path: Pat
     (rejection,) = tally.rejections
     assert rejection["row_id"] == "never" and rejection["reason"] == "bad_file"
     assert "after 3 requests" in rejection["detail"] and "local_path_prefix" in rejection["detail"]
+
+
+def _completions_server(tmp_path: Path, ask: list[list[int]] | None = None):
+    """A stand-in vLLM answering every Completions request with a valid file for its
+    prompt (written and released, as the connector leaves it)."""
+    import itertools
+    import json
+
+    import httpx
+
+    names = itertools.count()
+
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/models"):
+            return httpx.Response(200, json={"data": [{"id": "m", "object": "model",
+                                  "created": 0, "owned_by": "x"}], "object": "list"})  # fmt: skip
+        prompt = json.loads(request.content)["prompt"]
+        path = _response_file(tmp_path, _tensors(len(prompt), ids=prompt),
+                              f"answer{next(names)}.safetensors")  # fmt: skip
+        choice = {"index": 0, "text": "x", "finish_reason": "length", "prompt_token_ids": prompt}
+        return httpx.Response(200, json={
+            "id": "c", "object": "text_completion", "created": 0, "model": "m",
+            "choices": [choice], "kv_transfer_params": {"hidden_states_path": str(path)},
+        })  # fmt: skip
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(server))
+
+
+def test_counts_of_many_concurrent_stores_equal_the_manifest(tmp_path: Path) -> None:
+    """Many storer threads finish at once; the counts the step reports (rows, tokens,
+    bytes) are exactly what the manifest lists. The interpreter switches threads as
+    often as it can, so a count updated from the storer threads would lose updates."""
+    import sys
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        layout = HiddenStatesLayout("t", [2, 4, 5, 8], 8, "float32")
+        rows = [
+            {"row_id": f"r{i}", "sample_id": f"r{i}", "input_ids": [i, i + 1, *range(i % 7)],
+             "image_hashes": [], "loss_mask": [0, 1, *([1] * (i % 7))]}
+            for i in range(300)
+        ]  # fmt: skip
+        blobs = BlobStore(tmp_path / "root")
+        plan = plan_extraction(rows, layout, blobs.has)
+        client = HiddenStatesClient(
+            ["http://vllm.test/v1"], concurrency=32, http_client=_completions_server(tmp_path)
+        )
+        requests = [ExtractionRequest(r["row_id"], r["input_ids"]) for r in rows]
+        tally = run_extraction(client, requests, plan, layout, blobs)
+    finally:
+        sys.setswitchinterval(previous)
+    manifest = list(manifest_rows(plan, set(), layout, stored_blobs(blobs, layout)))
+    assert len(manifest) == len(rows) and not tally.rejections
+    assert tally.stored == len(manifest)
+    assert tally.stored_tokens == sum(r["num_tokens"] for r in manifest)
+    assert tally.stored_bytes == sum(r["bytes"] for r in manifest)

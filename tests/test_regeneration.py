@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import signal
-import threading
-import time
 
 import dagster as dg
 import openai
@@ -23,6 +19,7 @@ from mm_assets.domain.model.responses import assistant_indices
 from mm_assets.domain.prep.conversations import to_vllm_messages
 from mm_assets.storage import schemas
 from tests.conftest import SESSION_HOME, materialize
+from tests.server_kills import kill_servers_at_store
 
 pytestmark = pytest.mark.slow
 PARTITION = "demo_regen"  # 24 ShareGPT4V demo records, `responses: target`
@@ -185,27 +182,9 @@ def _api_servers() -> set[int]:
     return servers
 
 
-def _kill_server_when(blob_dir, count: int) -> threading.Thread:
-    """SIGKILL the vLLM server started after this call (whole group; the session's
-    servers run on) once `count` replies are stored."""
-    running = _api_servers()
-
-    def watch() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if len(list(blob_dir.rglob("*.json"))) >= count:
-                for pid in _api_servers() - running:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(os.getpgid(pid), signal.SIGKILL)
-                        return
-            time.sleep(0.05)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
-
-
-def test_a_killed_server_fails_the_step_and_the_rerun_resumes(regenerated, fleet, tmp_path) -> None:
+def test_a_killed_server_fails_the_step_and_the_rerun_resumes(
+    regenerated, fleet, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Managed mode: the server dies mid-run and the step fails cleanly; the rerun (on
     the session's server, to spare a start) asks only for the conversations not stored,
     keeps every stored reply as it was, and writes each conversation exactly once, under
@@ -219,14 +198,17 @@ def test_a_killed_server_fails_the_step_and_the_rerun_resumes(regenerated, fleet
     storage = StorageResource(root=str(root))
     blob_dir = storage.blobs("responses").dir
     slow = {**SETTINGS, "concurrency": 1, "breaker_failures": 2, "max_retries": 1}
-    watcher = _kill_server_when(blob_dir, 6)
+    running = _api_servers()  # the session's servers run on
+    killed = kill_servers_at_store(
+        monkeypatch, lambda: len(list(blob_dir.rglob("*.json"))) >= 6,
+        lambda: _api_servers() - running,
+    )  # fmt: skip
     managed = {"storage": storage, "vllm": VllmResource(dtype="float32", kv_cache_gib=1.0)}
     first = materialize(
         PARTITION, ["target_responses"], managed, raise_on_error=False,
         run_config={"ops": {"target_responses": {"config": slow}}},
     )  # fmt: skip
-    watcher.join(timeout=5)
-    assert not first.success
+    assert killed and not first.success
     failure = next(e for e in first.all_events if e.event_type_value == "STEP_FAILURE")
     assert "rerun to resume" in str(failure.event_specific_data.error)
     stored = {p: p.read_bytes() for p in blob_dir.rglob("*.json")}

@@ -76,7 +76,6 @@ def hidden_states(
     report = PartitionExtraction(
         spec.name, tables, storage.blobs(), target_model.model(), vllm.engine(), settings,
         spec.resolved_image_root(), storage.log_path(f"vllm_{context.run.run_id}"),
-        context.log.info,
     ).run()  # fmt: skip
     assert report.manifest is not None
     return dg.MaterializeResult(
@@ -92,7 +91,7 @@ def hidden_states(
 
 
 def extraction_metadata(report: "ExtractionReport") -> dict[str, Any]:
-    tally, layout = report.tally, report.layout
+    tally, layout = report.requests, report.layout
     return {
         "rows": report.manifest.num_rows if report.manifest else 0,
         "cache_hits": report.plan.cache_hits,
@@ -112,17 +111,15 @@ def extraction_metadata(report: "ExtractionReport") -> dict[str, Any]:
         "target_fingerprint": layout.target_fingerprint,
         "server": report.server,
         "servers": servers_table(tally.servers, tally.seconds),
-        "server_startup_s": report.startup_s if report.startup_s is not None else "n/a",
-        "server_rss_mb": (
-            round(report.server_rss_bytes / 2**20) if report.server_rss_bytes else "n/a"
-        ),
+        "server_startup_s": tally.startup_s if tally.startup_s is not None else "n/a",
+        "server_rss_mb": round(tally.server_rss_bytes / 2**20) if tally.server_rss_bytes else "n/a",
         "blobs": dg.MetadataValue.path(str(report.blobs_dir)),
     }
 
 
 def rejection_check(report: "ExtractionReport", max_ratio: float) -> dg.AssetCheckResult:
     """Fails when vLLM rejected more than `max_ratio` of the rows; names the first few."""
-    rejections, reasons = report.tally.rejections, report.rejections_by_reason
+    rejections, reasons = report.requests.rejections, report.requests.rejections_by_reason
     ratio = report.rejection_ratio
     stored = report.manifest.num_rows if report.manifest else 0
     first = "; ".join(f"{r['row_id']}: {r['reason']} ({r['detail']})" for r in rejections[:3])

@@ -53,7 +53,7 @@ def target_responses(
     report = TargetRegeneration(
         spec.name, tables, storage.blobs("responses"), target_model.model(),
         vllm.engine("responses"), settings, spec.resolved_image_root(),
-        storage.log_path(f"vllm_responses_{context.run.run_id}"), context.log.info,
+        storage.log_path(f"vllm_responses_{context.run.run_id}"),
     ).run(spec.responses)  # fmt: skip
     assert report.kept is not None
     quarantined = report.quarantine.num_rows if report.quarantine else 0
@@ -71,7 +71,7 @@ def target_responses(
 
 
 def responses_metadata(report: "RegenerationReport") -> dict[str, Any]:
-    lengths = report.reply_lengths
+    lengths, requests = report.reply_lengths, report.requests
     metadata: dict[str, Any] = {
         **quarantine_metadata(report.kept, report.quarantine, report.reasons),
         "responses": report.mode,
@@ -79,15 +79,15 @@ def responses_metadata(report: "RegenerationReport") -> dict[str, Any]:
     }
     if report.mode == "target":
         metadata |= {
-            "cache_hits": report.cache_hits, "requests_sent": report.requests_sent,
-            "replies": len(lengths), "generated_tokens_now": report.generated_tokens,
-            "tokens_per_s": report.generated_tokens / report.seconds if report.seconds else 0.0,
+            "cache_hits": report.cache_hits, "requests_sent": requests.requests_sent,
+            "replies": len(lengths), "generated_tokens_now": requests.tokens,
+            "tokens_per_s": requests.tokens / requests.seconds if requests.seconds else 0.0,
             "mean_reply_tokens": sum(lengths) / max(len(lengths), 1),
             "p95_reply_tokens": sorted(lengths)[int(0.95 * (len(lengths) - 1))] if lengths else 0,
             "length_capped_replies": report.length_capped,
             "conversations_cut_short": report.cut_short, "server": report.server,
-            "servers": servers_table(report.servers, report.seconds),
-            "server_startup_s": report.startup_s if report.startup_s is not None else "n/a",
+            "servers": servers_table(requests.servers, requests.seconds),
+            "server_startup_s": requests.startup_s if requests.startup_s is not None else "n/a",
             "reply_lengths": length_histogram(lengths, "tokens per reply", "replies"),
         }  # fmt: skip
     return metadata

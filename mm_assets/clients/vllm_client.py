@@ -26,6 +26,7 @@ retries' backoff; a dead fleet stops the run within a few tries per request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -35,6 +36,7 @@ from typing import Any, TypeVar
 import httpx
 import openai
 
+logger = logging.getLogger(__name__)
 TOKEN_IN_PATH = "/inference/v1/generate"
 TRANSIENT = (
     openai.APIConnectionError,
@@ -128,13 +130,8 @@ class _Server:
         timeout_s: float,
         http_client: httpx.AsyncClient | None,
     ) -> None:
-        self.client = openai.AsyncOpenAI(
-            base_url=base_url,
-            api_key=api_key,
-            timeout=timeout_s,
-            max_retries=0,
-            http_client=http_client,
-        )
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s,
+                                         max_retries=0, http_client=http_client)  # fmt: skip
         self.in_flight = 0
         self.model: str | None = None
         self.failed_in_a_row = 0
@@ -155,7 +152,8 @@ class VllmClient:
     transient errors on another server when there is one, a failing server taken out of
     rotation (see the module's docstring). `http_client` replaces the `openai` client's
     own (tests inject an `httpx.MockTransport`); `backoff_s` is the first retry's mean
-    wait when no other server can take it, doubling with each further try."""
+    wait when no other server can take it, doubling with each further try. Rotation
+    changes go to this module's logger, and to `log` too (tests collect them)."""
 
     clock: Callable[[], float] = staticmethod(time.monotonic)
     """Seconds for the rotation's probe waits (tests set a clock they advance)."""
@@ -218,10 +216,11 @@ class VllmClient:
             server.out_until = self.clock() + self.probe_after_s
         if not probing and server.out_until is not None:
             server.stats.taken_out += 1
-            self.log(
+            self._tell(
                 f"vLLM server {server.stats.url} taken out of rotation after "
                 f"{server.failed_in_a_row} failed tries in a row ({server.last_error}); "
-                f"its requests go to the others, a probe in {self.probe_after_s:.0f}s"
+                f"its requests go to the others, a probe in {self.probe_after_s:.0f}s",
+                logging.WARNING,
             )
 
     def _answered(self, server: _Server, tokens: int) -> None:
@@ -230,7 +229,11 @@ class VllmClient:
         server.stats.tokens += tokens
         if server.out_until is not None:
             server.out_until = None
-            self.log(f"vLLM server {server.stats.url} answers again: back in rotation")
+            self._tell(f"vLLM server {server.stats.url} answers again: back in rotation")
+
+    def _tell(self, line: str, level: int = logging.INFO) -> None:
+        logger.log(level, line)
+        self.log(line)
 
     async def call(
         self,

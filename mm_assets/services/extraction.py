@@ -1,128 +1,60 @@
 """Hidden states for a partition's tokenized rows: plan against the cache, request from
 vLLM, verify, store, and write the manifest.
 
-Planning streams the rows once to compute each row's content key; rows whose blob exists
-are cache hits and cost no request (so a rerun, a reordering or an edit of other rows
-sends nothing for unchanged samples, and an interrupted run resumes where it stopped).
-Every response is checked — vLLM's prompt token ids must equal the stored `input_ids` —
-and every file is validated before it is renamed into the blob store.
+Planning (`domain/model/hidden_state_plan.py`) skips the rows whose blob exists; the rest
+go through the request stage (`services/request_stage.py`). Every response is checked —
+vLLM's prompt token ids must equal the stored `input_ids` — and every file is validated
+before it is renamed into the blob store.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import fcntl
 import json
+import logging
 import os
-import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mm_assets.clients.vllm_client import (
-    CircuitOpen,
-    ExtractionRequest,
-    ExtractionResponse,
-    HiddenStatesClient,
-    RequestRefused,
-)
-from mm_assets.common.progress import Progress
+from mm_assets.clients.connector_files import discard, wait_for_writer
+from mm_assets.clients.vllm_client import ExtractionRequest, ExtractionResponse, HiddenStatesClient
 from mm_assets.domain.model.hidden_state_checks import (
     HiddenStatesRejected,
     check_prompt_ids,
     validate_tensors,
 )
 from mm_assets.domain.model.hidden_state_codec import encode, stored_error
-from mm_assets.domain.model.hidden_states import (
-    LAYER_CONVENTION,
-    ExtractionSettings,
-    HiddenStatesLayout,
-    human_bytes,
+from mm_assets.domain.model.hidden_state_plan import (
+    Plan,
+    StoredTotals,
+    manifest_rows,
+    plan_extraction,
 )
+from mm_assets.domain.model.hidden_states import ExtractionSettings, HiddenStatesLayout, human_bytes
 from mm_assets.domain.prep.conversations import image_urls
 from mm_assets.domain.prep.tokenization import collapse_image_tokens
 from mm_assets.services.engine import VllmEngine
+from mm_assets.services.errors import DiskBudgetError
+from mm_assets.services.request_stage import (
+    ASK_AGAIN,
+    Outcome,
+    Rejected,
+    RequestReport,
+    RequestStage,
+    Stored,
+    run_requests,
+)
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, WrittenTable, schemas
 from mm_assets.storage.blobs import BlobStore
 
+logger = logging.getLogger(__name__)
 TOKENIZED = "tokenized_samples"
 LOCK_TIMEOUT_S = 120.0
 FILE_RETRIES = 2
 """Requests again for a row whose answer came without a readable file: the server that
 answered can die before its connector finished writing (the next try goes to another)."""
-
-
-@dataclass(frozen=True)
-class PlannedRow:
-    row_id: str
-    sample_id: str
-    key: str
-    num_tokens: int
-    num_supervised: int
-
-
-@dataclass
-class Plan:
-    rows: list[PlannedRow]
-    missing: set[str]  # row ids without a blob
-
-    @property
-    def missing_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows if r.row_id in self.missing)
-
-    @property
-    def missing_supervised(self) -> int:
-        return sum(r.num_supervised for r in self.rows if r.row_id in self.missing)
-
-    @property
-    def cache_hits(self) -> int:
-        return len(self.rows) - len(self.missing)
-
-
-def plan_extraction(rows: Iterable[dict], layout: HiddenStatesLayout, blobs: BlobStore) -> Plan:
-    """Each row's key, and which rows have no stored hidden states yet."""
-    planned, missing = [], set()
-    seen_keys: set[str] = set()
-    for row in rows:
-        key = layout.key(row["input_ids"], row["image_hashes"] or [], row["loss_mask"])
-        supervised = sum(row["loss_mask"])
-        planned.append(
-            PlannedRow(row["row_id"], row["sample_id"], key, len(row["input_ids"]), supervised)
-        )
-        if not blobs.has(key) and key not in seen_keys:
-            missing.add(row["row_id"])
-        seen_keys.add(key)  # identical rows share one blob and one request
-    return Plan(planned, missing)
-
-
-def manifest_rows(
-    plan: Plan, rejected: set[str], layout: HiddenStatesLayout, blobs: BlobStore
-) -> Iterator[dict]:
-    """One row per stored sample: its blob and how it was made (checked by training)."""
-    for row in plan.rows:
-        path = blobs.path(row.key)
-        if row.row_id in rejected or not path.is_file():
-            continue
-        yield {
-            "row_id": row.row_id,
-            "sample_id": row.sample_id,
-            "blob_key": row.key,
-            "path": blobs.stored_path(row.key),
-            "num_tokens": row.num_tokens,
-            "bytes": path.stat().st_size,
-            "layer_ids": layout.layer_ids,
-            "layer_convention": LAYER_CONVENTION,
-            "dtype": layout.dtype,
-            "hidden_size": layout.hidden_size,
-            "target_fingerprint": layout.target_fingerprint,
-            "storage_dtype": layout.storage.dtype.value,
-            "final_layer": layout.storage.final_layer.value,
-            "max_rel_error": [0.0] * 4 if layout.storage.is_native else stored_error(path),
-        }
 
 
 def requests_for(
@@ -154,10 +86,6 @@ def requests_for(
         yield ExtractionRequest(row["row_id"], ids, urls, prompt)
 
 
-class DiskBudgetError(RuntimeError):
-    pass
-
-
 def check_disk_budget(plan: Plan, layout: HiddenStatesLayout, blobs: BlobStore) -> int:
     """Refuse to start when the missing samples cannot fit on the blob store's disk."""
     needed = layout.estimate(plan.missing_tokens, plan.missing_supervised, len(plan.missing))
@@ -171,30 +99,6 @@ def check_disk_budget(plan: Plan, layout: HiddenStatesLayout, blobs: BlobStore) 
             "free space, point MM_ASSETS_HOME at a larger disk, or lower max_samples"
         )
     return needed
-
-
-def wait_for_writer(path: Path, timeout_s: float) -> None:
-    """Block until the connector released its exclusive lock on `<path>.lock`."""
-    lock = Path(f"{path}.lock")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with open(lock) as fh:
-                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                break
-        except FileNotFoundError:
-            if path.is_file():
-                break
-        except BlockingIOError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} still locked by the writer after {timeout_s:.0f}s")
-        time.sleep(0.01)
-
-
-def _discard(path: Path) -> None:
-    path.unlink(missing_ok=True)
-    Path(f"{path}.lock").unlink(missing_ok=True)
 
 
 def store_response(
@@ -230,56 +134,71 @@ def store_response(
         # an untruncated render: keep the row's prefix only
         return blobs.put_tensors({"hidden_states": hidden, "token_ids": token_ids}, key)
     finally:
-        _discard(source)
+        discard(source)
+
+
+def stored_blobs(blobs: BlobStore, layout: HiddenStatesLayout) -> Callable[[str], dict | None]:
+    """What the manifest records of a key the blob store holds (None: not stored)."""
+
+    def stored(key: str) -> dict | None:
+        path = blobs.path(key)
+        if not path.is_file():
+            return None
+        error = [0.0] * 4 if layout.storage.is_native else stored_error(path)
+        return {"path": blobs.stored_path(key), "bytes": path.stat().st_size,
+                "max_rel_error": error}  # fmt: skip
+
+    return stored
 
 
 @dataclass
-class RunTally:
-    """What the requests of one run produced."""
+class HiddenStatesJob:
+    """Hidden states for extraction requests: each answer's file verified and stored as
+    it arrives (`store_response`); a file that cannot be read is asked for again."""
 
-    stored: int = 0
-    stored_tokens: int = 0
-    stored_bytes: int = 0
-    rejections: list[dict] = field(default_factory=list)
-    seconds: float = 0.0
-    requests_sent: int = 0
-    servers: list[dict] = field(default_factory=list)
-    """Each server's answers, failed tries and tokens (`VllmClient.server_stats`)."""
+    keys: dict[str, str]
+    layout: HiddenStatesLayout
+    blobs: BlobStore
+    path_map: Callable[[str], str] = lambda p: p
+    loss_masks: dict[str, list[int]] | None = None
+    """The rows' masks as `requests_for` fills them (compact formats need them)."""
+    what = "hidden states"
+    kept = "Samples stored so far are kept"
+    ask_again = FILE_RETRIES
+    workers_per_slot = 1
 
-    def reject(self, row_id: str, reason: str, detail: str) -> None:
-        self.rejections.append({"row_id": row_id, "reason": reason, "detail": detail})
+    async def ask(
+        self, client: HiddenStatesClient, request: ExtractionRequest
+    ) -> ExtractionResponse:
+        return await client.extract(request)
 
-
-def _store_outcome(
-    request: ExtractionRequest,
-    outcome: ExtractionResponse | Exception,
-    store: Callable[[ExtractionRequest, ExtractionResponse], Path],
-    tally: RunTally,
-    final: bool = True,
-) -> bool:
-    """Store one response, or record why its row is rejected. False when its file could
-    not be read and the row is to be requested again (unless `final`)."""
-    if isinstance(outcome, Exception):
-        tally.reject(request.row_id, "request_refused", str(outcome))
-        return True
-    try:
-        path = store(request, outcome)
-    except HiddenStatesRejected as exc:
-        tally.reject(request.row_id, exc.reason.value, exc.detail)
-    except (OSError, TimeoutError, ValueError) as exc:
-        if not final:
-            return False
-        tally.reject(
-            request.row_id, "bad_file",
-            f"{exc} (after {FILE_RETRIES + 1} requests; for external servers: is the "
-            "directory their connector writes to visible here, at server_path_prefix → "
-            "local_path_prefix?)",
-        )  # fmt: skip
-    else:
-        tally.stored += 1
-        tally.stored_tokens += request.num_tokens
-        tally.stored_bytes += os.path.getsize(path)
-    return True
+    def write(
+        self, request: ExtractionRequest, answer: ExtractionResponse | Exception, final: bool
+    ) -> Outcome:
+        """Store one response, or say why its row is rejected; `ASK_AGAIN` when its file
+        could not be read (unless `final`). A row's mask is held only while it is asked."""
+        masks = self.loss_masks if self.loss_masks is not None else {}
+        mask, key = masks.pop(request.row_id, None), self.keys[request.row_id]
+        if isinstance(answer, Exception):
+            return Rejected(request.row_id, "request_refused", str(answer))
+        try:
+            path = store_response(
+                request, answer, key, self.layout, self.blobs, self.path_map, loss_mask=mask
+            )
+        except HiddenStatesRejected as exc:
+            return Rejected(request.row_id, exc.reason.value, exc.detail)
+        except (OSError, TimeoutError, ValueError) as exc:
+            if not final:
+                if mask is not None:
+                    masks[request.row_id] = mask
+                return ASK_AGAIN
+            return Rejected(
+                request.row_id, "bad_file",
+                f"{exc} (after {FILE_RETRIES + 1} requests; for external servers: is the "
+                "directory their connector writes to visible here, at server_path_prefix → "
+                "local_path_prefix?)",
+            )  # fmt: skip
+        return Stored(request.num_tokens, os.path.getsize(path))
 
 
 def run_extraction(
@@ -288,67 +207,23 @@ def run_extraction(
     plan: Plan,
     layout: HiddenStatesLayout,
     blobs: BlobStore,
-    log: Callable[[str], None] = lambda line: None,
     path_map: Callable[[str], str] = lambda p: p,
     loss_masks: dict[str, list[int]] | None = None,
-) -> RunTally:
-    """Send the missing rows and store what comes back; per-sample problems are
-    collected as rejections, a dead server raises `CircuitOpen`. `loss_masks` are the
-    rows' masks as `requests_for` fills them (compact formats need them)."""
-    keys = {r.row_id: r.key for r in plan.rows}
-    tally = RunTally()
-    progress = Progress(log, "hidden states", len(plan.missing), every_s=10.0)
-    started = time.perf_counter()
-
-    def store(request: ExtractionRequest, response: ExtractionResponse) -> Path:
-        mask = loss_masks.get(request.row_id) if loss_masks is not None else None
-        return store_response(
-            request, response, keys[request.row_id], layout, blobs, path_map, loss_mask=mask
-        )
-
-    async def handle(request: ExtractionRequest, outcome: ExtractionResponse | Exception) -> None:
-        loop = asyncio.get_running_loop()
-        for attempt in range(FILE_RETRIES + 1):
-            final = attempt == FILE_RETRIES
-            if await loop.run_in_executor(
-                storers, _store_outcome, request, outcome, store, tally, final
-            ):
-                break
-            try:
-                outcome = await client.extract(request)
-            except RequestRefused as exc:
-                outcome = exc
-        if loss_masks is not None:
-            loss_masks.pop(request.row_id, None)  # held only while its row is in flight
-        rate = tally.stored_tokens / max(time.perf_counter() - started, 1e-9)
-        progress.update(tally.stored + len(tally.rejections), f"{rate:,.0f} tok/s")
-
-    async def main() -> None:
-        try:
-            await client.run(requests, handle)
-        except* CircuitOpen as group:
-            raise group.exceptions[0] from None
-        finally:
-            await client.close()
-
-    # Storing mostly waits for the server's writer to release its lock: enough threads
-    # that this waiting never holds back the next requests.
-    with ThreadPoolExecutor(max_workers=4 * client.concurrency) as storers, _one_torch_thread():
-        try:
-            asyncio.run(main())
-        finally:
-            tally.requests_sent = client.requests_sent
-            tally.servers = client.server_stats()
-            tally.seconds = time.perf_counter() - started
-    return tally
+) -> RequestReport:
+    """Send the missing rows through `client` and store what comes back (see
+    `HiddenStatesJob`); a dead server raises `CircuitOpen`. For callers that bring
+    their own client (tests, and a trainer fetching hidden states)."""
+    job = HiddenStatesJob({r.row_id: r.key for r in plan.rows}, layout, blobs, path_map,
+                          loss_masks)  # fmt: skip
+    with _one_torch_thread():
+        return run_requests(client, requests, job, len(plan.missing))
 
 
 @contextlib.contextmanager
 def _one_torch_thread() -> Iterator[None]:
     """Checking and encoding a row are small tensor operations; torch's intra-op thread
-    pool only competes with a local vLLM server for its cores (on 2 cores, multimodal
-    extraction with fp8 encoding: 0.81x native with the pool, 0.92x without, alternating
-    rounds of one run). Process-wide while the requests run: the step does nothing else."""
+    pool only competes with a local vLLM server for its cores (BENCHMARKS.md, storage).
+    Process-wide while the requests run: the step does nothing else."""
     import torch
 
     threads = torch.get_num_threads()
@@ -360,34 +235,6 @@ def _one_torch_thread() -> Iterator[None]:
 
 
 @dataclass
-class StoredTotals:
-    """Every stored row of the partition (cached or new), as the manifest lists them."""
-
-    rows: int = 0
-    tokens: int = 0
-    bytes: int = 0
-    max_rel_error: list[float] = field(default_factory=lambda: [0.0] * 4)
-
-    def count(self, rows: Iterable[dict]) -> Iterator[dict]:
-        for row in rows:
-            self.rows += 1
-            self.tokens += row["num_tokens"]
-            self.bytes += row["bytes"]
-            self.max_rel_error = [
-                max(a, b) for a, b in zip(self.max_rel_error, row["max_rel_error"], strict=True)
-            ]
-            yield row
-
-    def bf16_layout_ratio(self, hidden_size: int) -> float:
-        """Stored bytes per token over speculators' bf16 layout (4 layers x H x 2 bytes)."""
-        return self.bytes / max(self.tokens * 4 * hidden_size * 2, 1)
-
-
-class ServerUnavailable(RuntimeError):
-    """vLLM stopped answering mid-run; what was stored is kept for the rerun."""
-
-
-@dataclass
 class ExtractionReport:
     """What a hidden-states run did for a partition, for the asset to render."""
 
@@ -395,19 +242,13 @@ class ExtractionReport:
     plan: Plan
     server: str
     blobs_dir: Path
-    tally: RunTally = field(default_factory=RunTally)
+    requests: RequestReport = field(default_factory=RequestReport)
     manifest: WrittenTable | None = None
-    startup_s: float | None = None
-    server_rss_bytes: int | None = None
     stored: StoredTotals = field(default_factory=StoredTotals)
 
     @property
     def rejection_ratio(self) -> float:
-        return len(self.tally.rejections) / max(len(self.plan.rows), 1)
-
-    @property
-    def rejections_by_reason(self) -> Counter[str]:
-        return Counter(r["reason"] for r in self.tally.rejections)
+        return len(self.requests.rejections) / max(len(self.plan.rows), 1)
 
 
 @dataclass(frozen=True)
@@ -423,7 +264,6 @@ class PartitionExtraction:
     settings: ExtractionSettings
     image_root: Path | None
     log_path: Path
-    log: Callable[[str], None] = print
 
     def run(self) -> ExtractionReport:
         facts = self.target.facts
@@ -435,59 +275,45 @@ class PartitionExtraction:
         )  # fmt: skip
         columns = ["row_id", "sample_id", "input_ids", "image_hashes", "loss_mask"]
         rows = self.tables.iter_rows(TOKENIZED, self.partition, columns)
-        plan = plan_extraction(rows, layout, self.blobs)
+        plan = plan_extraction(rows, layout, self.blobs.has)
         needed = check_disk_budget(plan, layout, self.blobs)
-        self.log(
-            f"{len(plan.rows)} rows: {plan.cache_hits} cached, {len(plan.missing)} to "
-            f"request ({plan.missing_tokens} tokens, ~{human_bytes(needed)})"
-        )
+        logger.info(
+            "%d rows: %d cached, %d to request (%d tokens, ~%s)", len(plan.rows),
+            plan.cache_hits, len(plan.missing), plan.missing_tokens, human_bytes(needed),
+        )  # fmt: skip
         report = ExtractionReport(layout, plan, engine.describe(), self.blobs.dir)
         if plan.missing:
-            self._request_missing(engine, report)
-        rejected = {r["row_id"] for r in report.tally.rejections}
-        manifest = report.stored.count(manifest_rows(plan, rejected, layout, self.blobs))
+            report.requests = self._request_missing(engine, plan, layout)
+        rejected = {r["row_id"] for r in report.requests.rejections}
+        listed = manifest_rows(plan, rejected, layout, stored_blobs(self.blobs, layout))
         report.manifest = self.tables.write(
-            "hidden_states_manifest", self.partition, manifest, schemas.MANIFEST
+            "hidden_states_manifest", self.partition, report.stored.count(listed), schemas.MANIFEST
         )
         self.tables.write(
-            "hidden_states_rejections", self.partition, report.tally.rejections,
+            "hidden_states_rejections", self.partition, report.requests.rejections,
             schemas.REJECTIONS,
         )  # fmt: skip
         return report
 
-    def _request_missing(self, engine: VllmEngine, report: ExtractionReport) -> None:
+    def _request_missing(
+        self, engine: VllmEngine, plan: Plan, layout: HiddenStatesLayout
+    ) -> RequestReport:
         """Start (or reach) the servers and run the plan's missing rows through them."""
         incoming = self.blobs.incoming_dir()
         model = str(self.target.local_dir)
-        layer_ids = report.layout.layer_ids
-        with engine.extraction_session(
-            model, layer_ids, incoming, self.image_root, self.log_path
-        ) as session:
-            if session.managed:
-                report.startup_s = session.managed.startup_seconds
-                self.log(f"vLLM started in {report.startup_s:.1f}s, log {self.log_path}")
-            settings = self.settings
-            client = HiddenStatesClient(
-                session.base_urls, settings.concurrency, settings.request_timeout_s,
-                settings.max_retries, settings.breaker_failures, engine.api_key,
-                probe_after_s=settings.probe_after_s, log=self.log,
-            )  # fmt: skip
-            columns = ["row_id", "input_ids", "messages", "loss_mask"]
-            rows = self.tables.iter_rows(TOKENIZED, self.partition, columns)
-            masks = None if report.layout.storage.is_native else {}
-            image_token = self.target.facts.image_token_id
-            requests = requests_for(rows, report.plan.missing, image_token, masks)
-            try:
-                report.tally = run_extraction(
-                    client, requests, report.plan, report.layout, self.blobs, self.log,
-                    engine.map_path, masks,
-                )  # fmt: skip
-            except CircuitOpen as exc:
-                raise ServerUnavailable(
-                    f"vLLM stopped answering: {exc}. Samples stored so far are kept; "
-                    "rerun to resume."
-                ) from exc
-            if session.managed:
-                report.server_rss_bytes = session.managed.rss_bytes()
+        session = engine.extraction_session(
+            model, layout.layer_ids, incoming, self.image_root, self.log_path
+        )
+        rows = self.tables.iter_rows(
+            TOKENIZED, self.partition, ["row_id", "input_ids", "messages", "loss_mask"]
+        )
+        masks = None if layout.storage.is_native else {}
+        requests = requests_for(rows, plan.missing, self.target.facts.image_token_id, masks)
+        keys = {r.row_id: r.key for r in plan.rows}
+        job = HiddenStatesJob(keys, layout, self.blobs, engine.map_path, masks)
+        stage = RequestStage(session, self.settings, engine.api_key)
+        with _one_torch_thread():
+            report = stage.run(HiddenStatesClient, job, requests, len(plan.missing))
         if not any(incoming.iterdir()):
             incoming.rmdir()
+        return report

@@ -25,42 +25,12 @@ from mm_assets.domain.prep.supervision import (
     render_supervision,
 )
 from mm_assets.domain.prep.tokenization import ChatTokenizer
-from mm_assets.domain.rejection import RowFailureWatch, RowRejected, failed_on
+from mm_assets.domain.rejection import RowFailureWatch, failed_on
 from mm_assets.domain.row_ids import make_row_id
-from mm_assets.storage import TableStore, WrittenTable, schemas
-from mm_assets.storage.tables import BatchWriter
+from mm_assets.services.quarantine import StageReport, quarantine_row
+from mm_assets.storage import TableStore, schemas
 
 CONVERSATIONS = "target_responses"  # what tokenization reads (see `services/regeneration.py`)
-
-
-@dataclass
-class StageReport:
-    """A table of kept rows, its quarantine, and how many rows each reason dropped."""
-
-    kept: WrittenTable | None = None
-    quarantine: WrittenTable | None = None
-    reasons: Counter[str] = field(default_factory=Counter)
-
-
-def quarantine_row(
-    out: BatchWriter,
-    report: StageReport,
-    source_index: int,
-    sample_id: str | None,
-    record: str,
-    exc: RowRejected,
-) -> None:
-    """One rejected row into a quarantine table, its reason counted in `report`."""
-    report.reasons[exc.reason.value] += 1
-    out.write(
-        {
-            "source_index": source_index,
-            "sample_id": sample_id,
-            "reason": exc.reason.value,
-            "detail": exc.detail,
-            "record": record,
-        }
-    )
 
 
 def load_probes(tables: TableStore, partition: str) -> dict[str, ImageProbe]:

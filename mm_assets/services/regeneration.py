@@ -11,17 +11,15 @@ The `target_responses` table is then assembled from the stored replies.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from mm_assets.clients.vllm_client import ChatClient, CircuitOpen, RequestRefused
-from mm_assets.common.progress import Progress
+from mm_assets.clients.vllm_client import ChatClient, RequestRefused
 from mm_assets.domain.model.responses import (
     Regeneration,
     Reply,
@@ -39,8 +37,8 @@ from mm_assets.domain.model.responses import (
 from mm_assets.domain.prep.conversations import to_vllm_messages
 from mm_assets.domain.prep.tokenization import count_images
 from mm_assets.services.engine import VllmEngine
-from mm_assets.services.extraction import ServerUnavailable
-from mm_assets.services.prep import StageReport, quarantine_row
+from mm_assets.services.quarantine import StageReport, quarantine_row
+from mm_assets.services.request_stage import Outcome, Rejected, RequestReport, RequestStage, Stored
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, schemas
 from mm_assets.storage.blobs import BlobStore
@@ -48,6 +46,7 @@ from mm_assets.storage.blobs import BlobStore
 SOURCE = "normalized_conversations"
 TABLE = "target_responses"
 IMAGE_COLUMNS = ("image_paths", "image_hashes", "image_heights", "image_widths")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,13 +56,9 @@ class RegenerationReport(StageReport):
     mode: str = "dataset"
     conversations: int = 0
     cache_hits: int = 0
-    requests_sent: int = 0
-    servers: list[dict[str, Any]] = field(default_factory=list)
-    """Each server's answers, failed tries and tokens (`VllmClient.server_stats`)."""
-    generated_tokens: int = 0
-    seconds: float = 0.0
+    requests: RequestReport = field(default_factory=RequestReport)
+    """`tokens`: the tokens generated now, in every reply (stored or not)."""
     server: str = ""
-    startup_s: float | None = None
     reply_lengths: list[int] = field(default_factory=list)
     length_capped: int = 0
     cut_short: int = 0
@@ -85,7 +80,6 @@ class TargetRegeneration:
     settings: ResponseSettings
     image_root: Path | None
     log_path: Path
-    log: Callable[[str], None] = print
 
     def run(self, mode: str) -> RegenerationReport:
         """`mode` is the dataset's `responses` entry: `target` or `dataset`."""
@@ -102,10 +96,16 @@ class TargetRegeneration:
         keys = {row["sample_id"]: self._key(row) for row in self._rows(columns)}
         missing = {sid for sid, key in keys.items() if not self.store.has(key)}
         report.conversations, report.cache_hits = len(keys), len(keys) - len(missing)
-        self.log(f"{len(keys)} conversations: {report.cache_hits} cached, {len(missing)} to ask")
+        logger.info("%d conversations: %d cached, %d to ask", len(keys), report.cache_hits,
+                    len(missing))  # fmt: skip
         unstored: dict[str, Regeneration] = {}
         if missing:
-            self._generate(keys, missing, unstored, report)
+            job = ReplyJob(keys, self.store, self.settings, self._turns, unstored)
+            rows = (r for r in self._rows() if r["sample_id"] in missing)
+            model, engine = str(self.target.local_dir), self._engine
+            session = engine.session(model, [], self.image_root, self.log_path)
+            stage = RequestStage(session, self.settings, engine.api_key)
+            report.requests = stage.run(ChatClient, job, rows, len(missing))
         self._write_table(keys, unstored, report)
         return report
 
@@ -127,75 +127,6 @@ class TargetRegeneration:
             self.target.fingerprint, self._engine.options.dtype, self.settings, turns,
             row["image_hashes"],
         )  # fmt: skip
-
-    def _generate(
-        self,
-        keys: dict[str, str],
-        missing: set[str],
-        unstored: dict[str, Regeneration],
-        report: RegenerationReport,
-    ) -> None:
-        """Start (or reach) the servers and regenerate the missing conversations."""
-        model = str(self.target.local_dir)
-        engine = self._engine
-        with engine.session(model, [], self.image_root, self.log_path) as session:
-            if session.managed:
-                report.startup_s = session.managed.startup_seconds
-                self.log(f"vLLM started in {report.startup_s:.1f}s, log {self.log_path}")
-            s = self.settings
-            client = ChatClient(
-                session.base_urls, s.concurrency, s.request_timeout_s, s.max_retries,
-                s.breaker_failures, engine.api_key, probe_after_s=s.probe_after_s, log=self.log,
-            )  # fmt: skip
-            rows = (r for r in self._rows() if r["sample_id"] in missing)
-            try:
-                asyncio.run(self._ask_all(client, rows, keys, unstored, report, len(missing)))
-            except CircuitOpen as exc:
-                raise ServerUnavailable(
-                    f"vLLM stopped answering: {exc}. Conversations answered so far are "
-                    "kept; rerun to resume."
-                ) from exc
-
-    async def _ask_all(
-        self,
-        client: ChatClient,
-        rows: Iterator[dict[str, Any]],
-        keys: dict[str, str],
-        unstored: dict[str, Regeneration],
-        report: RegenerationReport,
-        total: int,
-    ) -> None:
-        progress = Progress(self.log, "conversations", total, every_s=10.0)
-        started, done = time.perf_counter(), [0]
-
-        async def ask(row: dict[str, Any]) -> Regeneration:
-            return await regenerate(client, self._turns(row), self.settings)
-
-        async def keep(row: dict[str, Any], outcome: Regeneration | Exception) -> None:
-            if isinstance(outcome, Exception):  # not raised by `regenerate`; defensive
-                outcome = Regeneration([], ResponseProblem.GENERATION_ERROR, str(outcome))
-            if outcome.problem == ResponseProblem.GENERATION_ERROR:
-                unstored[row["sample_id"]] = outcome
-            else:  # fsynced: off the event loop, which keeps sending meanwhile
-                await asyncio.to_thread(
-                    self.store.put_json, outcome.as_json(), keys[row["sample_id"]]
-                )
-            report.generated_tokens += sum(len(r.token_ids) for r in outcome.replies)
-            done[0] += 1
-            rate = report.generated_tokens / max(time.perf_counter() - started, 1e-9)
-            progress.update(done[0], f"{rate:,.0f} tok/s")
-
-        try:
-            # a conversation holds its worker through its turns: twice the workers keep
-            # `concurrency` requests in flight while some wait between turns or finish
-            await client.map(rows, ask, keep, workers=2 * client.concurrency)
-        except* CircuitOpen as group:
-            raise group.exceptions[0] from None
-        finally:
-            report.requests_sent = client.requests_sent
-            report.servers = client.server_stats()
-            report.seconds = time.perf_counter() - started
-            await client.close()
 
     def _write_table(
         self, keys: dict[str, str], unstored: dict[str, Regeneration], report: RegenerationReport
@@ -238,6 +169,39 @@ class TargetRegeneration:
             "reply_token_ids": [r.token_ids for r in regeneration.replies],
             "finish_reasons": [r.finish_reason for r in regeneration.replies],
         }
+
+
+@dataclass(frozen=True)
+class ReplyJob:
+    """A conversation's replies asked turn by turn (`regenerate`), stored under its key
+    once it is done. A generation error (maybe passing) is not stored, so the next run
+    asks again; this run keeps it in `unstored` for the table."""
+
+    keys: dict[str, str]
+    store: BlobStore
+    settings: ResponseSettings
+    turns: Callable[[dict[str, Any]], list[dict[str, Any]]]
+    unstored: dict[str, Regeneration]
+    what = "conversations"
+    kept = "Conversations answered so far are kept"
+    ask_again = 0
+    # a conversation holds its worker through its turns: twice the workers keep
+    # `concurrency` requests in flight while some wait between turns or finish
+    workers_per_slot = 2
+
+    async def ask(self, client: ChatClient, row: dict[str, Any]) -> Regeneration:
+        return await regenerate(client, self.turns(row), self.settings)
+
+    def write(self, row: dict[str, Any], answer: Regeneration | Exception, final: bool) -> Outcome:
+        if isinstance(answer, Exception):  # not raised by `regenerate`; defensive
+            answer = Regeneration([], ResponseProblem.GENERATION_ERROR, str(answer))
+        tokens = sum(len(r.token_ids) for r in answer.replies)
+        sample_id = row["sample_id"]
+        if answer.problem == ResponseProblem.GENERATION_ERROR:
+            self.unstored[sample_id] = answer  # one key per conversation
+            return Rejected(sample_id, answer.problem.value, answer.detail, tokens)
+        path = self.store.put_json(answer.as_json(), self.keys[sample_id])
+        return Stored(tokens, path.stat().st_size)
 
 
 async def regenerate(
