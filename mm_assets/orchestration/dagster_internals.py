@@ -36,10 +36,11 @@ def supports_pools(instance: dg.DagsterInstance) -> bool:
 
 def pool_queue(instance: dg.DagsterInstance, pool: str) -> PoolQueue:
     info = instance.event_log_storage.get_concurrency_info(pool)
+    # A claimed step is also listed as pending, with the time its slot was assigned.
     holding = [(slot.run_id, slot.step_key) for slot in info.claimed_slots]
     holding += [(p.run_id, p.step_key) for p in info.pending_steps if p.assigned_timestamp]
     waiting = [(p.run_id, p.step_key) for p in info.pending_steps if not p.assigned_timestamp]
-    return PoolQueue(tuple(holding), tuple(waiting))
+    return PoolQueue(tuple(dict.fromkeys(holding)), tuple(waiting))
 
 
 def free_slots_of_run(instance: dg.DagsterInstance, run_id: str) -> None:
