@@ -118,8 +118,8 @@ def judge(instance: dg.DagsterInstance, run_id: str) -> Verdict:
             mark_failed=True,
         )
     if worker is not None:
-        return Verdict("ask", f"its worker ran on {worker.machine.host}, which cannot be "
-                       "checked from here")  # fmt: skip
+        where = worker.machine.host
+        return Verdict("ask", f"its worker ran on {where}, which cannot be checked from here")
     return Verdict("ask", "it recorded no machine, so whether its worker lives is unknown")
 
 
