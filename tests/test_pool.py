@@ -260,6 +260,18 @@ def test_what_a_dead_worker_left_running_keeps_its_slot(tmp_path: Path) -> None:
     assert not _claimed(instance)
 
 
+def test_a_worker_record_copied_from_a_parent_run_is_not_the_runs_own(tmp_path: Path) -> None:
+    """A re-executed run may carry its parent's tags; the parent's live worker must not
+    make the child look alive (or dead) here."""
+    instance, holder, _ = _held_slot(tmp_path / "home")
+    _record(instance, holder, Worker(os.getpid(), time.time(), Machine.this()))
+    tags = instance.get_run_by_id(holder.run_id).tags
+    child = dg.DagsterRun("a_job", run_id=str(uuid.uuid4()), status=dg.DagsterRunStatus.STARTED)
+    child = instance.add_run(child.with_tags(tags))
+    assert dead_runs.recorded_worker(child) is None
+    assert dead_runs.judge(instance, child.run_id).action == "ask"
+
+
 def test_a_pid_taken_by_a_newer_process_is_not_the_worker() -> None:
     assert processes.process_alive(os.getpid(), time.time())
     assert not processes.process_alive(os.getpid(), recorded_at=0.0)  # started after the record

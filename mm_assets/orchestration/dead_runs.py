@@ -61,14 +61,18 @@ class Worker:
 
 
 def record_worker(instance: dg.DagsterInstance, run_id: str, worker: Worker) -> None:
-    value = {"pid": worker.pid, "recorded_at": worker.recorded_at, **asdict(worker.machine)}
+    value = {"run_id": run_id, "pid": worker.pid, "recorded_at": worker.recorded_at}
+    value.update(asdict(worker.machine))
     internals.tag_run(instance, run_id, {WORKER_TAG: json.dumps(value, sort_keys=True)})
 
 
 def recorded_worker(run: dg.DagsterRun) -> Worker | None:
-    """The worker `run` recorded; None where it recorded none (or a tag it cannot read)."""
+    """The worker `run` recorded; None where it recorded none. A re-executed run may carry
+    its parent's tags: a record names the run it was made for."""
     try:
         value = json.loads(run.tags[WORKER_TAG])
+        if value["run_id"] != run.run_id:
+            return None
         machine = Machine(value["host"], value["boot"], value["pid_namespace"])
         return Worker(int(value["pid"]), float(value["recorded_at"]), machine)
     except (KeyError, TypeError, ValueError):
