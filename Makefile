@@ -5,13 +5,20 @@ PY := $(VENV)/bin/python
 export MM_ASSETS_HOME ?= $(CURDIR)/.mm_assets
 export DAGSTER_HOME ?= $(MM_ASSETS_HOME)/dagster_home
 
-.PHONY: setup demo test test-fast test-long lint format bench chaos dev clean
+.PHONY: setup instance demo test test-fast test-long lint format bench chaos dev clean
 
 setup:
 	@bash scripts/setup_env.sh
 
-demo: setup
+# $(DAGSTER_HOME) with the repo's instance config (accelerator pool limit, run monitoring):
+# `dev` and `demo` run in the same instance.
+instance:
 	@mkdir -p "$(DAGSTER_HOME)"
+	@[ -f "$(DAGSTER_HOME)/dagster.yaml" ] || cp dagster.yaml "$(DAGSTER_HOME)/dagster.yaml"
+	@cmp -s dagster.yaml "$(DAGSTER_HOME)/dagster.yaml" || echo "note: $(DAGSTER_HOME)/dagster.yaml \
+	differs from ./dagster.yaml (pool limit, run monitoring): diff them, or copy it over"
+
+demo: setup instance
 	$(PY) -m mm_assets.demo run
 
 test: setup lint
@@ -27,11 +34,7 @@ test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow and not long"
 
 # The Dagster UI on 127.0.0.1:3000 with run history in $(DAGSTER_HOME).
-dev: setup
-	@mkdir -p "$(DAGSTER_HOME)"
-	@[ -f "$(DAGSTER_HOME)/dagster.yaml" ] || cp dagster.yaml "$(DAGSTER_HOME)/dagster.yaml"
-	@cmp -s dagster.yaml "$(DAGSTER_HOME)/dagster.yaml" || echo "note: $(DAGSTER_HOME)/dagster.yaml \
-	differs from ./dagster.yaml (pool limit, run monitoring): diff them, or copy it over"
+dev: setup instance
 	$(VENV)/bin/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 lint: setup

@@ -150,7 +150,7 @@ def test_the_executor_is_chosen_by_the_environment(
     choice: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from mm_assets.assets.executors import step_executor
-    from mm_assets.assets.pool import is_watched
+    from mm_assets.orchestration.wiring import is_watched
 
     monkeypatch.setenv("MM_ASSETS_EXECUTOR", choice)
     monkeypatch.setenv("MM_ASSETS_CELERY_BROKER", "redis://broker.example:6379/1")

@@ -1,4 +1,4 @@
-"""Dead runs release what they hold (`mm_assets/assets/pool.py`).
+"""Dead runs release what they hold (`mm_assets/orchestration/`).
 
 A run killed with SIGKILL while its step holds the accelerator pool's slot stays STARTED and
 keeps the slot; the next run's accelerator step must still start, unless a server the dead
@@ -22,7 +22,6 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from mm_assets.assets import pool
 from mm_assets.assets.executors import step_executor
 from mm_assets.assets.partitions import (
     ACCELERATOR_POOL,
@@ -30,6 +29,9 @@ from mm_assets.assets.partitions import (
     REGISTRY,
     accelerator_asset,
 )
+from mm_assets.orchestration import cli, dead_runs, processes, wiring
+from mm_assets.orchestration.dead_runs import Worker
+from mm_assets.orchestration.processes import RUN_ENV, Machine
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -84,7 +86,7 @@ def _holding(instance: dg.DagsterInstance, asset: str) -> bool:
     """Whether a run holds the slot and its step has started (and started its server)."""
     for run_id in _claimed(instance):
         if instance.all_logs(run_id, of_type=dg.DagsterEventType.STEP_START):
-            return asset != "serves_on_the_accelerator" or bool(pool.processes_of(run_id))
+            return asset != "serves_on_the_accelerator" or bool(processes.processes_of(run_id))
     return False
 
 
@@ -142,7 +144,7 @@ def test_a_server_the_killed_run_left_holds_the_slot_until_stopped(tmp_path: Pat
     """The killed worker's "server" lives on in its own session: the next run names it and
     waits; once it is stopped, the next run's step starts."""
     env, instance, dead = _killed_while_holding("serves_on_the_accelerator", tmp_path)
-    ((server, _),) = pool.processes_of(dead)
+    ((server, _),) = processes.processes_of(dead)
     pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     waiting = subprocess.Popen(_materialize("needs_the_accelerator"), cwd=REPO, env=env, **pipe)
     try:
@@ -190,9 +192,8 @@ def _held_slot(home: Path) -> tuple[dg.DagsterInstance, dg.DagsterRun, dg.Dagste
     return instance, holder, waiting
 
 
-def _record(instance: dg.DagsterInstance, run: dg.DagsterRun, worker: pool.Worker) -> None:
-    data = pool.EngineEventData(metadata=worker.metadata())
-    instance.report_engine_event(f"{pool.RECORD_MESSAGE} (pid {worker.pid})", run, data)
+def _record(instance: dg.DagsterInstance, run: dg.DagsterRun, worker: Worker) -> None:
+    dead_runs.record_worker(instance, run.run_id, worker)
 
 
 def _dead_pid() -> int:
@@ -206,16 +207,16 @@ def test_a_holder_not_known_dead_is_named_and_kept(tmp_path: Path) -> None:
     command that frees it; one alive here is waited for. None loses its slot."""
     instance, holder, waiting = _held_slot(tmp_path / "home")
     log = _Log()
-    watch = pool.PoolWatch(instance, waiting, [ACCELERATOR_POOL], log)
+    watch = dead_runs.PoolWatch(instance, waiting, [ACCELERATOR_POOL], log)
     watch.sweep()
     watch.sweep()
-    assert len(log.lines) == 1 and pool.release_command(holder.run_id) in log.lines[0]
-    elsewhere = pool.Machine("another-host", "boot", "pid:[1]")
-    _record(instance, holder, pool.Worker(os.getpid(), time.time(), elsewhere))
-    verdict = pool.judge(instance, holder.run_id)
+    assert len(log.lines) == 1 and dead_runs.release_command(holder.run_id) in log.lines[0]
+    elsewhere = Machine("another-host", "boot", "pid:[1]")
+    _record(instance, holder, Worker(os.getpid(), time.time(), elsewhere))
+    verdict = dead_runs.judge(instance, holder.run_id)
     assert verdict.action == "ask" and "another-host" in verdict.reason
-    _record(instance, holder, pool.Worker(os.getpid(), time.time(), pool.Machine.this()))
-    assert pool.judge(instance, holder.run_id).action == "wait"  # this process lives
+    _record(instance, holder, Worker(os.getpid(), time.time(), Machine.this()))
+    assert dead_runs.judge(instance, holder.run_id).action == "wait"  # this process lives
     watch.sweep()
     assert _claimed(instance) == [holder.run_id]
     assert instance.get_run_by_id(holder.run_id).status == dg.DagsterRunStatus.STARTED
@@ -223,9 +224,9 @@ def test_a_holder_not_known_dead_is_named_and_kept(tmp_path: Path) -> None:
 
 def test_a_holder_dead_here_is_failed_and_its_slot_handed_on(tmp_path: Path) -> None:
     instance, holder, waiting = _held_slot(tmp_path / "home")
-    _record(instance, holder, pool.Worker(_dead_pid(), time.time() - 5, pool.Machine.this()))
+    _record(instance, holder, Worker(_dead_pid(), time.time() - 5, Machine.this()))
     log = _Log()
-    pool.PoolWatch(instance, waiting, [ACCELERATOR_POOL], log).sweep()
+    dead_runs.PoolWatch(instance, waiting, [ACCELERATOR_POOL], log).sweep()
     assert instance.get_run_by_id(holder.run_id).status == dg.DagsterRunStatus.FAILURE
     assert log.lines[-1].startswith(f"Freed the slots of run {holder.run_id}")
     storage = instance.event_log_storage
@@ -238,16 +239,16 @@ def test_what_a_dead_worker_left_running_keeps_its_slot(tmp_path: Path) -> None:
     slot is freed."""
     instance, holder, waiting = _held_slot(tmp_path / "home")
     log, other = _Log(), _started_run(instance)
-    with pool.watching(instance, other, [ACCELERATOR_POOL], log):
-        assert os.environ[pool.RUN_ENV] == other.run_id  # what a worker's children inherit
-    assert pool.RUN_ENV not in os.environ
-    env = {**os.environ, pool.RUN_ENV: holder.run_id}
+    with dead_runs.watching(instance, other, [ACCELERATOR_POOL], log):
+        assert os.environ[RUN_ENV] == other.run_id  # what a worker's children inherit
+    assert RUN_ENV not in os.environ
+    env = {**os.environ, RUN_ENV: holder.run_id}
     server = subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
-    _record(instance, holder, pool.Worker(_dead_pid(), time.time() - 5, pool.Machine.this()))
-    watch = pool.PoolWatch(instance, waiting, [ACCELERATOR_POOL], log)
+    _record(instance, holder, Worker(_dead_pid(), time.time() - 5, Machine.this()))
+    watch = dead_runs.PoolWatch(instance, waiting, [ACCELERATOR_POOL], log)
     try:
         watch.sweep()
-        verdict = pool.judge(instance, holder.run_id)
+        verdict = dead_runs.judge(instance, holder.run_id)
         assert verdict.action == "stuck" and verdict.pids == (server.pid,)
         assert f"`kill {server.pid}`" in log.lines[-1]
         assert _claimed(instance) == [holder.run_id]
@@ -259,19 +260,31 @@ def test_what_a_dead_worker_left_running_keeps_its_slot(tmp_path: Path) -> None:
     assert not _claimed(instance)
 
 
+def test_a_worker_record_copied_from_a_parent_run_is_not_the_runs_own(tmp_path: Path) -> None:
+    """A re-executed run may carry its parent's tags; the parent's live worker must not
+    make the child look alive (or dead) here."""
+    instance, holder, _ = _held_slot(tmp_path / "home")
+    _record(instance, holder, Worker(os.getpid(), time.time(), Machine.this()))
+    tags = instance.get_run_by_id(holder.run_id).tags
+    child = dg.DagsterRun("a_job", run_id=str(uuid.uuid4()), status=dg.DagsterRunStatus.STARTED)
+    child = instance.add_run(child.with_tags(tags))
+    assert dead_runs.recorded_worker(child) is None
+    assert dead_runs.judge(instance, child.run_id).action == "ask"
+
+
 def test_a_pid_taken_by_a_newer_process_is_not_the_worker() -> None:
-    assert pool.process_alive(os.getpid(), time.time())
-    assert not pool.process_alive(os.getpid(), recorded_at=0.0)  # started after the record
-    assert not pool.process_alive(_dead_pid(), time.time())
+    assert processes.process_alive(os.getpid(), time.time())
+    assert not processes.process_alive(os.getpid(), recorded_at=0.0)  # started after the record
+    assert not processes.process_alive(_dead_pid(), time.time())
 
 
 def test_release_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     instance, holder, _ = _held_slot(tmp_path / "home")
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
-    _record(instance, holder, pool.Worker(os.getpid(), time.time(), pool.Machine.this()))
-    assert pool.main(["release", holder.run_id]) == 1  # alive here: refused
+    _record(instance, holder, Worker(os.getpid(), time.time(), Machine.this()))
+    assert cli.main(["release", holder.run_id]) == 1  # alive here: refused
     assert "Stop it first" in capsys.readouterr().err
-    assert pool.main(["release", holder.run_id, "--force"]) == 0
+    assert cli.main(["release", holder.run_id, "--force"]) == 0
     assert not _claimed(instance)
     assert instance.get_run_by_id(holder.run_id).status == dg.DagsterRunStatus.FAILURE
 
@@ -282,13 +295,13 @@ def test_the_products_accelerator_steps_carry_the_watch(monkeypatch: pytest.Monk
     demo's `execute_in_process`)."""
     from mm_assets.definitions import defs as product
 
-    assert pool.is_watched(product.executor)
-    assert pool.is_watched(product.resolve_implicit_global_asset_job_def().executor_def)
+    assert wiring.is_watched(product.executor)
+    assert wiring.is_watched(product.resolve_implicit_global_asset_job_def().executor_def)
     monkeypatch.setenv("MM_ASSETS_EXECUTOR", "multiprocess")
-    assert pool.is_watched(step_executor())
+    assert wiring.is_watched(step_executor())
     assets = [a for a in product.assets or [] if isinstance(a, dg.AssetsDefinition)]
     in_pool = {a.key.to_user_string(): a for a in assets if a.op.pool == ACCELERATOR_POOL}
     assert set(in_pool) == {"target_responses", "hidden_states", "trained_speculator"}
     for asset in in_pool.values():
-        assert asset.resource_defs[pool.WATCH_KEY] is ACCELERATOR_WATCH
-        assert pool.WATCH_KEY in asset.required_resource_keys
+        assert asset.resource_defs[wiring.WATCH_KEY] is ACCELERATOR_WATCH
+        assert wiring.WATCH_KEY in asset.required_resource_keys

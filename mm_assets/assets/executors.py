@@ -22,9 +22,10 @@ step code, and ~12 s with the fork server preloading nothing heavy.
 Workers must see the same storage root (`MM_ASSETS_HOME`) and the same environment; see
 the README, "Scaling out".
 
-Every executor runs under a pool watch (`pool.py`): while a step waits for a slot of its
-pool (the accelerator), slots held by runs whose worker died are freed. The pool's limit
-holds across workers: the run decides when a step may start, before it is sent to one.
+Every executor runs under a pool watch (`mm_assets/orchestration/`): while a step waits
+for a slot of its pool (the accelerator), slots held by runs whose worker died are freed.
+The pool's limit holds across workers: the run decides when a step may start, before it is
+sent to one.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 
 import dagster as dg
 
-from mm_assets.assets.pool import watch_pools_of
+from mm_assets.orchestration.wiring import watch_pools_of
 
 PRELOADED = ["mm_assets.definitions", "mm_assets.services.preload"]
 EXECUTORS = ("in_process", "multiprocess", "celery", "k8s")

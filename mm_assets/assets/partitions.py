@@ -11,14 +11,15 @@ import dagster as dg
 from mm_assets.assets.automation import materialize_on_change
 from mm_assets.assets.config import STAGE_SETTINGS
 from mm_assets.assets.executors import accelerator_step_tags
-from mm_assets.assets.pool import WATCH_KEY, taking_watch, watch_resource
+from mm_assets.orchestration.wiring import WATCH_KEY, taking_watch, watch_resource
 from mm_assets.registry import DatasetSpec, load_registry
 
 # Steps that hold the accelerator (a vLLM server, training) share one pool; its limit is
 # the instance's `concurrency.pools` setting (dagster.yaml: one at a time by default).
 ACCELERATOR_POOL = "accelerator"
-# Frees the pool's slots held by dead runs while a step waits (pool.py). One object for all
-# the accelerator assets: Dagster requires a resource key to mean the same object everywhere.
+# Frees the pool's slots held by dead runs while a step waits (mm_assets/orchestration/). One
+# object for all the accelerator assets: Dagster requires a resource key to mean the same
+# object everywhere.
 ACCELERATOR_WATCH = watch_resource([ACCELERATOR_POOL])
 
 REGISTRY = load_registry(STAGE_SETTINGS)

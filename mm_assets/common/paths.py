@@ -7,6 +7,8 @@ unless `DAGSTER_HOME` is set, Dagster's instance, so a run's history survives th
 from __future__ import annotations
 
 import os
+import uuid
+from importlib import resources
 from pathlib import Path
 
 
@@ -28,8 +30,23 @@ def default_target_model() -> str:
 
 
 def ensure_dagster_home() -> Path:
-    """Point `DAGSTER_HOME` under the storage root when unset, so run history persists."""
+    """Point `DAGSTER_HOME` under the storage root when unset, so run history persists,
+    and give it the project's instance config (the repo's `dagster.yaml`, shipped in the
+    package) when it has none: without it, runs have no accelerator pool limit and no run
+    monitoring. Every entry point calls this before it creates its instance; an existing
+    `dagster.yaml` is the user's and is left alone."""
     path = Path(os.environ.get("DAGSTER_HOME") or home() / "dagster_home")
     path.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DAGSTER_HOME", str(path))
+    config = path / "dagster.yaml"
+    if not config.exists():
+        # Beside it, then renamed: a process creating its instance meanwhile reads all or none.
+        staged = path / f".dagster.yaml.{uuid.uuid4().hex}"
+        staged.write_text(instance_config())
+        os.replace(staged, config)
     return path
+
+
+def instance_config() -> str:
+    """The project's Dagster instance config: pool limits, run monitoring (`dagster.yaml`)."""
+    return resources.files("mm_assets").joinpath("dagster.yaml").read_text()

@@ -1,0 +1,5 @@
+import sys
+
+from mm_assets.orchestration.cli import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""Where a process runs, and whether it still does (psutil).
+
+A pid names one process only within one host, boot and pid namespace, and only until it
+is reused: a record of a run's worker keeps all four, with the time it was made, so that
+a later run can tell a dead worker from a live one, or from a newer process with its pid.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import psutil
+
+# Set in a watched run worker: every process it starts inherits it (a managed vLLM server
+# runs in its own session and outlives a killed worker, holding the accelerator).
+RUN_ENV = "MM_ASSETS_RUN_ID"
+_GONE = {psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD}
+
+
+def _pid_namespace() -> str:
+    """Containers on one host share its boot but not its pids; psutil does not say this."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What tells two processes apart across machines, reboots and containers."""
+
+    host: str
+    boot: str
+    pid_namespace: str
+
+    @classmethod
+    def this(cls) -> Machine:
+        return cls(socket.gethostname(), f"{psutil.boot_time():.0f}", _pid_namespace())
+
+
+def process_alive(pid: int, recorded_at: float) -> bool:
+    """Whether the process `pid`, recorded at `recorded_at`, still runs. A zombie is dead;
+    a process started after the record is another one that reuses the pid."""
+    try:
+        process = psutil.Process(pid)
+        if process.status() in _GONE:
+            return False
+        return process.create_time() <= recorded_at + 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True  # it exists, under another user
+
+
+def processes_of(run_id: str) -> list[tuple[int, str]]:
+    """Live processes on this machine started by a worker of `run_id` (they inherited
+    `RUN_ENV`), with the start of their command. Another user's processes, whose
+    environment cannot be read, are not listed."""
+    found = []
+    for process in psutil.process_iter(["pid", "environ", "cmdline", "status"]):
+        info = process.info
+        if (info["environ"] or {}).get(RUN_ENV) != run_id or info["status"] in _GONE:
+            continue
+        if info["pid"] != os.getpid():
+            found.append((info["pid"], " ".join(info["cmdline"] or [])[:60]))
+    return found
