@@ -25,10 +25,11 @@ def _prepare(workdir: Path) -> None:
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mm_assets.domain.model.checkpoint import checkpoint_config, save_checkpoint
+    from mm_assets.domain.model.checkpoint import checkpoint_config
     from mm_assets.domain.model.draft_vocab import build_draft_vocab
     from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
-    from mm_assets.domain.model.target_weights import load_target_head
+    from mm_assets.services.target_weights import load_target_head
+    from mm_assets.services.training import save_checkpoint
 
     torch.manual_seed(0)
     target = LlamaConfig(
@@ -69,8 +70,8 @@ def _run(side: str, workdir: Path) -> float:
     torch.manual_seed(0)
     batches = [load_file(str(workdir / f"batch{b}.safetensors")) for b in range(BATCHES)]
     if side == "ours":
-        from mm_assets.domain.model.checkpoint import load_checkpoint
-        from mm_assets.domain.model.target_weights import load_target_head
+        from mm_assets.services.target_weights import load_target_head
+        from mm_assets.services.training import load_checkpoint
 
         model, _ = load_checkpoint(workdir / "draft")
         head = load_target_head(workdir / "verifier")

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import sys
 from typing import Any
 
 import torch
@@ -67,10 +69,9 @@ def main() -> None:
     tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
     job = SpeculatorJob.for_target(partition, root, target, settings, tables)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    outcome = train_speculator(
-        job, tables,
-        lambda m: print(f"[rank {rank}] {m}"), not retrain, device,
-    )  # fmt: skip
+    logging.basicConfig(stream=sys.stdout, format=f"[rank {rank}] %(message)s")
+    logging.getLogger("mm_assets").setLevel(logging.INFO)  # epochs and progress; others warn
+    outcome = train_speculator(job, tables, not retrain, device)
     if rank == 0:
         trained, untrained = outcome.result.held_out_acceptance, outcome.untrained_acceptance
         print(

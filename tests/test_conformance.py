@@ -18,11 +18,12 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mm_assets.domain.model.checkpoint import checkpoint_config, save_checkpoint
+from mm_assets.domain.model.checkpoint import checkpoint_config
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
-from mm_assets.domain.model.target_weights import load_target_head
 from mm_assets.domain.model.training_data import SampleRef, load_batch
+from mm_assets.services.target_weights import load_target_head
+from mm_assets.services.training import save_checkpoint
 
 ORACLE = Path(sys.prefix) / "speculators-oracle"
 LOSS_TOLERANCE = 1e-5  # fp32; measured |diff| 4.8e-7 on a loss of 5.7

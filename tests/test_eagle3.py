@@ -10,11 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mm_assets.domain.model.acceptance import replay_runs, summarize
-from mm_assets.domain.model.checkpoint import (
-    checkpoint_config,
-    load_checkpoint,
-    save_checkpoint,
-)
+from mm_assets.domain.model.checkpoint import checkpoint_config
 from mm_assets.domain.model.draft_vocab import build_draft_vocab, draft_vocab_from_mapping
 from mm_assets.domain.model.eagle3 import (
     Eagle3Config,
@@ -33,6 +29,8 @@ from mm_assets.domain.model.training_data import (
     pack,
     split,
 )
+from mm_assets.services.training import load_checkpoint, save_checkpoint
+from mm_assets.storage.checkpoints import TrainStateFile
 
 CFG = Eagle3Config(
     hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
@@ -268,12 +266,16 @@ def test_checkpoint_has_the_speculators_fields_and_round_trips(tmp_path: Path) -
     assert not {"d2t", "t2d"} & set(load_file(str(tmp_path / "full" / "model.safetensors")))
 
 
+def _states(folder: Path) -> TrainStateFile:
+    return TrainStateFile(folder / "train_state.pt")
+
+
 def test_interrupted_training_resumes_to_the_same_result(tmp_path: Path) -> None:
     refs = _write_refs(tmp_path, [9, 14, 7, 11, 13, 8, 10, 12])
     settings = SpeculatorSettings(epochs=3, learning_rate=2e-3, batch_tokens=30, ttt_steps=2)
 
     straight = _model(seed=5)
-    train(straight, refs[:6], refs[6:], settings, tmp_path / "straight", log=lambda m: None)
+    train(straight, refs[:6], refs[6:], settings, _states(tmp_path / "straight"))
 
     class Stop(Exception):
         pass
@@ -289,12 +291,11 @@ def test_interrupted_training_resumes_to_the_same_result(tmp_path: Path) -> None
             refs[:6],
             refs[6:],
             settings,
-            tmp_path / "resumed",
-            log=lambda m: None,
+            _states(tmp_path / "resumed"),
             after_epoch=stop_after_first,
         )
     resumed = _model(seed=5)  # a fresh process: nothing carried over but the saved state
-    result = train(resumed, refs[:6], refs[6:], settings, tmp_path / "resumed", log=lambda m: None)
+    result = train(resumed, refs[:6], refs[6:], settings, _states(tmp_path / "resumed"))
     assert result.resumed_from_epoch == 1 and len(result.epoch_losses) == 3
     for key, value in straight.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[key]), key

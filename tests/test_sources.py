@@ -9,16 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from mm_assets.domain.ingest import sources
-from mm_assets.domain.ingest.sources import (
-    RawRow,
-    build_filter,
-    load_rows,
-    read_hub,
-    read_local,
-    subsample,
-)
+from mm_assets.domain.ingest.sources import RawRow, build_filter, subsample
 from mm_assets.registry import DatasetSpec
+from mm_assets.services import ingest as sources
+from mm_assets.services.ingest import hub_source, load_rows, read_local
 
 
 def test_jsonl_keeps_unparseable_lines_as_rows(tmp_path: Path) -> None:
@@ -71,7 +65,7 @@ def test_hub_code_path_reads_through_load_dataset(tmp_path: Path) -> None:
     """The same `datasets.load_dataset(path, name=..., split=...)` call as for a hub id,
     here on a local directory (no hub is reachable from these machines)."""
     (tmp_path / "train.jsonl").write_text('{"q": "a"}\n{"q": "b"}\n')
-    rows = list(read_hub(str(tmp_path), None, "train"))
+    rows = list(hub_source(str(tmp_path), None, "train")())
     assert [r.record["q"] for r in rows] == ["a", "b"]
 
 

@@ -333,23 +333,23 @@ def test_the_stage_quarantines_rare_bad_rows_and_stops_on_a_broken_setup(
 
     tables = TableStore(tmp_path)
     _conversations(tables, 20, empty_replies=3)  # (normalization drops these; here: late)
-    report = tokenize_partition("p", tables, ChatTokenizer(demo_processor), lambda _: None)
+    report = tokenize_partition("p", tables, ChatTokenizer(demo_processor))
     assert (report.kept.num_rows, report.quarantine.num_rows) == (17, 3)
     assert report.conversations == 20
     assert dict(report.reasons) == {"too_few_supervised_tokens": 3}
 
     _conversations(tables, 20, empty_replies=11)
     with pytest.raises(SetupProblem, match=r"11 of the first 20 rows .*too_few_supervised"):
-        tokenize_partition("p", tables, ChatTokenizer(demo_processor), lambda _: None)
+        tokenize_partition("p", tables, ChatTokenizer(demo_processor))
     # a dataset that really is like that: the share is raised, and the rows quarantined
     report = tokenize_partition(
-        "p", tables, ChatTokenizer(demo_processor), lambda _: None, RowFailureWatch(max_share=0.9)
+        "p", tables, ChatTokenizer(demo_processor), RowFailureWatch(max_share=0.9)
     )
     assert report.quarantine.num_rows == 11
 
     broken = copy.copy(demo_processor)
     broken.chat_template = "{{ messages[0].content + 1 }}"
     with pytest.raises(RuntimeError, match=r"tokenizing sample s0 \(source row 0\) failed with"):
-        tokenize_partition("p", tables, ChatTokenizer(broken), lambda _: None)
+        tokenize_partition("p", tables, ChatTokenizer(broken))
     # the failed runs left the last good table in place
     assert tables.num_rows("tokenized_samples", "p") == 9

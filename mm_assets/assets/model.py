@@ -182,7 +182,7 @@ def trained_speculator(
     job = SpeculatorJob.for_target(
         spec.name, Path(storage.root), target_model.model(), settings, tables
     )
-    outcome = train_speculator(job, tables, context.log.info, reuse=not config.retrain)
+    outcome = train_speculator(job, tables, reuse=not config.retrain)
     metadata = training_metadata(outcome, job.layer_ids)
     measured = None
     if measure.measure_in_vllm and outcome.result.held_out_replies:

@@ -49,7 +49,7 @@ def normalized_conversations(
     from mm_assets.services.prep import normalize_partition
 
     spec, tables = dataset_spec(context), storage.tables()
-    report = normalize_partition(spec.name, spec.format, tables, context.log.info)
+    report = normalize_partition(spec.name, spec.format, tables)
     assert report.kept is not None
     return dg.MaterializeResult(
         metadata={
@@ -95,7 +95,7 @@ def tokenized_samples(
     settings = stage_settings(context, spec, "tokenized_samples", TokenizationSettings)
     chat = ChatTokenizer(target.load_processor(), settings.max_length, spec.min_supervised_tokens)
     watch = RowFailureWatch(settings.repeated_rejection_rows, settings.max_repeated_rejection_share)
-    report = tokenize_partition(spec.name, tables, chat, context.log.info, watch)
+    report = tokenize_partition(spec.name, tables, chat, watch)
     assert report.kept is not None and report.quarantine is not None
     check = quarantine_ratio(
         report.kept.num_rows, report.quarantine.num_rows, report.conversations,

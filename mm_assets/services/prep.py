@@ -4,8 +4,9 @@ target's token ids and loss masks (with a quarantine and supervised-token counts
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ from mm_assets.domain.row_ids import make_row_id
 from mm_assets.services.quarantine import StageReport, quarantine_row
 from mm_assets.storage import TableStore, schemas
 
+logger = logging.getLogger(__name__)
 CONVERSATIONS = "target_responses"  # what tokenization reads (see `services/regeneration.py`)
 
 
@@ -42,9 +44,7 @@ def load_probes(tables: TableStore, partition: str) -> dict[str, ImageProbe]:
     return probes
 
 
-def normalize_partition(
-    partition: str, fmt: str, tables: TableStore, log: Callable[[str], None] = print
-) -> StageReport:
+def normalize_partition(partition: str, fmt: str, tables: TableStore) -> StageReport:
     """One row per usable, distinct sample; every dropped row quarantined with its reason."""
     probes = load_probes(tables, partition)
     seen: set[str] = set()
@@ -55,7 +55,7 @@ def normalize_partition(
             "normalized_conversations_quarantine", partition, schemas.QUARANTINE
         ) as quarantine,
     ):
-        progress = Progress(log, "rows", tables.num_rows("raw_dataset", partition))
+        progress = Progress(logger.info, "rows", tables.num_rows("raw_dataset", partition))
         for done, row in enumerate(tables.iter_rows("raw_dataset", partition), 1):
             progress.update(done)
             sample_id = None
@@ -161,7 +161,6 @@ def tokenize_partition(
     partition: str,
     tables: TableStore,
     chat: ChatTokenizer,
-    log: Callable[[str], None] = print,
     watch: RowFailureWatch | None = None,
 ) -> TokenizeReport:
     """Training rows for every normalized conversation, their supervised-token counts
@@ -176,7 +175,7 @@ def tokenize_partition(
         tables.writer("tokenized_samples_quarantine", partition, schemas.QUARANTINE) as bad,
     ):
         total = tables.num_rows(CONVERSATIONS, partition)
-        progress = Progress(log, "samples", total)
+        progress = Progress(logger.info, "samples", total)
         for done, sample in enumerate(tables.iter_rows(CONVERSATIONS, partition), 1):
             progress.update(done)
             report.conversations += 1

@@ -6,7 +6,7 @@ Shared by the `trained_speculator` asset (one process) and `python -m mm_assets.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -16,20 +16,22 @@ import torch.distributed as dist
 
 from mm_assets.common.hashing import file_sha256, json_sha256
 from mm_assets.domain.model.acceptance import summarize
-from mm_assets.domain.model.checkpoint import checkpoint_config, save_checkpoint
+from mm_assets.domain.model.checkpoint import checkpoint_config, draft_from, draft_state
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION
 from mm_assets.domain.model.settings import TRAINING_VERSION, SpeculatorSettings
-from mm_assets.domain.model.target_weights import load_target_head
-from mm_assets.domain.model.trainer import TrainResult, evaluate, replies_of, train
+from mm_assets.domain.model.trainer import Ranks, TrainResult, evaluate, replies_of, train
 from mm_assets.domain.model.training_data import SampleRef, check_layer_ids, split
 from mm_assets.services.target import TargetModel
+from mm_assets.services.target_weights import load_target_head
 from mm_assets.storage import TableStore
+from mm_assets.storage.checkpoints import TrainStateFile, read_checkpoint, write_checkpoint
 from mm_assets.storage.records import load_record, save_record
 
 OUTCOME_RECORD = "mm_assets_outcome.json"
 TRAINING_TABLES = ("tokenized_samples", "token_frequencies", "hidden_states_manifest")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -171,7 +173,6 @@ def _reused_outcome(job: SpeculatorJob, tables: TableStore, key: str) -> Specula
 def train_speculator(
     job: SpeculatorJob,
     tables: TableStore,
-    log: Callable[[str], None] = print,
     reuse: bool = True,
     device: str = "auto",
 ) -> SpeculatorOutcome:
@@ -179,7 +180,7 @@ def train_speculator(
     earlier job left (its weights verified by hash) without training."""
     key = training_key(job, tables)
     if reuse and (outcome := _reused_outcome(job, tables, key)):
-        log(f"reusing {job.checkpoint_dir}: trained from identical inputs and settings")
+        logger.info("reusing %s: trained from identical inputs and settings", job.checkpoint_dir)
         return outcome
     settings = job.settings
     refs = sample_refs(tables, job.partition, job.layer_ids)
@@ -197,26 +198,41 @@ def train_speculator(
     _, untrained_replies = evaluate(model, held_out, settings, head.lm_head, device)
     untrained = summarize(replies_of(untrained_replies), settings.ttt_steps)
     untrained_sha256 = None
-    if _saves():
+    ranks = _ranks()
+    if ranks.rank == 0:
         config = _checkpoint_config(job, cfg, {"untrained": True})
         save_checkpoint(model.cpu(), config, job.untrained_dir)
         untrained_sha256 = file_sha256(job.untrained_dir / "model.safetensors")
+    states = TrainStateFile(job.state_dir / "train_state.pt")
     result = train(
-        model, train_refs, held_out, settings, job.state_dir, log,
-        full_lm_head=head.lm_head, device=device,
+        model, train_refs, held_out, settings, states, full_lm_head=head.lm_head,
+        device=device, ranks=ranks,
     )  # fmt: skip
     outcome = SpeculatorOutcome(
         job.checkpoint_dir, cfg, result, untrained.acceptance_length, len(train_refs),
         held_out, untrained_replies, untrained_sha256=untrained_sha256,
     )  # fmt: skip
-    if _saves():
+    if ranks.rank == 0:
         _save(job, model, outcome, key)
     return outcome
 
 
-def _saves() -> bool:
-    """One process writes checkpoints (rank 0 under torchrun)."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+def _ranks() -> Ranks:
+    """The torchrun process group when one is initialised (rank 0 writes checkpoints),
+    else this process alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return Ranks()
+    ddp = torch.nn.parallel.DistributedDataParallel
+    return Ranks(dist.get_rank(), dist.get_world_size(), ddp)
+
+
+def save_checkpoint(model: Eagle3Draft, config: dict[str, Any], out_dir: Path) -> Path:
+    return write_checkpoint(out_dir, config, draft_state(model))
+
+
+def load_checkpoint(path: Path) -> tuple[Eagle3Draft, dict[str, Any]]:
+    config, state = read_checkpoint(path)
+    return draft_from(config, state, str(path)), config
 
 
 def _checkpoint_config(job: SpeculatorJob, cfg: Eagle3Config, extra: dict[str, Any]) -> dict:

@@ -1,13 +1,14 @@
-"""Reading a registered dataset's rows: local files or the hub, filtered and subsampled.
+"""Choosing a registered dataset's rows: the entry's filters and a deterministic subsample.
 
 Rows are kept as the JSON text of the record so every format fits one table schema and a
 row that fails later is quarantined with its original content. A line that is not JSON
 is kept too (with a parse error) instead of aborting the load.
 
-Memory is flat in the source's size: every format is read a record at a time, and
-`max_samples` is applied in two passes (count the rows that pass the filter, then keep
-the chosen ones) instead of holding the whole source to sample from it. ShareGPT4V is
-~1.2M records; an entry keeping 50,000 of them holds 50,000.
+Memory is flat in the source's size: rows arrive one at a time from a reader
+(`services/ingest.py` reads files and the hub), and `max_samples` is applied in two
+passes (count the rows that pass the filter, then keep the chosen ones) instead of
+holding the whole source to sample from it. ShareGPT4V is ~1.2M records; an entry
+keeping 50,000 of them holds 50,000.
 """
 
 from __future__ import annotations
@@ -16,15 +17,10 @@ import json
 import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
-
-import ijson
-import pyarrow.parquet as pq
+from typing import Any, TypeVar
 
 from mm_assets.registry import DatasetSpec
 
-LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 T = TypeVar("T")
 
 
@@ -38,126 +34,6 @@ class RawRow:
         if self.parse_error is not None:
             return str(self.record)
         return json.dumps(self.record, ensure_ascii=False, default=str)
-
-
-def read_local(path: Path) -> Iterator[RawRow]:
-    """Rows of a json (list), jsonl or parquet file, or of every such file in a directory
-    (sorted by name, so the row order — and the source index — is stable)."""
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_SUFFIXES)
-        if not files:
-            raise FileNotFoundError(f"{path} holds no {'/'.join(LOCAL_SUFFIXES)} files")
-        records = (r.record if r.parse_error is None else r for f in files for r in read_local(f))
-        for index, record in enumerate(records):
-            if isinstance(record, RawRow):
-                yield RawRow(index, record.record, record.parse_error)
-            else:
-                yield RawRow(index, record)
-        return
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"dataset file {path} does not exist; fix the entry's 'path' in the registry "
-            f"(for the demo datasets run `python -m mm_assets.demo build`)"
-        )
-    if path.suffix == ".jsonl":
-        yield from _read_jsonl(path)
-    elif path.suffix == ".json":
-        yield from _read_json_list(path)
-    elif path.suffix == ".parquet":
-        index = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            for record in batch.to_pylist():
-                yield RawRow(index, record)
-                index += 1
-    else:
-        raise ValueError(f"{path}: unsupported file type; use one of {LOCAL_SUFFIXES}")
-
-
-def _read_jsonl(path: Path) -> Iterator[RawRow]:
-    with open(path, encoding="utf-8") as fh:
-        index = 0
-        for line in fh:
-            if not line.strip():
-                continue
-            try:
-                yield RawRow(index, json.loads(line))
-            except json.JSONDecodeError as exc:
-                yield RawRow(index, line.rstrip("\n"), parse_error=f"invalid JSON: {exc}")
-            index += 1
-
-
-def _read_json_list(path: Path) -> Iterator[RawRow]:
-    r"""Records of a `.json` file holding one list, decoded one at a time.
-
-    ShareGPT4V ships as one such file; `json.loads` on it held every record at once (2.2 GB
-    of RSS for a 650 MB, 1M-record file). ijson's C backend streams it in ~15 MB. On that
-    file it decoded every record in 3.6–5.3 s against 6.4–8.7 s for DuckDB's
-    `read_json_objects(format='array')` plus `json.loads` per record, which also peaked at
-    ~120 MB and would bring DuckDB into the pure domain (the import contract forbids it).
-    `use_float=True` makes numbers int or float as with `json.loads` (never Decimal), so
-    `RawRow.record_json` is unchanged. The C parser refuses three things `json.loads`
-    accepts: integers beyond 64 bits, NaN/Infinity and unpaired `\uD800`-style escapes;
-    such a file fails with a message naming it and the way out (.jsonl).
-    """
-    read = 0
-    with open(path, "rb") as fh:
-        _expect_list(path, fh)
-        try:
-            for record in ijson.items(fh, "item", use_float=True):
-                yield RawRow(read, record)
-                read += 1
-        except (ijson.JSONError, UnicodeDecodeError) as exc:
-            reason = str(exc).strip().splitlines()[0]
-            raise ValueError(
-                f"{path}: not a valid JSON list of records after record {read} ({reason}). "
-                f"Fix or re-download the file; if Python's json module reads it (integers "
-                f"beyond 64 bits, NaN/Infinity or unpaired \\u surrogate escapes, which the "
-                f"streaming reader refuses), convert it to .jsonl, one record per line"
-            ) from exc
-
-
-def _expect_list(path: Path, fh: BinaryIO) -> None:
-    """Refuses a `.json` file that is not a list before streaming it: the streaming
-    parser would otherwise find no list items in an object and read zero rows."""
-    first = b""
-    while not first and (chunk := fh.read(65536)):
-        first = chunk.lstrip()[:1]
-    fh.seek(0)
-    if first != b"[":
-        found = {b"": "nothing", b"{": "an object"}.get(first, repr(first.decode("latin-1")))
-        raise ValueError(
-            f"{path}: expected a JSON list of records ([{{...}}, ...]), but it holds {found}; "
-            f"wrap the records in a list, or write them as .jsonl (one record per line)"
-        )
-
-
-def hub_source(path: str, subset: str | None, split: str) -> Callable[[], Iterator[RawRow]]:
-    """Rows through `datasets.load_dataset(path, name=subset, split=split)`: a hub id, or
-    a local directory the `datasets` library can read. Loaded once (memory-mapped Arrow,
-    so not held in RAM); each call of the returned function reads it from the start."""
-    import datasets  # heavy import, only on this path
-
-    dataset = datasets.load_dataset(path, name=subset, split=split)
-
-    def rows() -> Iterator[RawRow]:
-        for index, record in enumerate(dataset):
-            yield RawRow(index, record)
-
-    return rows
-
-
-def read_hub(path: str, subset: str | None, split: str) -> Iterator[RawRow]:
-    """The rows of `hub_source`, read once."""
-    return hub_source(path, subset, split)()
-
-
-def source_reader(spec: DatasetSpec) -> Callable[[], Iterator[RawRow]]:
-    """A function reading the entry's rows from the start each time it is called:
-    subsampling reads the source twice rather than holding it."""
-    if spec.hub:
-        return hub_source(spec.hub, spec.subset, spec.split)
-    path = spec.resolved_path()
-    return lambda: read_local(path)
 
 
 # -- filters: selected by name from the registry entry -----------------------------
@@ -200,7 +76,7 @@ def sample_positions(count: int, max_samples: int | None, seed: int) -> Sequence
 
 def subsample(rows: Iterable[T], max_samples: int | None, seed: int) -> list[T]:
     """A deterministic subset of at most `max_samples` rows, in source order (the same
-    rows `load_rows` keeps from a source whose filtered rows are `rows`)."""
+    rows `select_rows` keeps from a source whose filtered rows are `rows`)."""
     rows = list(rows)
     return [rows[i] for i in sample_positions(len(rows), max_samples, seed)]
 
@@ -212,16 +88,17 @@ class LoadedRows:
     after_filter: int
 
 
-def load_rows(spec: DatasetSpec) -> LoadedRows:
-    """The dataset's rows: read, filtered, then subsampled (before any normalization).
+def select_rows(
+    spec: DatasetSpec, keep: Callable[[RawRow], bool], read: Callable[[], Iterator[RawRow]]
+) -> LoadedRows:
+    """The entry's rows from `read` (which reads its source from the start each call):
+    filtered by `keep` (`build_filter`), then subsampled (before any normalization).
 
     Never holds more than `max_samples` rows: a first pass counts the rows that pass the
     filter, keeping them while there are at most `max_samples`, which is all it takes
     for a source that small; when more pass, a second pass keeps the chosen positions
     (both passes must count the same rows: a source that changes in between is refused).
     Without `max_samples` every row that passes is kept, as asked."""
-    keep = build_filter(spec)  # an unknown filter fails before a hub download
-    read = source_reader(spec)
     first = _count_keeping_up_to(read(), keep, spec.max_samples)
     if first.holds_all:
         return LoadedRows(first.rows, first.total, first.after_filter)

@@ -6,23 +6,23 @@ it as the draft's HF config), the four norm flags written explicitly (vLLM and
 speculators default them differently), the auxiliary layer ids and the verifier.
 `model.safetensors` holds the draft's weights only: `d2t`/`t2d` (omitted when the draft
 vocabulary is the whole target vocabulary), `embed_tokens`, `fc`, `layers.0.*`, `norm`,
-`lm_head`; never the verifier's.
+`lm_head`; never the verifier's. (Writing and reading the files: `storage/checkpoints.py`.)
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from mm_assets.common.files import atomic_directory
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 
 FORMAT_VERSION = "0.9.0"  # the speculators release whose format this follows
 _NOT_SAVED = ("verifier_norm.", "verifier_lm_head.")
+# fmt: off
+_LAYER_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings")
+# fmt: on
 
 
 def layer_config(cfg: Eagle3Config) -> dict[str, Any]:
@@ -93,40 +93,23 @@ def draft_state(model: Eagle3Draft) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_checkpoint(model: Eagle3Draft, config: dict[str, Any], out_dir: Path) -> Path:
-    """Write config.json + model.safetensors into `out_dir`, replacing it atomically."""
-    with atomic_directory(out_dir) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        save_file(draft_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    return out_dir
-
-
-def load_checkpoint(path: Path) -> tuple[Eagle3Draft, dict[str, Any]]:
-    """Our model from a checkpoint directory (verifier parts are not in it: the teacher
-    needs `init_from_target` before computing losses)."""
-    config = json.loads((path / "config.json").read_text())
+def draft_from(config: dict[str, Any], state: dict[str, torch.Tensor], where: str) -> Eagle3Draft:
+    """Our model from a checkpoint's config and tensors (verifier parts are not in it: the
+    teacher needs `init_from_target` before computing losses)."""
     layer = config["transformer_layer_config"]
     cfg = Eagle3Config(
-        hidden_size=layer["hidden_size"],
-        num_attention_heads=layer["num_attention_heads"],
-        num_key_value_heads=layer["num_key_value_heads"],
-        head_dim=layer["head_dim"],
-        intermediate_size=layer["intermediate_size"],
-        vocab_size=layer["vocab_size"],
+        **{key: layer[key] for key in _LAYER_FIELDS},
         draft_vocab_size=config["draft_vocab_size"],
-        rms_norm_eps=layer["rms_norm_eps"],
         rope_theta=layer["rope_parameters"]["rope_theta"],
-        max_position_embeddings=layer["max_position_embeddings"],
         num_aux=len(config["eagle_aux_hidden_state_layer_ids"]),
         norm_before_residual=config["norm_before_residual"],
         norm_output=config["norm_output"],
     )
     model = Eagle3Draft(cfg)
-    state = load_file(str(path / "model.safetensors"))
     missing, unexpected = model.load_state_dict(state, strict=False)
     allowed = {k for k in missing if k.startswith(_NOT_SAVED) or k in ("d2t", "t2d")}
     if set(missing) - allowed or unexpected:
         raise ValueError(
-            f"{path}: missing {sorted(set(missing) - allowed)}, unexpected {unexpected}"
+            f"{where}: missing {sorted(set(missing) - allowed)}, unexpected {unexpected}"
         )
-    return model, config
+    return model

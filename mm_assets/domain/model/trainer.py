@@ -6,30 +6,50 @@ epoch e is a seeded shuffle, and nothing else draws random numbers, so a run res
 an epoch checkpoint ends with the same weights as an uninterrupted one.
 
 Devices: CPU in fp32 (sdpa attention); on CUDA, bf16 autocast. Several GPUs: run the same
-code under `torchrun`; when a process group is initialised, each rank takes every
-world_size-th batch and gradients are averaged by DistributedDataParallel.
+code under `torchrun`; the caller hands in the process group as `Ranks` (each rank takes
+every world-th batch; the wrapper, DistributedDataParallel, averages gradients) and where
+the state is kept as a `StateStore`, so the loop itself opens no file and no process group.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from mm_assets.common.crashpoints import crash_point
-from mm_assets.common.files import atomic_path
 from mm_assets.common.hashing import json_sha256
 from mm_assets.common.progress import Progress
 from mm_assets.domain.model.acceptance import replay_runs, summarize
 from mm_assets.domain.model.eagle3 import Eagle3Draft, leading_correct
 from mm_assets.domain.model.settings import SpeculatorSettings
 from mm_assets.domain.model.training_data import Batch, SampleRef, load_batch, pack
+
+logger = logging.getLogger(__name__)
+
+
+class StateStore(Protocol):
+    """Where the loop keeps its state after each epoch (`storage.checkpoints.TrainStateFile`)."""
+
+    def load(self, device: torch.device) -> dict[str, Any] | None: ...
+    def save(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The processes training together: this one's rank, how many there are, and the
+    wrapper that averages their gradients (DistributedDataParallel under torchrun, see
+    `services.training`). One process, unwrapped, by default."""
+
+    rank: int = 0
+    world: int = 1
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] = lambda model: model
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -69,14 +89,8 @@ def _autocast(device: torch.device):
 
 
 def _batch_to(batch, device: torch.device):
-    return {
-        "input_ids": batch.input_ids.to(device),
-        "aux_hidden": batch.aux_hidden.to(device),
-        "last_hidden": batch.last_hidden.to(device),
-        "loss_mask": batch.loss_mask.to(device),
-        "position_ids": batch.position_ids.to(device),
-        "segment": batch.segment.to(device),
-    }
+    fields = ("input_ids", "aux_hidden", "last_hidden", "loss_mask", "position_ids", "segment")
+    return {name: getattr(batch, name).to(device) for name in fields}
 
 
 def evaluate(
@@ -116,32 +130,26 @@ def evaluate(
     return (sum(losses) / len(losses) if losses else float("nan")), replies
 
 
-def _save_state(path: Path, state: dict) -> None:
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
-
-
 def _resume(
-    state_path: Path,
+    states: StateStore,
     fingerprint: str,
     model: Eagle3Draft,
     optimizer: torch.optim.Optimizer,
     result: TrainResult,
     device: torch.device,
-    log: Callable[[str], None],
 ) -> int:
     """Load the saved state when it belongs to this run; the epoch to start from."""
-    if not state_path.is_file():
+    state = states.load(device)
+    if state is None:
         return 0
-    state = torch.load(state_path, map_location=device, weights_only=False)
     if state["fingerprint"] != fingerprint:
-        log(f"ignoring {state_path}: it belongs to other data or settings")
+        logger.info("ignoring %s: it belongs to other data or settings", states)
         return 0
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     result.epoch_losses, result.batch_losses = state["epoch_losses"], state["batch_losses"]
     result.resumed_from_epoch = state["epoch"]
-    log(f"resuming after epoch {state['epoch']} from {state_path}")
+    logger.info("resuming after epoch %s from %s", state["epoch"], states)
     return state["epoch"]
 
 
@@ -156,21 +164,23 @@ class _Steps:
     rank: int
     world: int
 
-    def epoch(self, batches: list[list[SampleRef]], epoch: int, result: TrainResult, log) -> None:
+    def epoch(self, batches: list[list[SampleRef]], epoch: int, result: TrainResult) -> None:
         settings = self.settings
         order = list(range(len(batches)))
         random.Random(settings.seed * 1_000_003 + epoch).shuffle(order)
         if self.world > 1:  # every rank takes the same number of steps, or all-reduce hangs
             order = order[: len(order) - len(order) % self.world] or order[:1] * self.world
         losses = []
-        progress = Progress(log, f"epoch {epoch + 1}/{settings.epochs}: batch", len(order), 60.0)
+        progress = Progress(
+            logger.info, f"epoch {epoch + 1}/{settings.epochs}: batch", len(order), 60.0
+        )
         for position, index in enumerate(order):
             progress.update(position)
             if position % self.world == self.rank:
                 losses.append(self.step(load_batch(batches[index]), result))
         result.batch_losses.extend(losses)
         result.epoch_losses.append(sum(losses) / max(len(losses), 1))
-        log(f"epoch {epoch + 1}/{settings.epochs}: loss {result.epoch_losses[-1]:.4f}")
+        logger.info("epoch %d/%d: loss %.4f", epoch + 1, settings.epochs, result.epoch_losses[-1])
 
     def step(self, batch: Batch, result: TrainResult) -> float:
         with _autocast(self.device):
@@ -193,35 +203,31 @@ def train(
     train_refs: Sequence[SampleRef],
     held_out_refs: Sequence[SampleRef],
     settings: SpeculatorSettings,
-    state_dir: Path,
-    log: Callable[[str], None] = print,
+    states: StateStore,
     after_epoch: Callable[[int], None] = lambda epoch: None,
     full_lm_head: torch.Tensor | None = None,
     device: str = "auto",
+    ranks: Ranks = Ranks(),
 ) -> TrainResult:
-    """Train `model` in place; resumes from `state_dir` when it holds a matching state."""
+    """Train `model` in place; resumes from `states` when they hold a matching state."""
     torch_device = resolve_device(device)
     model.to(torch_device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
-    distributed = dist.is_available() and dist.is_initialized()
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    runner = torch.nn.parallel.DistributedDataParallel(model) if distributed else model
-    steps = _Steps(runner, optimizer, settings, torch_device, rank, world)
+    steps = _Steps(ranks.wrap(model), optimizer, settings, torch_device, ranks.rank, ranks.world)
 
     result = TrainResult()
     fingerprint = _fingerprint(settings, train_refs, model)
-    state_path = state_dir / "train_state.pt"
-    start = _resume(state_path, fingerprint, model, optimizer, result, torch_device, log)
+    start = _resume(states, fingerprint, model, optimizer, result, torch_device)
     batches = pack(train_refs, settings.batch_tokens)
     started = time.perf_counter()
     for epoch in range(start, settings.epochs):
-        steps.epoch(batches, epoch, result, log)
-        if rank == 0:
+        steps.epoch(batches, epoch, result)
+        if ranks.rank == 0:
             state = {"fingerprint": fingerprint, "epoch": epoch + 1, "model": model.state_dict(),
                      "optimizer": optimizer.state_dict(), "epoch_losses": result.epoch_losses,
                      "batch_losses": result.batch_losses}  # fmt: skip
-            _save_state(state_path, state)
+            states.save(state)
             crash_point("after_epoch")
         after_epoch(epoch + 1)
     elapsed = time.perf_counter() - started

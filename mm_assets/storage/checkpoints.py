@@ -1,0 +1,47 @@
+"""Checkpoint files, each replaced atomically: a speculators-format draft directory (its
+contents are decided in `domain/model/checkpoint.py`) and the trainer's epoch state."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mm_assets.common.files import atomic_directory, atomic_path
+
+
+def write_checkpoint(out_dir: Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> Path:
+    """config.json + model.safetensors in `out_dir`, replacing it atomically."""
+    with atomic_directory(out_dir) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The config and the tensors of a checkpoint directory."""
+    config = json.loads((path / "config.json").read_text())
+    return config, load_file(str(path / "model.safetensors"))
+
+
+@dataclass(frozen=True)
+class TrainStateFile:
+    """The training loop's state after its last epoch (`domain.model.trainer.StateStore`)."""
+
+    path: Path
+
+    def load(self, device: torch.device) -> dict[str, Any] | None:
+        if not self.path.is_file():
+            return None
+        return torch.load(self.path, map_location=device, weights_only=False)
+
+    def save(self, state: dict[str, Any]) -> None:
+        with atomic_path(self.path) as tmp:
+            torch.save(state, tmp)
+
+    def __str__(self) -> str:
+        return str(self.path)
