@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -256,16 +257,18 @@ def _fleet(hosts: dict[str, FakeVllm], **kwargs) -> HiddenStatesClient:
     return HiddenStatesClient(urls, http_client=transport, backoff_s=0.001, **kwargs)
 
 
-def test_a_dead_server_leaves_the_rotation_and_its_requests_go_to_the_others() -> None:
+def test_a_dead_server_leaves_the_rotation_and_its_requests_go_to_the_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """One of two servers refuses every connection: each of its failed tries is retried
     at once on the live one, it is taken out after `breaker_failures` tries, and every
     request is answered."""
     dead = FakeVllm(default=httpx.ConnectError("connection refused"))
     live = FakeVllm()
     client = _fleet({"a.test": dead, "b.test": live}, concurrency=4, breaker_failures=3)
-    lines: list[str] = []
-    client.log = lines.append
-    outcomes = _run(client, 40)
+    with caplog.at_level(logging.INFO, logger="mm_assets.clients.vllm_client"):
+        outcomes = _run(client, 40)
+    lines = [r.getMessage() for r in caplog.records if r.name == "mm_assets.clients.vllm_client"]
     assert len(outcomes) == 40 and all(isinstance(o, ExtractionResponse) for o in outcomes)
     a, b = client.server_stats()
     # tries already on their way when it was taken out fail too: at most one per slot

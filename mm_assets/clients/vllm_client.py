@@ -36,7 +36,10 @@ from typing import Any, TypeVar
 import httpx
 import openai
 
+from mm_assets.common.request_settings import RequestSettings
+
 logger = logging.getLogger(__name__)
+DEFAULT = RequestSettings()
 TOKEN_IN_PATH = "/inference/v1/generate"
 TRANSIENT = (
     openai.APIConnectionError,
@@ -152,8 +155,8 @@ class VllmClient:
     transient errors on another server when there is one, a failing server taken out of
     rotation (see the module's docstring). `http_client` replaces the `openai` client's
     own (tests inject an `httpx.MockTransport`); `backoff_s` is the first retry's mean
-    wait when no other server can take it, doubling with each further try. Rotation
-    changes go to this module's logger, and to `log` too (tests collect them)."""
+    wait when no other server can take it, doubling with each further try. The other
+    knobs are `RequestSettings`', with its defaults."""
 
     clock: Callable[[], float] = staticmethod(time.monotonic)
     """Seconds for the rotation's probe waits (tests set a clock they advance)."""
@@ -161,15 +164,14 @@ class VllmClient:
     def __init__(
         self,
         base_urls: Sequence[str],
-        concurrency: int = 8,
-        timeout_s: float = 600.0,
-        max_retries: int = 4,
-        breaker_failures: int = 8,
+        concurrency: int = DEFAULT.concurrency,
+        timeout_s: float = DEFAULT.request_timeout_s,
+        max_retries: int = DEFAULT.max_retries,
+        breaker_failures: int = DEFAULT.breaker_failures,
         api_key: str = "EMPTY",
         http_client: httpx.AsyncClient | None = None,
         backoff_s: float = 0.5,
-        probe_after_s: float = 30.0,
-        log: Callable[[str], None] = lambda line: None,
+        probe_after_s: float = DEFAULT.probe_after_s,
     ) -> None:
         if not base_urls:
             raise ValueError("no vLLM base URL to send requests to")
@@ -180,7 +182,6 @@ class VllmClient:
         self.backoff_s = backoff_s
         self.breaker_failures = breaker_failures
         self.probe_after_s = probe_after_s
-        self.log = log
         self.requests_sent = 0
         self._given_up_in_a_row = 0
 
@@ -216,11 +217,10 @@ class VllmClient:
             server.out_until = self.clock() + self.probe_after_s
         if not probing and server.out_until is not None:
             server.stats.taken_out += 1
-            self._tell(
+            logger.warning(
                 f"vLLM server {server.stats.url} taken out of rotation after "
                 f"{server.failed_in_a_row} failed tries in a row ({server.last_error}); "
-                f"its requests go to the others, a probe in {self.probe_after_s:.0f}s",
-                logging.WARNING,
+                f"its requests go to the others, a probe in {self.probe_after_s:.0f}s"
             )
 
     def _answered(self, server: _Server, tokens: int) -> None:
@@ -229,11 +229,7 @@ class VllmClient:
         server.stats.tokens += tokens
         if server.out_until is not None:
             server.out_until = None
-            self._tell(f"vLLM server {server.stats.url} answers again: back in rotation")
-
-    def _tell(self, line: str, level: int = logging.INFO) -> None:
-        logger.log(level, line)
-        self.log(line)
+            logger.info(f"vLLM server {server.stats.url} answers again: back in rotation")
 
     async def call(
         self,

@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeVar
 
 from mm_assets.clients.vllm_client import CircuitOpen, RequestRefused, VllmClient
 from mm_assets.common.progress import Progress
-from mm_assets.domain.model.request_settings import RequestSettings
+from mm_assets.common.request_settings import RequestSettings
 from mm_assets.services.engine import ServerSession
 from mm_assets.services.errors import ServerUnavailable
 

@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import Field
 
 from mm_assets.common.hashing import json_sha256
+from mm_assets.common.request_settings import RequestSettings
 from mm_assets.domain.model.hidden_state_format import (
     NATIVE_BYTES,
     FinalLayer,
@@ -25,7 +26,6 @@ from mm_assets.domain.model.hidden_state_format import (
     StorageFormat,
     needed_positions,
 )
-from mm_assets.domain.model.request_settings import RequestSettings
 
 LAYER_CONVENTION = "residual_after_k_layers;L=pre_final_norm"
 _SAMPLE_CHUNK = 1 << 16

@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import Field
 
 from mm_assets.common.hashing import json_sha256
-from mm_assets.domain.model.request_settings import RequestSettings
+from mm_assets.common.request_settings import RequestSettings
 from mm_assets.domain.prep.conversations import Turn, canonical_turns, reply_indices
 from mm_assets.domain.rejection import RowRejected
 

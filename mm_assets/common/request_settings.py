@@ -1,5 +1,7 @@
 """How a stage talks to vLLM: requests in flight, timeouts, retries and when to give up.
-Shared by the stages that send requests (hidden states, target responses)."""
+Declared once for the stages that send requests (hidden states, target responses), whose
+settings extend it, and for the client (`clients/vllm_client.py`), whose defaults these
+are — so it sits on the floor both stand on."""
 
 from __future__ import annotations
 
