@@ -22,11 +22,11 @@ from mm_assets.domain.model.hidden_states import (
     HiddenStatesLayout,
     TextConfigFacts,
     default_layer_ids,
-    target_fingerprint,
     text_config_facts,
 )
 from mm_assets.domain.model.training_data import read_states
 from mm_assets.services.extraction import requests_for, run_extraction
+from mm_assets.services.target import target_fingerprint
 from mm_assets.storage.blobs import BlobStore
 from tests.conftest import PREP_ASSETS, SESSION_HOME, materialize
 from tests.server_kills import kill_servers_at_store

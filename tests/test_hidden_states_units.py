@@ -30,7 +30,6 @@ from mm_assets.domain.model.hidden_states import (
     HiddenStatesLayout,
     cache_key,
     default_layer_ids,
-    target_fingerprint,
     text_config_facts,
     validate_layer_ids,
 )
@@ -41,6 +40,7 @@ from mm_assets.services.extraction import (
     store_response,
     stored_blobs,
 )
+from mm_assets.services.target import target_fingerprint
 from mm_assets.storage.blobs import BlobStore
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -12,10 +13,12 @@ from typing import Any
 from mm_assets.domain.model.hidden_states import (
     TextConfigFacts,
     default_layer_ids,
-    target_fingerprint,
     text_config_facts,
     validate_layer_ids,
 )
+
+_SAMPLE_CHUNK = 1 << 16
+_SMALL_FILE = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -65,3 +68,21 @@ class TargetModel:
         """The requested hidden-state layer ids, checked; default [2, L//2, L-3, L]."""
         num_layers = self.facts.num_layers
         return validate_layer_ids(requested or default_layer_ids(num_layers), num_layers)
+
+
+def target_fingerprint(model_dir: Path) -> str:
+    """A content fingerprint of a model directory, cheap even for large weights: small
+    files are hashed whole, large ones by size plus evenly spaced samples (a fine-tune
+    changes essentially every byte, so the samples change too)."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in model_dir.rglob("*") if p.is_file()):
+        size = file.stat().st_size
+        digest.update(f"{file.relative_to(model_dir)}:{size}\n".encode())
+        with open(file, "rb") as fh:
+            if size <= _SMALL_FILE:
+                digest.update(fh.read())
+                continue
+            for i in range(16):
+                fh.seek((size - _SAMPLE_CHUNK) * i // 15)
+                digest.update(fh.read(_SAMPLE_CHUNK))
+    return digest.hexdigest()[:24]

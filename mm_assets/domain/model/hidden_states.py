@@ -9,10 +9,8 @@ mismatch between generation and training silently collapses acceptance, so it is
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -28,8 +26,6 @@ from mm_assets.domain.model.hidden_state_format import (
 )
 
 LAYER_CONVENTION = "residual_after_k_layers;L=pre_final_norm"
-_SAMPLE_CHUNK = 1 << 16
-_SMALL_FILE = 64 << 20
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -68,24 +64,6 @@ def text_config_facts(config: Mapping) -> TextConfigFacts:
         int(text["num_hidden_layers"]), int(text["hidden_size"]), str(dtype),
         None if image is None else int(image),
     )  # fmt: skip
-
-
-def target_fingerprint(model_dir: Path) -> str:
-    """A content fingerprint of a model directory, cheap even for large weights: small
-    files are hashed whole, large ones by size plus evenly spaced samples (a fine-tune
-    changes essentially every byte, so the samples change too)."""
-    digest = hashlib.sha256()
-    for file in sorted(p for p in model_dir.rglob("*") if p.is_file()):
-        size = file.stat().st_size
-        digest.update(f"{file.relative_to(model_dir)}:{size}\n".encode())
-        with open(file, "rb") as fh:
-            if size <= _SMALL_FILE:
-                digest.update(fh.read())
-                continue
-            for i in range(16):
-                fh.seek((size - _SAMPLE_CHUNK) * i // 15)
-                digest.update(fh.read(_SAMPLE_CHUNK))
-    return digest.hexdigest()[:24]
 
 
 def cache_key(
