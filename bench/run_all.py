@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench import raw_memory, tokenize_lazy_vs_pixels, tokenize_memory, train_speed
+from bench import encoder_blocks, raw_memory, tokenize_lazy_vs_pixels, tokenize_memory, train_speed
 
 
 def main() -> None:
@@ -19,6 +19,7 @@ def main() -> None:
         results["raw_memory"] = raw_memory.run(Path(tmp) / "raw")  # ~1.3 GB of sources
         (Path(tmp) / "train").mkdir()
         results["train_speed"] = train_speed.run(Path(tmp) / "train")
+    results["encoder_blocks"] = encoder_blocks.run()
     # fresh processes: each sets its own homes and datasets before mm_assets is imported
     for name in (
         "hidden_states_throughput",
