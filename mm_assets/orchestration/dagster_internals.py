@@ -1,13 +1,10 @@
 """Every use of Dagster that its public API does not cover, in one place.
 
-The dead-run watch does by itself what Dagster's daemon and its `dagster instance
-concurrency` command do: read a pool's queue, free a run's slots, mark a run failed. It
-also tags the running run with where its worker runs, and sees an executor's plan (the
-pools of the steps to run). None of this is public in Dagster 1.13, so each use is one
-small function here and nowhere else. `tests/test_dagster_internals.py` drives every one
-against a real instance and pins the Dagster minor version they were checked on
-(`CHECKED_ON`): an upgrade that changes them fails there, naming this module, instead of
-breaking accelerator steps at run time.
+The dead-run watch does what Dagster's daemon does (read a pool's queue, free a run's
+slots, mark a run failed), tags a running run and reads an executor's plan: none of it
+public in Dagster 1.13, so each use is one small function here. `tests/test_dagster_internals.py`
+drives every one against a real instance and pins the minor version (`CHECKED_ON`): an
+upgrade that changes them fails there instead of breaking accelerator steps at run time.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from typing import Any
 
 import dagster as dg
 
-CHECKED_ON = "1.13"  # the Dagster minor version these calls were checked against
+CHECKED_ON = "1.13"
 
 
 @dataclass(frozen=True)
