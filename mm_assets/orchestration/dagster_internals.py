@@ -55,15 +55,13 @@ def tag_run(instance: dg.DagsterInstance, run_id: str, tags: dict[str, str]) -> 
     instance.add_run_tags(run_id, tags)
 
 
-def run_of_plan(plan_context: Any) -> tuple[dg.DagsterInstance, dg.DagsterRun, Any]:
-    """The instance, run and run logger an executor's `execute` receives."""
-    return plan_context.instance, plan_context.dagster_run, plan_context.log
-
-
-def pools_of_plan(execution_plan: Any) -> set[str]:
-    """The pools of the steps an executor is asked to run."""
+def run_of_plan(
+    plan_context: Any, execution_plan: Any
+) -> tuple[dg.DagsterInstance, dg.DagsterRun, set[str], Any]:
+    """The instance, run, pools of the steps to run and run logger of an executor's `execute`."""
     steps = execution_plan.get_steps_to_execute_in_topo_order()
-    return {step.pool for step in steps if step.pool}
+    pools = {step.pool for step in steps if step.pool}
+    return plan_context.instance, plan_context.dagster_run, pools, plan_context.log
 
 
 def executor_requirements(executor_def: dg.ExecutorDefinition) -> Callable[..., Sequence[Any]]:

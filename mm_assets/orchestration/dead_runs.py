@@ -128,22 +128,6 @@ def release(instance: dg.DagsterInstance, run_id: str, verdict: Verdict, by: str
     internals.free_slots_of_run(instance, run_id)
 
 
-def holders_while_waiting(
-    instance: dg.DagsterInstance, run_id: str, pools: Iterable[str]
-) -> dict[str, tuple[str, str]]:
-    """Runs that hold (or were handed) a slot in a pool where a step of `run_id` waits:
-    {holder run id: (pool, step)}; empty while no step of the run waits."""
-    holders: dict[str, tuple[str, str]] = {}
-    for pool in pools:
-        queue = internals.pool_queue(instance, pool)
-        if not any(waiting == run_id for waiting, _ in queue.waiting):
-            continue
-        for holder, step in queue.holding:
-            if holder and holder != run_id:
-                holders.setdefault(holder, (pool, step))
-    return holders
-
-
 class PoolWatch:
     """Frees the slots of dead runs while a step of `run` waits in one of `pools`."""
 
@@ -170,9 +154,21 @@ class PoolWatch:
             except Exception as error:  # a watch must never break the run it serves
                 self._say_once("error", f"pool watch: {error!r}; will try again", self.log.info)
 
+    def holders(self) -> dict[str, tuple[str, str]]:
+        """Runs that hold (or were handed) a slot in a pool where a step of this run waits:
+        {holder run id: (pool, step)}; empty while no step of the run waits."""
+        holders: dict[str, tuple[str, str]] = {}
+        for pool in self.pools:
+            queue = internals.pool_queue(self.instance, pool)
+            if not any(waiting == self.run.run_id for waiting, _ in queue.waiting):
+                continue
+            for holder, step in queue.holding:
+                if holder and holder != self.run.run_id:
+                    holders.setdefault(holder, (pool, step))
+        return holders
+
     def sweep(self) -> None:
-        holders = holders_while_waiting(self.instance, self.run.run_id, self.pools)
-        for holder, (pool, step) in holders.items():
+        for holder, (pool, step) in self.holders().items():
             verdict = judge(self.instance, holder)
             if verdict.action == "free":
                 release(self.instance, holder, verdict, f"run {self.run.run_id}, waiting on it")
@@ -203,10 +199,7 @@ class PoolWatch:
 
 @contextmanager
 def watching(
-    instance: dg.DagsterInstance | None,
-    run: dg.DagsterRun | None,
-    pools: Iterable[str],
-    log: Log,
+    instance: dg.DagsterInstance | None, run: dg.DagsterRun | None, pools: Iterable[str], log: Log
 ) -> Iterator[None]:
     """Record this worker and watch `pools` for the run, once per run. Where the run already
     recorded its worker (the worker entering again, through both ways in `wiring.py`, or a

@@ -40,8 +40,7 @@ def watch_pools_of(executor_def: dg.ExecutorDefinition) -> dg.ExecutorDefinition
         execute = executor.execute
 
         def execute_watched(plan_context: Any, execution_plan: Any) -> Iterator[Any]:
-            instance, run, log = internals.run_of_plan(plan_context)
-            with watching(instance, run, internals.pools_of_plan(execution_plan), log):
+            with watching(*internals.run_of_plan(plan_context, execution_plan)):
                 yield from execute(plan_context, execution_plan)
 
         executor.execute = execute_watched  # type: ignore[method-assign]
