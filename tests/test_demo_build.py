@@ -26,7 +26,8 @@ from transformers import (
     Qwen2VLImageProcessorPil,
 )
 
-from mm_assets.demo.data import COLOURS, build_demo_datasets, demo_corpus
+from mm_assets.demo.data import build_demo_datasets, demo_corpus
+from mm_assets.demo.images import COLOURS
 from mm_assets.demo.target import build_demo_target, build_llava_style_target
 
 N_MULTIMODAL = 60

@@ -1,13 +1,10 @@
 """Every use of Dagster that its public API does not cover, in one place.
 
-The dead-run watch does by itself what Dagster's daemon and its `dagster instance
-concurrency` command do: read a pool's queue, free a run's slots, mark a run failed. It
-also tags the running run with where its worker runs, and sees an executor's plan (the
-pools of the steps to run). None of this is public in Dagster 1.13, so each use is one
-small function here and nowhere else. `tests/test_dagster_internals.py` drives every one
-against a real instance and pins the Dagster minor version they were checked on
-(`CHECKED_ON`): an upgrade that changes them fails there, naming this module, instead of
-breaking accelerator steps at run time.
+The dead-run watch does what Dagster's daemon does (read a pool's queue, free a run's
+slots, mark a run failed), tags a running run and reads an executor's plan: none of it
+public in Dagster 1.13, so each use is one small function here. `tests/test_dagster_internals.py`
+drives every one against a real instance and pins the minor version (`CHECKED_ON`): an
+upgrade that changes them fails there instead of breaking accelerator steps at run time.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from typing import Any
 
 import dagster as dg
 
-CHECKED_ON = "1.13"  # the Dagster minor version these calls were checked against
+CHECKED_ON = "1.13"
 
 
 @dataclass(frozen=True)
@@ -58,15 +55,13 @@ def tag_run(instance: dg.DagsterInstance, run_id: str, tags: dict[str, str]) -> 
     instance.add_run_tags(run_id, tags)
 
 
-def run_of_plan(plan_context: Any) -> tuple[dg.DagsterInstance, dg.DagsterRun, Any]:
-    """The instance, run and run logger an executor's `execute` receives."""
-    return plan_context.instance, plan_context.dagster_run, plan_context.log
-
-
-def pools_of_plan(execution_plan: Any) -> set[str]:
-    """The pools of the steps an executor is asked to run."""
+def run_of_plan(
+    plan_context: Any, execution_plan: Any
+) -> tuple[dg.DagsterInstance, dg.DagsterRun, set[str], Any]:
+    """The instance, run, pools of the steps to run and run logger of an executor's `execute`."""
     steps = execution_plan.get_steps_to_execute_in_topo_order()
-    return {step.pool for step in steps if step.pool}
+    pools = {step.pool for step in steps if step.pool}
+    return plan_context.instance, plan_context.dagster_run, pools, plan_context.log
 
 
 def executor_requirements(executor_def: dg.ExecutorDefinition) -> Callable[..., Sequence[Any]]:

@@ -3,23 +3,17 @@
 Dagster (1.13) frees a step's pool slot when the step ends in a live run worker. A worker
 killed outright (SIGKILL: the OOM killer, a preempted node) frees nothing: its run stays
 STARTED and keeps its slot, and every later step in that pool waits for good. With the
-daemon (`make dev`, `dagster-daemon run`) Dagster's own mechanisms cover it: the code
-server marks a run failed when the worker it launched dies, and run monitoring frees the
-slots of ended runs (`free_slots_after_run_end_seconds` in dagster.yaml). A run from the
-command line (`dagster asset materialize`, `dg launch`, `dg.materialize`, the demo) has
-neither, and no run launcher checks on its worker. That case is what this module is for.
+daemon, Dagster's own mechanisms cover it (the code server marks the run failed, run
+monitoring frees the slots of ended runs); a run from the command line or from Python has
+no daemon, and no run launcher checks on its worker. That case is what this module is for.
 
-A run with a step in a pool watches from its own worker, on a thread, while it runs:
-- it tags itself with where its worker runs (`WORKER_TAG`: host, boot, pid namespace,
-  pid) and marks the processes it starts (`RUN_ENV`), so a later run can tell what runs;
-- while one of its steps waits for a slot, it judges each run holding one. A run whose
-  worker ran here and is gone, with nothing it started still running, is marked failed
-  and its slots freed; an ended run's slots are freed. A run that is alive, left
-  processes running here, ran elsewhere or recorded nothing is named once in the log,
-  with what to do. The watch never fails the waiting run: waiting for a live run on
-  another machine is what a pool is for.
-How runs get the watch: `wiring.py`. Free a slot by hand: `python -m mm_assets.orchestration
-release RUN_ID`.
+A run with a step in a pool records where its worker runs (`WORKER_TAG`) and marks the
+processes it starts (`RUN_ENV`). While one of its steps waits for a slot, its worker
+judges each run holding one (`judge`): the slots of an ended run, or of one whose worker
+ran here and is gone with nothing it started still running, are freed; any other holder
+is named once in the log, with what to do. The watch never fails the waiting run: waiting
+for a live run on another machine is what a pool is for. How runs get the watch:
+`wiring.py`; freeing a slot by hand: `cli.py`.
 """
 
 from __future__ import annotations
@@ -79,9 +73,6 @@ def recorded_worker(run: dg.DagsterRun) -> Worker | None:
         return None
 
 
-# -- judging a run that holds a slot ---------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Verdict:
     """What to do about a run that holds a slot: `free` it (ended, deleted or dead here),
@@ -137,25 +128,6 @@ def release(instance: dg.DagsterInstance, run_id: str, verdict: Verdict, by: str
     internals.free_slots_of_run(instance, run_id)
 
 
-# -- the watch -------------------------------------------------------------------------
-
-
-def holders_while_waiting(
-    instance: dg.DagsterInstance, run_id: str, pools: Iterable[str]
-) -> dict[str, tuple[str, str]]:
-    """Runs that hold (or were handed) a slot in a pool where a step of `run_id` waits:
-    {holder run id: (pool, step)}; empty while no step of the run waits."""
-    holders: dict[str, tuple[str, str]] = {}
-    for pool in pools:
-        queue = internals.pool_queue(instance, pool)
-        if not any(waiting == run_id for waiting, _ in queue.waiting):
-            continue
-        for holder, step in queue.holding:
-            if holder and holder != run_id:
-                holders.setdefault(holder, (pool, step))
-    return holders
-
-
 class PoolWatch:
     """Frees the slots of dead runs while a step of `run` waits in one of `pools`."""
 
@@ -182,12 +154,22 @@ class PoolWatch:
             except Exception as error:  # a watch must never break the run it serves
                 self._say_once("error", f"pool watch: {error!r}; will try again", self.log.info)
 
+    def holders(self) -> dict[str, tuple[str, str]]:
+        """Runs that hold (or were handed) a slot in a pool where a step of this run waits:
+        {holder run id: (pool, step)}; empty while no step of the run waits."""
+        holders: dict[str, tuple[str, str]] = {}
+        for pool in self.pools:
+            queue = internals.pool_queue(self.instance, pool)
+            if not any(waiting == self.run.run_id for waiting, _ in queue.waiting):
+                continue
+            for holder, step in queue.holding:
+                if holder and holder != self.run.run_id:
+                    holders.setdefault(holder, (pool, step))
+        return holders
+
     def sweep(self) -> None:
-        for holder, (pool, step) in holders_while_waiting(
-            self.instance, self.run.run_id, self.pools
-        ).items():
+        for holder, (pool, step) in self.holders().items():
             verdict = judge(self.instance, holder)
-            what = f"run {holder} holds a slot of pool '{pool}' (step {step})"
             if verdict.action == "free":
                 release(self.instance, holder, verdict, f"run {self.run.run_id}, waiting on it")
                 failed = " Marked it failed." if verdict.mark_failed else ""
@@ -195,22 +177,19 @@ class PoolWatch:
                     f"Freed the slots of run {holder}: {verdict.reason}.{failed} This run's "
                     f"step waiting on pool '{pool}' goes on."
                 )
-            elif verdict.action == "wait":
-                say = f"Waiting: {what}; {verdict.reason}."
-                self._say_once(f"{holder} wait", say, self.log.info)
-            elif verdict.action == "stuck":
+                continue
+            say = f"Waiting: run {holder} holds a slot of pool '{pool}' (step {step}); "
+            say += f"{verdict.reason}."
+            if verdict.action == "stuck":
                 pids = " ".join(map(str, verdict.pids))
-                say = f"Waiting: {what}; {verdict.reason}. Stop them (`kill {pids}`): this run "
-                say += "then frees the slot."
-                self._say_once(f"{holder} stuck", say, self.log.warning)
-            else:
-                self._say_once(
-                    f"{holder} ask",
-                    f"Waiting: {what}; {verdict.reason}. If that run is no longer running, "
-                    f"free its slot: `{release_command(holder)}` (or in the UI: terminate the "
-                    "run, then 'Free concurrency slots' in its menu).",
-                    self.log.warning,
+                say += f" Stop them (`kill {pids}`): this run then frees the slot."
+            elif verdict.action == "ask":
+                say += (
+                    f" If that run is no longer running, free its slot: `{release_command(holder)}`"
+                    " (or in the UI: terminate the run, then 'Free concurrency slots' in its menu)."
                 )
+            level = self.log.info if verdict.action == "wait" else self.log.warning
+            self._say_once(f"{holder} {verdict.action}", say, level)
 
     def _say_once(self, key: str, message: str, say: Callable[[str], None]) -> None:
         if key not in self._said:
@@ -218,53 +197,29 @@ class PoolWatch:
             say(message)
 
 
-_WATCHED: set[str] = set()
-_WATCHED_LOCK = threading.Lock()
-
-
 @contextmanager
-def _marking_children(run_id: str) -> Iterator[None]:
-    """`RUN_ENV` set while the run's steps run here: the processes they start inherit it."""
-    inherited = os.environ.get(RUN_ENV)
-    os.environ[RUN_ENV] = run_id
-    try:
+def watching(
+    instance: dg.DagsterInstance | None, run: dg.DagsterRun | None, pools: Iterable[str], log: Log
+) -> Iterator[None]:
+    """Record this worker and watch `pools` for the run, once per run. Where the run already
+    recorded its worker (the worker entering again, through both ways in `wiring.py`, or a
+    step process of the multiprocess, Celery or Kubernetes executor) this only marks the
+    process's children: the worker watches."""
+    pools = sorted(set(pools))
+    if instance is None or run is None or not pools or not internals.supports_pools(instance):
         yield
+        return
+    inherited = os.environ.get(RUN_ENV)
+    os.environ[RUN_ENV] = run.run_id  # inherited by the processes the run's steps start here
+    try:
+        if recorded_worker(instance.get_run_by_id(run.run_id) or run) is not None:
+            yield
+            return
+        record_worker(instance, run.run_id, Worker(os.getpid(), time.time(), Machine.this()))
+        with PoolWatch(instance, run, pools, log):
+            yield
     finally:
         if inherited is None:
             os.environ.pop(RUN_ENV, None)
         else:
             os.environ[RUN_ENV] = inherited
-
-
-@contextmanager
-def watching(
-    instance: dg.DagsterInstance | None,
-    run: dg.DagsterRun | None,
-    pools: Iterable[str],
-    log: Log,
-) -> Iterator[None]:
-    """Record this worker and watch `pools` for the run, once per run and process. A later
-    process of a run that already recorded its worker (a step process of the multiprocess,
-    Celery or Kubernetes executor) only marks its children: the worker watches."""
-    pools = sorted(set(pools))
-    if instance is None or run is None or not pools or not internals.supports_pools(instance):
-        yield
-        return
-    with _WATCHED_LOCK:
-        first = run.run_id not in _WATCHED
-        _WATCHED.add(run.run_id)
-    if not first:
-        yield
-        return
-    try:
-        with _marking_children(run.run_id):
-            if recorded_worker(instance.get_run_by_id(run.run_id) or run) is not None:
-                yield
-                return
-            worker = Worker(os.getpid(), time.time(), Machine.this())
-            record_worker(instance, run.run_id, worker)
-            with PoolWatch(instance, run, pools, log):
-                yield
-    finally:
-        with _WATCHED_LOCK:
-            _WATCHED.discard(run.run_id)

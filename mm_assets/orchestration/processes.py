@@ -19,14 +19,6 @@ RUN_ENV = "MM_ASSETS_RUN_ID"
 _GONE = {psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD}
 
 
-def _pid_namespace() -> str:
-    """Containers on one host share its boot but not its pids; psutil does not say this."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
 @dataclass(frozen=True)
 class Machine:
     """What tells two processes apart across machines, reboots and containers."""
@@ -37,7 +29,11 @@ class Machine:
 
     @classmethod
     def this(cls) -> Machine:
-        return cls(socket.gethostname(), f"{psutil.boot_time():.0f}", _pid_namespace())
+        try:  # containers on one host share its boot but not its pids; psutil does not say this
+            pid_namespace = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            pid_namespace = ""
+        return cls(socket.gethostname(), f"{psutil.boot_time():.0f}", pid_namespace)
 
 
 def process_alive(pid: int, recorded_at: float) -> bool:
@@ -61,8 +57,7 @@ def processes_of(run_id: str) -> list[tuple[int, str]]:
     found = []
     for process in psutil.process_iter(["pid", "environ", "cmdline", "status"]):
         info = process.info
-        if (info["environ"] or {}).get(RUN_ENV) != run_id or info["status"] in _GONE:
-            continue
-        if info["pid"] != os.getpid():
+        ours = (info["environ"] or {}).get(RUN_ENV) == run_id and info["pid"] != os.getpid()
+        if ours and info["status"] not in _GONE:
             found.append((info["pid"], " ".join(info["cmdline"] or [])[:60]))
     return found

@@ -9,7 +9,6 @@ sensors and run monitoring need the daemon; loggers see no instance):
 - a resource every asset in a pool takes (`watch_resource`, `taking_watch`): `dg.materialize`
   and `execute_in_process` (the demo) run Dagster's in-process executor, never the code
   location's, and set resources up when the run starts.
-`dead_runs.watching` starts the watch once per run and process, whichever comes first.
 """
 
 from __future__ import annotations
@@ -41,8 +40,7 @@ def watch_pools_of(executor_def: dg.ExecutorDefinition) -> dg.ExecutorDefinition
         execute = executor.execute
 
         def execute_watched(plan_context: Any, execution_plan: Any) -> Iterator[Any]:
-            instance, run, log = internals.run_of_plan(plan_context)
-            with watching(instance, run, internals.pools_of_plan(execution_plan), log):
+            with watching(*internals.run_of_plan(plan_context, execution_plan)):
                 yield from execute(plan_context, execution_plan)
 
         executor.execute = execute_watched  # type: ignore[method-assign]
@@ -64,9 +62,7 @@ def is_watched(executor_def: dg.ExecutorDefinition) -> bool:
 
 
 def watch_resource(pools: Sequence[str]) -> dg.ResourceDefinition:
-    """A resource that watches `pools` for as long as a run's resources live. Assets in a
-    pool carry it (`resource_defs`), so a run of them has the watch whatever the executor:
-    Dagster's in-process executor sets resources up when the run starts."""
+    """A resource that watches `pools` for as long as a run's resources live."""
 
     @dg.resource(description=f"Frees slots of pools {', '.join(pools)} held by dead runs.")
     def pool_watch(context: dg.InitResourceContext) -> Iterator[None]:
@@ -79,12 +75,10 @@ def watch_resource(pools: Sequence[str]) -> dg.ResourceDefinition:
 def taking_watch(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` with one more argument, the watch resource (`WATCH_KEY`), which it drops.
 
-    Dagster sets up the resources an asset's arguments name when its run starts. An asset
-    whose arguments name resources cannot also require one in its decorator (Dagster 1.13
-    refuses `resource_defs`/`required_resource_keys` beside resource arguments), so the
-    watch becomes an argument here, without every accelerator asset spelling it out.
-    `fn`'s annotations are resolved here, in its own module (Dagster would resolve them in
-    this one): they must not be TYPE_CHECKING-only."""
+    Dagster sets up the resources an asset's arguments name when its run starts, and (1.13)
+    refuses `required_resource_keys` beside resource arguments: so the watch becomes an
+    argument here, without every accelerator asset spelling it out. `fn`'s annotations are
+    resolved here, in its own module: they must not be TYPE_CHECKING-only."""
     signature = inspect.signature(fn, eval_str=True)
     watch = inspect.Parameter(
         WATCH_KEY, inspect.Parameter.KEYWORD_ONLY, annotation=dg.ResourceParam[None]
