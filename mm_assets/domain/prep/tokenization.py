@@ -124,9 +124,7 @@ def truncate(
 class ChatTokenizer:
     """Tokenizes normalized conversations for a target's processor or tokenizer."""
 
-    def __init__(
-        self, processor: Any, max_length: int = 4096, min_supervised_tokens: int = 1
-    ) -> None:
+    def __init__(self, processor: Any, max_length: int, min_supervised_tokens: int = 1) -> None:
         from transformers import ProcessorMixin
 
         self.multimodal = isinstance(processor, ProcessorMixin)
