@@ -32,18 +32,9 @@ IMAGE_PLACEHOLDER = "<image>"
 
 ROLE_ALIASES: dict[str, str] = {
     "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "model": "assistant",
-    "tool": "tool",
-    "function": "tool",
-    "observation": "tool",
-    "ipython": "tool",
+    **dict.fromkeys(("human", "user"), "user"),
+    **dict.fromkeys(("gpt", "assistant", "chatgpt", "bard", "bing", "model"), "assistant"),
+    **dict.fromkeys(("tool", "function", "observation", "ipython"), "tool"),
 }
 
 
