@@ -10,7 +10,6 @@ import pytest
 
 from mm_assets.domain.ingest.images import probe_reference
 from mm_assets.domain.prep.conversations import Rejected, image_references, normalize
-from mm_assets.domain.prep.pixel_reference import tokenize_with_pixels
 from mm_assets.domain.prep.supervision import (
     GENERATION_MARKER,
     TokenizeDropReason,
@@ -20,6 +19,7 @@ from mm_assets.domain.prep.supervision import (
     supervised_runs,
 )
 from mm_assets.domain.prep.tokenization import ChatTokenizer, expand_image_tokens, truncate
+from tests.pixel_reference import tokenize_with_pixels
 
 # -- pure functions ----------------------------------------------------------------
 

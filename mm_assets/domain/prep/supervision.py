@@ -40,7 +40,6 @@ class TokenizedRow:
     num_turns: int  # the row covers turns[:num_turns]
     num_images: int  # images inside those turns
     truncated: bool
-    untruncated_length: int
 
     @property
     def num_supervised(self) -> int:

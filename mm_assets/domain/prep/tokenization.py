@@ -325,9 +325,8 @@ class ChatTokenizer:
                 )
             counts = self.image_token_counts(image_sizes[:num_images])
             ids, mask = expand_image_tokens(ids, mask, self.image_token_id, counts)
-        full_length = len(ids)
         ids, mask, truncated = truncate(ids, mask, self.max_length, self.image_token_id)
-        return TokenizedRow(ids, mask, num_turns, num_images, truncated, full_length)
+        return TokenizedRow(ids, mask, num_turns, num_images, truncated)
 
     def reply_rows(
         self,
