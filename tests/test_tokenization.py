@@ -282,7 +282,7 @@ def test_rows_supervising_only_special_tokens_are_refused(demo_processor) -> Non
     mask = [
         1 if (m and t in chat.special_ids) else 0 for t, m in zip(ids, row.loss_mask, strict=True)
     ]
-    marker_row = type(row)(ids, mask, row.num_turns, 0, False, len(ids))
+    marker_row = type(row)(ids, mask, row.num_turns, 0, False)
     with pytest.raises(TokenizeRejected) as info:
         chat.worth_training([marker_row])
     assert info.value.reason is TokenizeDropReason.TOO_FEW_SUPERVISED_TOKENS
