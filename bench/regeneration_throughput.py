@@ -157,12 +157,8 @@ async def _bare_loop(setup: Setup, round_index: int, arm: str = BARE) -> ArmRun:
     bounded by one semaphore, no storage."""
     import openai
 
-    from mm_assets.domain.model.responses import (
-        Reply,
-        assistant_indices,
-        prompt_before,
-        with_system_prompt,
-    )
+    from mm_assets.domain.model.responses import Reply, prompt_before, with_system_prompt
+    from mm_assets.domain.prep.conversations import reply_indices as assistant_indices
     from mm_assets.domain.prep.conversations import to_vllm_messages
 
     settings = setup.settings

@@ -19,8 +19,8 @@ from bench.synthetic import write_dataset
 from mm_assets.demo.target import build_demo_target
 from mm_assets.domain.ingest.images import probe_reference
 from mm_assets.domain.prep.conversations import image_references, normalize
-from mm_assets.domain.prep.pixel_reference import tokenize_with_pixels
 from mm_assets.domain.prep.tokenization import ChatTokenizer
+from tests.pixel_reference import tokenize_with_pixels
 
 QWEN25_VL_MIN_PIXELS = 3136
 QWEN25_VL_MAX_PIXELS = 12845056

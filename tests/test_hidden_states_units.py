@@ -33,8 +33,8 @@ from mm_assets.domain.model.hidden_states import (
     text_config_facts,
     validate_layer_ids,
 )
-from mm_assets.services.errors import DiskBudgetError
 from mm_assets.services.extraction import (
+    DiskBudgetError,
     check_disk_budget,
     run_extraction,
     store_response,

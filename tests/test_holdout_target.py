@@ -128,7 +128,7 @@ def test_the_target_is_a_sentencepiece_llama_without_generation_markers(
     assert backend["model"]["byte_fallback"] is True
     pieces = tokenizer.tokenize("What is 12 * 7?")
     assert "<0x2A>" in pieces and any(p.startswith("▁") for p in pieces)
-    assert ChatTokenizer(tokenizer).mask_method == "prefix_render"
+    assert ChatTokenizer(tokenizer, max_length=4096).mask_method == "prefix_render"
 
 
 def test_supervised_spans_are_exactly_the_generated_ids(
@@ -167,7 +167,7 @@ def test_replies_are_token_exact_or_spliced(prepared: dict[str, Any], tokenizer:
     exact, spliced = meta["token_exact_replies"], meta["spliced_replies"]
     # per reply (the metadata counts a spliced row's every reply as spliced): does the
     # template's re-tokenization of the decoded text give back the generated ids?
-    chat, eos = ChatTokenizer(tokenizer), tokenizer.eos_token_id
+    chat, eos = ChatTokenizer(tokenizer, max_length=4096), tokenizer.eos_token_id
     retokenized_exact = 0
     for reply in prepared["replies"]:
         (row,) = chat.tokenize(json.loads(reply["turns"]))
@@ -216,7 +216,9 @@ def test_a_stored_reply_is_what_the_server_says_again(
     choice = response["choices"][0]
     assert choice["token_ids"] == row["reply_token_ids"][which]
     assert choice["message"]["content"] == turns[index]["content"]
-    prompt = ChatTokenizer(tokenizer).render(turns[:index], add_generation_prompt=True)
+    prompt = ChatTokenizer(tokenizer, max_length=4096).render(
+        turns[:index], add_generation_prompt=True
+    )
     assert response["prompt_token_ids"] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
@@ -231,7 +233,7 @@ def test_a_splice_keeps_the_prompt_when_the_closing_tag_merges_into_the_reply(
     from mm_assets.domain.prep.tokenization import ChatTokenizer
     from mm_assets.services.prep import TokenizeReport, _on_policy_rows
 
-    chat = ChatTokenizer(tokenizer)
+    chat = ChatTokenizer(tokenizer, max_length=4096)
     turns = [{"role": "user", "content": "Say it"}, {"role": "assistant", "content": ". yellow"}]
     generated = tokenizer.convert_tokens_to_ids([".", "▁yellow", tokenizer.eos_token])
     prompt = chat.render(turns[:1], add_generation_prompt=True)

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from mm_assets.assets.resources import StorageResource, VllmResource
-from mm_assets.domain.model.responses import assistant_indices
+from mm_assets.domain.prep.conversations import reply_indices as assistant_indices
 from mm_assets.domain.prep.conversations import to_vllm_messages
 from mm_assets.storage import schemas
 from tests.conftest import SESSION_HOME, materialize

@@ -10,7 +10,6 @@ import pytest
 
 from mm_assets.domain.ingest.images import probe_reference
 from mm_assets.domain.prep.conversations import Rejected, image_references, normalize
-from mm_assets.domain.prep.pixel_reference import tokenize_with_pixels
 from mm_assets.domain.prep.supervision import (
     GENERATION_MARKER,
     TokenizeDropReason,
@@ -20,6 +19,7 @@ from mm_assets.domain.prep.supervision import (
     supervised_runs,
 )
 from mm_assets.domain.prep.tokenization import ChatTokenizer, expand_image_tokens, truncate
+from tests.pixel_reference import tokenize_with_pixels
 
 # -- pure functions ----------------------------------------------------------------
 
@@ -124,7 +124,7 @@ def test_prefix_render_mask_equals_the_generation_marker_mask(
 
 
 def test_supervised_tokens_are_exactly_the_assistant_replies(demo_processor) -> None:
-    chat = ChatTokenizer(demo_processor)
+    chat = ChatTokenizer(demo_processor, max_length=4096)
     turns = [
         {"role": "user", "content": "Name a colour."},
         {"role": "assistant", "content": "Red."},
@@ -145,7 +145,7 @@ def test_generated_ids_are_what_the_row_supervises(demo_processor) -> None:
     """The target's ids (ending with its stop token) are exactly the supervised tokens
     when the template re-tokenizes the decoded text the same way; a sequence the
     tokenizer would never produce for that text (a split word) is refused."""
-    chat = ChatTokenizer(demo_processor)
+    chat = ChatTokenizer(demo_processor, max_length=4096)
     tok = chat.tokenizer
     turns = [
         {"role": "user", "content": "Name a colour."},
@@ -192,7 +192,7 @@ def test_history_rewriting_template_gives_one_row_per_assistant_turn(demo_proces
         "{%- else -%}{{ m.content }}{%- endif -%}<|im_end|>\n{%- endfor -%}"
         "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
     )
-    chat = ChatTokenizer(clone)
+    chat = ChatTokenizer(clone, max_length=4096)
     turns = [
         {"role": "user", "content": "Name a colour."},
         {"role": "assistant", "content": "Red."},
@@ -242,14 +242,14 @@ def test_template_that_drops_images_is_refused(demo_processor) -> None:
         {"role": "assistant", "content": "ok"},
     ]
     with pytest.raises(TokenizeRejected) as info:
-        ChatTokenizer(clone).tokenize(turns, [(56, 56)])
+        ChatTokenizer(clone, max_length=4096).tokenize(turns, [(56, 56)])
     assert info.value.reason is TokenizeDropReason.TEMPLATE_ERROR
 
 
 def test_a_plain_tokenizer_target_is_text_only(demo_processor) -> None:
     tokenizer = copy.copy(demo_processor.tokenizer)
     tokenizer.chat_template = demo_processor.chat_template
-    chat = ChatTokenizer(tokenizer)
+    chat = ChatTokenizer(tokenizer, max_length=4096)
     assert not chat.multimodal and chat.image_token_id is None
     (row,) = chat.tokenize(
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello."}]
@@ -260,7 +260,7 @@ def test_a_plain_tokenizer_target_is_text_only(demo_processor) -> None:
 def test_rows_supervising_only_special_tokens_are_refused(demo_processor) -> None:
     """An answer cut by max_length right after it starts supervises only the template's
     end-of-turn marker (or nothing): no row worth training on."""
-    chat = ChatTokenizer(demo_processor)
+    chat = ChatTokenizer(demo_processor, max_length=4096)
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello there."}]
     (row,) = chat.tokenize(turns)
     reply = chat.content_tokens(row)
@@ -269,16 +269,20 @@ def test_rows_supervising_only_special_tokens_are_refused(demo_processor) -> Non
     ]
     assert reply > 0 and special, "the demo template ends a turn with a special token"
     assert reply + len(special) == row.num_supervised
-    assert ChatTokenizer(demo_processor, min_supervised_tokens=reply).tokenize(turns)
+    assert ChatTokenizer(demo_processor, max_length=4096, min_supervised_tokens=reply).tokenize(
+        turns
+    )
     with pytest.raises(TokenizeRejected, match=f"{reply} supervised") as info:
-        ChatTokenizer(demo_processor, min_supervised_tokens=reply + 1).tokenize(turns)
+        ChatTokenizer(demo_processor, max_length=4096, min_supervised_tokens=reply + 1).tokenize(
+            turns
+        )
     assert info.value.reason is TokenizeDropReason.TOO_FEW_SUPERVISED_TOKENS
     # only the end-of-turn marker: the row the issue found in the adversarial corpus
     ids = row.input_ids
     mask = [
         1 if (m and t in chat.special_ids) else 0 for t, m in zip(ids, row.loss_mask, strict=True)
     ]
-    marker_row = type(row)(ids, mask, row.num_turns, 0, False, len(ids))
+    marker_row = type(row)(ids, mask, row.num_turns, 0, False)
     with pytest.raises(TokenizeRejected) as info:
         chat.worth_training([marker_row])
     assert info.value.reason is TokenizeDropReason.TOO_FEW_SUPERVISED_TOKENS
@@ -293,11 +297,11 @@ def test_an_unexpected_error_in_a_template_is_not_a_rejection(demo_processor) ->
     broken.chat_template = "{{ messages[0].content + 1 }}"
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
     with pytest.raises(TokenizeRejected) as info:
-        ChatTokenizer(refusing).tokenize(turns)
+        ChatTokenizer(refusing, max_length=4096).tokenize(turns)
     assert info.value.reason is TokenizeDropReason.TEMPLATE_ERROR
     assert info.value.kind == "template_error (TemplateError)"
     with pytest.raises(TypeError):
-        ChatTokenizer(broken).tokenize(turns)
+        ChatTokenizer(broken, max_length=4096).tokenize(turns)
 
 
 # -- the stage: bad rows quarantined, a broken setup stops it ------------------------
@@ -333,23 +337,26 @@ def test_the_stage_quarantines_rare_bad_rows_and_stops_on_a_broken_setup(
 
     tables = TableStore(tmp_path)
     _conversations(tables, 20, empty_replies=3)  # (normalization drops these; here: late)
-    report = tokenize_partition("p", tables, ChatTokenizer(demo_processor))
+    report = tokenize_partition("p", tables, ChatTokenizer(demo_processor, max_length=4096))
     assert (report.kept.num_rows, report.quarantine.num_rows) == (17, 3)
     assert report.conversations == 20
     assert dict(report.reasons) == {"too_few_supervised_tokens": 3}
 
     _conversations(tables, 20, empty_replies=11)
     with pytest.raises(SetupProblem, match=r"11 of the first 20 rows .*too_few_supervised"):
-        tokenize_partition("p", tables, ChatTokenizer(demo_processor))
+        tokenize_partition("p", tables, ChatTokenizer(demo_processor, max_length=4096))
     # a dataset that really is like that: the share is raised, and the rows quarantined
     report = tokenize_partition(
-        "p", tables, ChatTokenizer(demo_processor), RowFailureWatch(max_share=0.9)
+        "p",
+        tables,
+        ChatTokenizer(demo_processor, max_length=4096),
+        RowFailureWatch(first_rows=100, max_share=0.9),
     )
     assert report.quarantine.num_rows == 11
 
     broken = copy.copy(demo_processor)
     broken.chat_template = "{{ messages[0].content + 1 }}"
     with pytest.raises(RuntimeError, match=r"tokenizing sample s0 \(source row 0\) failed with"):
-        tokenize_partition("p", tables, ChatTokenizer(broken))
+        tokenize_partition("p", tables, ChatTokenizer(broken, max_length=4096))
     # the failed runs left the last good table in place
     assert tables.num_rows("tokenized_samples", "p") == 9

@@ -33,10 +33,11 @@ class RowFailureWatch:
     A per-row rejection is a data problem while it is rare. When one kind of rejection
     takes more than `max_share` of the first `first_rows` rows (or of all rows, in a
     smaller partition of at least `min_rows`), every row is likely to fail the same way:
-    `SetupProblem` names the kind, the share and the first offending row.
+    `SetupProblem` names the kind, the share and the first offending row. The two limits
+    are settings (`TokenizationSettings`), passed in by the caller.
     """
 
-    def __init__(self, first_rows: int = 100, max_share: float = 0.5, min_rows: int = 10) -> None:
+    def __init__(self, first_rows: int, max_share: float, min_rows: int = 10) -> None:
         self.first_rows, self.max_share, self.min_rows = first_rows, max_share, min_rows
         self.seen = 0
         self.counts: dict[str, int] = {}

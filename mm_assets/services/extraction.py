@@ -35,7 +35,6 @@ from mm_assets.domain.model.hidden_states import ExtractionSettings, HiddenState
 from mm_assets.domain.prep.conversations import image_urls
 from mm_assets.domain.prep.tokenization import collapse_image_tokens
 from mm_assets.services.engine import VllmEngine
-from mm_assets.services.errors import DiskBudgetError
 from mm_assets.services.request_stage import (
     ASK_AGAIN,
     Outcome,
@@ -57,6 +56,10 @@ FILE_RETRIES = 2
 answered can die before its connector finished writing (the next try goes to another)."""
 
 
+class DiskBudgetError(RuntimeError):
+    """The hidden states to request cannot fit on the disk that would store them."""
+
+
 def requests_for(
     rows: Iterable[dict],
     missing: set[str],
@@ -73,16 +76,14 @@ def requests_for(
             loss_masks[row["row_id"]] = row["loss_mask"]
         ids = list(row["input_ids"])
         urls = tuple(image_urls(json.loads(row["messages"]))) if row["messages"] else ()
-        if urls and image_token_id is None:
-            raise ValueError(
-                f"row {row['row_id']} has images but the target's config names no image "
-                "token (image_token_id / image_token_index); is it a vision-language model?"
-            )
-        prompt = (
-            collapse_image_tokens(ids, image_token_id)
-            if urls and image_token_id is not None
-            else None
-        )
+        prompt = None
+        if urls:
+            if image_token_id is None:
+                raise ValueError(
+                    f"row {row['row_id']} has images but the target's config names no image "
+                    "token (image_token_id / image_token_index); is it a vision-language model?"
+                )
+            prompt = collapse_image_tokens(ids, image_token_id)
         yield ExtractionRequest(row["row_id"], ids, urls, prompt)
 
 
@@ -213,8 +214,7 @@ def run_extraction(
     """Send the missing rows through `client` and store what comes back (see
     `HiddenStatesJob`); a dead server raises `CircuitOpen`. For callers that bring
     their own client (tests, and a trainer fetching hidden states)."""
-    job = HiddenStatesJob({r.row_id: r.key for r in plan.rows}, layout, blobs, path_map,
-                          loss_masks)  # fmt: skip
+    job = HiddenStatesJob(plan.keys(), layout, blobs, path_map, loss_masks)
     with _one_torch_thread():
         return run_requests(client, requests, job, len(plan.missing))
 
@@ -309,8 +309,7 @@ class PartitionExtraction:
         )
         masks = None if layout.storage.is_native else {}
         requests = requests_for(rows, plan.missing, self.target.facts.image_token_id, masks)
-        keys = {r.row_id: r.key for r in plan.rows}
-        job = HiddenStatesJob(keys, layout, self.blobs, engine.map_path, masks)
+        job = HiddenStatesJob(plan.keys(), layout, self.blobs, engine.map_path, masks)
         stage = RequestStage(session, self.settings, engine.api_key)
         with _one_torch_thread():
             report = stage.run(HiddenStatesClient, job, requests, len(plan.missing))

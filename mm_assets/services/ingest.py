@@ -73,10 +73,9 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
 def _read_json_list(path: Path) -> Iterator[RawRow]:
     r"""Records of a `.json` file holding one list, decoded one at a time.
 
-    ShareGPT4V ships as one such file; `json.loads` on it held every record at once, and
-    ijson's C backend streams it in a few MB, also faster than DuckDB's
-    `read_json_objects(format='array')` plus `json.loads` per record (figures in
-    BENCHMARKS.md, "Raw dataset memory").
+    ShareGPT4V ships as one such file: ijson's C backend streams it in a few MB where
+    `json.loads` holds every record, faster than DuckDB's `read_json_objects` too
+    (BENCHMARKS.md, "Raw dataset memory").
     `use_float=True` makes numbers int or float as with `json.loads` (never Decimal), so
     `RawRow.record_json` is unchanged. The C parser refuses three things `json.loads`
     accepts: integers beyond 64 bits, NaN/Infinity and unpaired `\uD800`-style escapes;

@@ -19,6 +19,7 @@ from mm_assets.domain.prep.conversations import (
     parse_record,
     to_vllm_messages,
 )
+from mm_assets.domain.prep.settings import TokenizationSettings
 from mm_assets.domain.prep.supervision import (
     TokenizedRow,
     TokenizeRejected,
@@ -166,8 +167,13 @@ def tokenize_partition(
     """Training rows for every normalized conversation, their supervised-token counts
     (`token_frequencies`), and a quarantine of conversations that give no usable row.
     A rejection that dominates the first rows (`watch`), or an exception that is not a
-    known rejection, stops the step instead (see `RowFailureWatch`)."""
-    watch = watch or RowFailureWatch()
+    known rejection, stops the step instead (see `RowFailureWatch`; without one, the
+    watch `TokenizationSettings` describes by default)."""
+    if watch is None:
+        default = TokenizationSettings()
+        watch = RowFailureWatch(
+            default.repeated_rejection_rows, default.max_repeated_rejection_share
+        )
     report = TokenizeReport(mask_method=chat.mask_method)
     example: TokenizedRow | None = None
     with (

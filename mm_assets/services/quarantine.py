@@ -13,8 +13,6 @@ from mm_assets.storage.tables import BatchWriter
 
 @dataclass
 class StageReport:
-    """A table of kept rows, its quarantine, and how many rows each reason dropped."""
-
     kept: WrittenTable | None = None
     quarantine: WrittenTable | None = None
     reasons: Counter[str] = field(default_factory=Counter)
@@ -28,7 +26,6 @@ def quarantine_row(
     record: str,
     exc: RowRejected,
 ) -> None:
-    """One rejected row into a quarantine table, its reason counted in `report`."""
     report.reasons[exc.reason.value] += 1
     out.write(
         {

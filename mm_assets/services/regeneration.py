@@ -26,7 +26,6 @@ from mm_assets.domain.model.responses import (
     ResponseProblem,
     ResponseRejected,
     ResponseSettings,
-    assistant_indices,
     check_reply,
     prompt_before,
     refusal_problem,
@@ -34,7 +33,7 @@ from mm_assets.domain.model.responses import (
     response_key,
     with_system_prompt,
 )
-from mm_assets.domain.prep.conversations import to_vllm_messages
+from mm_assets.domain.prep.conversations import reply_indices, to_vllm_messages
 from mm_assets.domain.prep.tokenization import count_images
 from mm_assets.services.engine import VllmEngine
 from mm_assets.services.quarantine import StageReport, quarantine_row
@@ -210,7 +209,7 @@ async def regenerate(
     """The target's replies to a conversation, turn by turn, until the end or the first
     reply that fails or comes back empty."""
     regeneration = Regeneration()
-    for index in assistant_indices(turns):
+    for index in reply_indices(turns):
         messages = to_vllm_messages(prompt_before(turns, index, regeneration.replies))
         try:
             answer = await client.reply(messages, settings.sampling())

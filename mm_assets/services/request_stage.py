@@ -13,6 +13,7 @@ counts change in one place, on the event loop (`+=` from the threads loses updat
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -26,10 +27,13 @@ from mm_assets.clients.vllm_client import CircuitOpen, RequestRefused, VllmClien
 from mm_assets.common.progress import Progress
 from mm_assets.common.request_settings import RequestSettings
 from mm_assets.services.engine import ServerSession
-from mm_assets.services.errors import ServerUnavailable
 
 logger = logging.getLogger(__name__)
 Client = TypeVar("Client", bound=VllmClient)
+
+
+class ServerUnavailable(RuntimeError):
+    """vLLM stopped answering mid-run; what was stored is kept for the rerun."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,6 @@ class RequestJob(Protocol):
 
     def write(self, item: Any, answer: Any, final: bool) -> Outcome:
         """Store one answer (or a `RequestRefused`), in a storer thread."""
-        ...
 
 
 @dataclass
@@ -105,9 +108,7 @@ def run_requests(
     rejections, servers that stop answering raise `CircuitOpen`."""
     report, started = RequestReport(), time.perf_counter()
     progress = Progress(logger.info, job.what, total, every_s=10.0)
-
-    async def ask(item: Any) -> Any:
-        return await job.ask(client, item)
+    ask = functools.partial(job.ask, client)
 
     async def handle(item: Any, answer: Any) -> None:
         loop = asyncio.get_running_loop()

@@ -23,7 +23,6 @@ def write_checkpoint(out_dir: Path, config: dict[str, Any], state: dict[str, tor
 
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The config and the tensors of a checkpoint directory."""
     config = json.loads((path / "config.json").read_text())
     return config, load_file(str(path / "model.safetensors"))
 

@@ -19,6 +19,7 @@ from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 
 FORMAT_VERSION = "0.9.0"  # the speculators release whose format this follows
 _NOT_SAVED = ("verifier_norm.", "verifier_lm_head.")
+# what the draft's layer config carries of `Eagle3Config` (written, and read back)
 # fmt: off
 _LAYER_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings")
@@ -29,15 +30,8 @@ def layer_config(cfg: Eagle3Config) -> dict[str, Any]:
     from transformers import LlamaConfig  # here: importing transformers takes seconds
 
     llama = LlamaConfig(
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
+        **{key: getattr(cfg, key) for key in _LAYER_FIELDS},
         num_hidden_layers=1,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        vocab_size=cfg.vocab_size,
-        rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         tie_word_embeddings=False,
     )

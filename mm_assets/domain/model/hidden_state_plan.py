@@ -41,6 +41,9 @@ class Plan:
     def cache_hits(self) -> int:
         return len(self.rows) - len(self.missing)
 
+    def keys(self) -> dict[str, str]:
+        return {r.row_id: r.key for r in self.rows}
+
 
 def plan_extraction(
     rows: Iterable[dict], layout: HiddenStatesLayout, stored: Callable[[str], bool]

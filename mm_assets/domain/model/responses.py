@@ -89,11 +89,6 @@ def with_system_prompt(turns: list[Turn], system_prompt: str | None) -> list[Tur
     return [{"role": "system", "content": system_prompt}, *rest] if system_prompt else rest
 
 
-def assistant_indices(turns: list[Turn]) -> list[int]:
-    """The turns the target rewrites: the replies (`reply_indices`)."""
-    return reply_indices(turns)
-
-
 def response_key(
     target_fingerprint: str,
     dtype: str,

@@ -53,7 +53,6 @@ class Ranks:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
-    """`auto`: CUDA when present, else the CPU; or a torch device name."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)

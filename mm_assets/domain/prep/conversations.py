@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 from typing import Any
 
 from mm_assets.common.hashing import json_sha256
@@ -31,18 +32,9 @@ IMAGE_PLACEHOLDER = "<image>"
 
 ROLE_ALIASES: dict[str, str] = {
     "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "bing": "assistant",
-    "model": "assistant",
-    "tool": "tool",
-    "function": "tool",
-    "observation": "tool",
-    "ipython": "tool",
+    **dict.fromkeys(("human", "user"), "user"),
+    **dict.fromkeys(("gpt", "assistant", "chatgpt", "bard", "bing", "model"), "assistant"),
+    **dict.fromkeys(("tool", "function", "observation", "ipython"), "tool"),
 }
 
 
@@ -222,14 +214,6 @@ def _from_value_turns(
     return turns
 
 
-def _sharegpt4v(record: Mapping[str, Any], images: list[ImageProbe]) -> list[Turn]:
-    return _from_value_turns(record, images, with_placeholders=True)
-
-
-def _sharegpt(record: Mapping[str, Any], images: list[ImageProbe]) -> list[Turn]:
-    return _from_value_turns(record, images, with_placeholders=False)
-
-
 def _messages(record: Mapping[str, Any], images: list[ImageProbe]) -> list[Turn]:
     pending = iter(images)
     turns: list[Turn] = []
@@ -256,8 +240,8 @@ def _messages(record: Mapping[str, Any], images: list[ImageProbe]) -> list[Turn]
 
 
 NORMALIZERS: dict[str, Callable[[Mapping[str, Any], list[ImageProbe]], list[Turn]]] = {
-    "sharegpt4v": _sharegpt4v,
-    "sharegpt": _sharegpt,
+    "sharegpt4v": partial(_from_value_turns, with_placeholders=True),
+    "sharegpt": partial(_from_value_turns, with_placeholders=False),
     "messages": _messages,
 }
 

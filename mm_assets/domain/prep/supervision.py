@@ -8,6 +8,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import groupby
 from typing import TYPE_CHECKING
 
 from mm_assets.domain.rejection import RowRejected
@@ -39,7 +40,6 @@ class TokenizedRow:
     num_turns: int  # the row covers turns[:num_turns]
     num_images: int  # images inside those turns
     truncated: bool
-    untruncated_length: int
 
     @property
     def num_supervised(self) -> int:
@@ -134,21 +134,12 @@ def render_supervision(
 ) -> str:
     """Decoded text with supervised spans in ⟦…⟧ and image blocks collapsed, for the UI."""
     pieces: list[str] = []
-    i = 0
-    while i < len(ids):
-        j = i
-        if image_token_id is not None and ids[i] == image_token_id:
-            while j < len(ids) and ids[j] == image_token_id:
-                j += 1
-            pieces.append(f"<image ×{j - i}>")
+    pairs = zip(ids, mask, strict=True)
+    for kind, run in groupby(pairs, lambda pair: "image" if pair[0] == image_token_id else pair[1]):
+        tokens = [token for token, _ in run]
+        if kind == "image":
+            pieces.append(f"<image ×{len(tokens)}>")
         else:
-            while (
-                j < len(ids)
-                and mask[j] == mask[i]
-                and (image_token_id is None or ids[j] != image_token_id)
-            ):
-                j += 1
-            text = tokenizer.decode(list(ids[i:j]), skip_special_tokens=False)
-            pieces.append(f"⟦{text}⟧" if mask[i] else text)
-        i = j
+            text = tokenizer.decode(tokens, skip_special_tokens=False)
+            pieces.append(f"⟦{text}⟧" if kind else text)
     return "".join(pieces)

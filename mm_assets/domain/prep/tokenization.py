@@ -124,9 +124,7 @@ def truncate(
 class ChatTokenizer:
     """Tokenizes normalized conversations for a target's processor or tokenizer."""
 
-    def __init__(
-        self, processor: Any, max_length: int = 4096, min_supervised_tokens: int = 1
-    ) -> None:
+    def __init__(self, processor: Any, max_length: int, min_supervised_tokens: int = 1) -> None:
         from transformers import ProcessorMixin
 
         self.multimodal = isinstance(processor, ProcessorMixin)
@@ -167,12 +165,14 @@ class ChatTokenizer:
         data = self.processor._get_num_multimodal_tokens(image_sizes=[list(s) for s in sizes])
         return [int(n) for n in data.num_image_tokens]
 
-    def render(self, turns: Sequence[Turn], add_generation_prompt: bool = False) -> str:
+    def _apply_template(self, turns: Sequence[Turn], **options: Any) -> Any:
         return self.tokenizer.apply_chat_template(
-            _template_turns(turns),
-            chat_template=self.chat_template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
+            _template_turns(turns), chat_template=self.chat_template, **options
+        )
+
+    def render(self, turns: Sequence[Turn], add_generation_prompt: bool = False) -> str:
+        return self._apply_template(
+            turns, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
     def _encode(self, text: str, spans: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -182,12 +182,8 @@ class ChatTokenizer:
         return list(enc["input_ids"]), mask_from_spans(enc["offset_mapping"], spans)
 
     def _rows_from_markers(self, turns: Sequence[Turn]) -> list[tuple[int, list, list]]:
-        out = self.tokenizer.apply_chat_template(
-            _template_turns(turns),
-            chat_template=self.chat_template,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
+        out = self._apply_template(
+            turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         replies = reply_indices(turns)
@@ -329,9 +325,8 @@ class ChatTokenizer:
                 )
             counts = self.image_token_counts(image_sizes[:num_images])
             ids, mask = expand_image_tokens(ids, mask, self.image_token_id, counts)
-        full_length = len(ids)
         ids, mask, truncated = truncate(ids, mask, self.max_length, self.image_token_id)
-        return TokenizedRow(ids, mask, num_turns, num_images, truncated, full_length)
+        return TokenizedRow(ids, mask, num_turns, num_images, truncated)
 
     def reply_rows(
         self,

@@ -1,6 +1,6 @@
 """The eager reference tokenization: the processor decodes every image. Tests and the
 benchmark check and measure the lazy path (`tokenization.ChatTokenizer`) against it; the
-pipeline never uses it."""
+pipeline never uses it, so it lives beside the tests."""
 
 from __future__ import annotations
 
