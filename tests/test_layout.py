@@ -106,3 +106,26 @@ def test_loading_the_code_location_imports_no_heavy_library() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.splitlines()[-1]) == []
+
+
+def test_no_module_is_long() -> None:
+    long = [
+        f"{path.relative_to(PACKAGE)}: {n}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > 400
+    ]
+    assert not long
+
+
+def test_the_readme_layout_names_every_module() -> None:
+    """A newcomer's map of the house: every module, one line each, none gone stale."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    layout = readme[readme.index("## Layout") :]
+    block = layout[layout.index("```") + 3 : layout.index("```", layout.index("```") + 3)]
+    listed = {line.split()[0] for line in block.splitlines() if line.strip()}
+    modules = {
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "__init__.py"
+    }
+    assert listed == modules
