@@ -23,10 +23,6 @@ POLL_S = 0.5
 GRACE_S = 10.0
 
 
-def _orphaned(parent: int) -> bool:
-    return os.getppid() != parent
-
-
 def _end_group(child: subprocess.Popen[bytes]) -> int:
     """SIGTERM the group (the guard ignores it), then SIGKILL whatever outlives the grace."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -46,7 +42,7 @@ def guard(parent: int, command: list[str]) -> int:
         code = child.poll()
         if code is not None:
             return code if code >= 0 else 128 - code  # killed by a signal: as a shell says
-        if _orphaned(parent):
+        if os.getppid() != parent:  # orphaned: the parent is gone
             return _end_group(child)
         time.sleep(POLL_S)
 

@@ -39,6 +39,8 @@ import openai
 from mm_assets.common.request_settings import RequestSettings
 
 logger = logging.getLogger(__name__)
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 DEFAULT = RequestSettings()
 TOKEN_IN_PATH = "/inference/v1/generate"
 TRANSIENT = (
@@ -68,10 +70,6 @@ class ExtractionRequest:
 class ExtractionResponse:
     prompt_token_ids: list[int]
     hidden_states_path: str
-
-
-Item = TypeVar("Item")
-Result = TypeVar("Result")
 
 
 class RequestRefused(Exception):
@@ -104,7 +102,6 @@ class ServerStats:
     failed_tries: int = 0
     """Tries that failed with a transient error (connection, timeout, 5xx, 429)."""
     taken_out: int = 0
-    """Times it was taken out of rotation."""
     tokens: int = 0
     """Tokens of the requests it answered (prompt tokens for extraction, generated
     tokens for chat)."""
@@ -234,7 +231,7 @@ class VllmClient:
     async def call(
         self,
         send: Callable[[Any, str], Awaitable[Result]],
-        tokens: Callable[[Result], int] = lambda result: 0,
+        tokens: Callable[[Result], int],
     ) -> Result:
         """`send(openai_client, model)` on the least busy server, with retries;
         `tokens(result)` is what the answer counts in the server's stats."""
@@ -333,8 +330,6 @@ class HiddenStatesClient(VllmClient):
     file path back."""
 
     async def extract(self, request: ExtractionRequest) -> ExtractionResponse:
-        """One sample, with retries on transient errors."""
-
         async def send(client: openai.AsyncOpenAI, model: str) -> ExtractionResponse:
             if not request.image_urls:
                 response: Any = await client.completions.create(

@@ -20,13 +20,11 @@ def generate_greedy(
     client = ChatClient([base_url], concurrency=concurrency)  # bounds requests in flight
     sampling = {"max_tokens": max_tokens, "temperature": 0.0}
 
-    async def one(messages: list[dict[str, Any]]) -> list[int]:
-        return (await client.reply(messages, sampling)).token_ids
-
     async def main() -> list[list[int]]:
         try:
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
+            replies = await asyncio.gather(*(client.reply(p, sampling) for p in prompts))
         finally:
             await client.close()
+        return [reply.token_ids for reply in replies]
 
     return asyncio.run(main())

@@ -26,16 +26,12 @@ class SpecDecodeCounters:
     accepted_per_position: list[float]
 
     def minus(self, before: SpecDecodeCounters) -> SpecDecodeCounters:
+        positions = zip(self.accepted_per_position, before.accepted_per_position, strict=False)
         return SpecDecodeCounters(
             self.drafts - before.drafts,
             self.draft_tokens - before.draft_tokens,
             self.accepted - before.accepted,
-            [
-                a - b
-                for a, b in zip(
-                    self.accepted_per_position, before.accepted_per_position, strict=False
-                )
-            ],
+            [a - b for a, b in positions],
         )
 
     @property

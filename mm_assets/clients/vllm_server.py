@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -61,16 +62,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def uses_cpu_connector(connector: str) -> bool:
-    """`auto`: the CPU-safe connector where there is no CUDA device."""
-    return connector == "cpu" or (connector == "auto" and not cuda_available())
-
-
 def extraction_args(layer_ids: Sequence[int], hidden_states_dir: Path, connector: str) -> list[str]:
-    """Server arguments that make every request write its hidden states to a file."""
-    speculative, transfer = extraction_configs(
-        layer_ids, hidden_states_dir, uses_cpu_connector(connector)
-    )
+    """Server arguments that make every request write its hidden states to a file;
+    `connector="auto"` takes the CPU-safe connector where there is no CUDA device."""
+    use_cpu = connector == "cpu" or (connector == "auto" and not cuda_available())
+    speculative, transfer = extraction_configs(layer_ids, hidden_states_dir, use_cpu)
     hidden_states_dir.mkdir(parents=True, exist_ok=True)
     # --enable-scale-out: the token-in route rows with images are sent through
     return ["--speculative-config", speculative, "--kv-transfer-config", transfer,
@@ -104,7 +100,8 @@ def extraction_configs(
 
 
 def cpu_preload() -> str | None:
-    """tcmalloc + the venv's Intel OpenMP: ~3× faster vLLM on CPU, when both exist."""
+    """tcmalloc + the venv's Intel OpenMP, when both exist: vLLM on CPU runs much faster
+    with them (BENCHMARKS.md, "Managed CPU servers")."""
     tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
     iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
     if not tcmalloc or not iomp.is_file():
@@ -117,43 +114,32 @@ def cpu_preload() -> str | None:
 
 
 class ServerStartupError(RuntimeError):
-    pass
+    """vLLM exited, or did not answer `/health`, while starting."""
 
 
+@dataclass(eq=False)
 class ManagedVllmServer:
     """A vLLM server for one step: `with ManagedVllmServer(...) as base_url: ...`.
     `serve_args` say what it is for (`extraction_args`, `speculative_decoding_args`)."""
 
-    def __init__(
-        self,
-        model: str,
-        serve_args: Sequence[str],
-        image_root: Path | None,
-        log_path: Path,
-        options: EngineOptions | None = None,
-        startup_timeout_s: float = 600.0,
-    ) -> None:
-        self.model = model
-        self.serve_args = list(serve_args)
-        self.image_root = image_root
-        self.log_path = log_path
-        self.options = options or EngineOptions()
-        self.startup_timeout_s = startup_timeout_s
-        self.process: subprocess.Popen | None = None
-        self.port: int | None = None
-        self.startup_seconds: float | None = None
+    model: str
+    serve_args: Sequence[str]
+    image_root: Path | None
+    log_path: Path
+    options: EngineOptions = field(default_factory=EngineOptions)
+    startup_timeout_s: float = 600.0
+    process: subprocess.Popen | None = field(default=None, init=False)
+    port: int | None = field(default=None, init=False)
+    startup_seconds: float | None = field(default=None, init=False)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def _on_cpu(self) -> bool:
-        return not cuda_available()
-
     def command(self) -> list[str]:
         if self.port is None:
             raise RuntimeError("no port yet: start() picks one; set `port` to see the command")
-        on_cpu = self._on_cpu()
+        on_cpu = not cuda_available()
         opts = self.options
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -176,21 +162,19 @@ class ManagedVllmServer:
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        if self._on_cpu():
+        if not cuda_available():
             if self.options.kv_cache_gib:
                 env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.options.kv_cache_gib)))
             # The model worker inside vLLM's engine-core process (the CPU platform then
-            # keeps the single-process executor) instead of a third process: measured on
-            # 2 cores, ready ~10 s sooner (21 vs 31 s) and ~20% more tokens/s (fewer
-            # processes contending for the cores). GPU servers are unchanged.
+            # keeps the single-process executor) instead of a third process: fewer
+            # processes contend for the cores (BENCHMARKS.md, "Managed CPU servers").
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             preload = cpu_preload()
             if preload:
                 env["LD_PRELOAD"] = ":".join(p for p in (preload, env.get("LD_PRELOAD")) if p)
                 # Intel OpenMP spins 200 ms after each parallel region by default, holding
-                # the cores the API server and the client need between forward passes. On 2
-                # cores, 1 ms against the default: extraction 1.3-1.5x, generation 1.37x;
-                # 0 ms: extraction 1.2-1.4x but generation 0.78x (bench/omp_blocktime.py).
+                # the cores the API server and the client need between forward passes; 1 ms
+                # beats both that and 0 (BENCHMARKS.md, `bench/omp_blocktime.py`).
                 env.setdefault("KMP_BLOCKTIME", "1")
         return env
 
