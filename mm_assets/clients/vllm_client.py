@@ -183,8 +183,7 @@ class VllmClient:
         self._given_up_in_a_row = 0
 
     def server_stats(self) -> list[dict[str, Any]]:
-        """Each server's answers, failures and tokens so far, and whether it is in
-        rotation now."""
+        """Each server's share so far, and whether it is in rotation now."""
         return [{**asdict(s.stats), "in_rotation": s.out_until is None} for s in self.servers]
 
     def _candidates(self) -> list[_Server]:

@@ -76,9 +76,7 @@ class ObjectTableStore(TableStore):
         return bool(self._versions(table, partition))
 
     def content_hash(self, table: str, partition: str) -> str:
-        match = VERSION.match(self._current(table, partition).rsplit("/", 1)[-1])
-        assert match is not None  # `_versions` lists only names that match
-        return match.group(2)
+        return _parse_version(self._current(table, partition))[1]
 
     @contextmanager
     def writer(
@@ -117,7 +115,7 @@ class ObjectTableStore(TableStore):
         the version after them), so a reader that listed one can still open it."""
         now = time.time_ns()
         for older, newer in itertools.pairwise(self._versions(table, partition)):
-            if now - _written_ns(newer) > self.grace_s * 1e9:
+            if now - _parse_version(newer)[0] > self.grace_s * 1e9:
                 with contextlib.suppress(FileNotFoundError):  # pruned by another writer
                     self.store.fs.rm_file(older)
 
@@ -152,9 +150,9 @@ class ObjectTableStore(TableStore):
         keys = self.store.fs.glob(self.store.key("tables", "*", "*", "*.parquet"))
         return sorted({k.split("/")[-3] for k in keys if VERSION.match(k.rsplit("/", 1)[-1])})
 
-    def add_to_catalog(self, tables: Sequence[str], wait_s: float = CATALOG_WAIT_S) -> bool:
+    def add_to_catalog(self, tables: Sequence[str], wait_s: float = CATALOG_WAIT_S) -> None:
         """Versions are never rewritten, so views read them directly: no snapshots."""
-        return self._ensure_views(tables, wait_s)
+        self._ensure_views(tables, wait_s)
 
     def _view_glob(self, table: str) -> str:
         return self.store.url_of("tables", table, "*", "*.parquet")
@@ -163,7 +161,8 @@ class ObjectTableStore(TableStore):
         con.register_filesystem(self.store.fs)
 
 
-def _written_ns(key: str) -> int:
+def _parse_version(key: str) -> tuple[int, str]:
+    """A version's write time (ns) and SHA-256; `_versions` lists only names that match."""
     match = VERSION.match(key.rsplit("/", 1)[-1])
     assert match is not None
-    return int(match.group(1))
+    return int(match.group(1)), match.group(2)

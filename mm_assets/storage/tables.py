@@ -23,6 +23,7 @@ succeeds and the next write or `connect()` creates the view.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
@@ -51,7 +52,7 @@ CATALOG_WAIT_S = 10.0
 WRITE_CATALOG_WAIT_S = 2.0
 # Views this process saw current in a catalog file (path, device, inode, mtime: any
 # session that changes the file, or a new file, invalidates them): later writes skip
-# opening the catalog (~20 ms an open, and each contends for its lock).
+# opening the catalog (an open's cost: BENCHMARKS.md; each contends for its lock).
 _CURRENT_VIEWS: set[tuple[str, int, int, int, str]] = set()
 
 
@@ -128,7 +129,7 @@ class TableStore:
         return f"duckdb.connect('{self.catalog_path}', read_only=True)"
 
     def path(self, table: str, partition: str) -> Path | str:
-        return self.tables_dir / table / f"{PARTITION_COLUMN}={partition}" / DATA_FILE
+        return self._local_path(table, partition)
 
     def resolve(self, stored: str) -> Path:
         """A path a table records, relative to this root (as blobs are recorded); an
@@ -227,23 +228,20 @@ class TableStore:
             f"(PARTITION BY {PARTITION_COLUMN} ORDER BY _snapshot DESC) = 1"
         )
 
-    def add_to_catalog(self, tables: Sequence[str], wait_s: float = CATALOG_WAIT_S) -> bool:
+    def add_to_catalog(self, tables: Sequence[str], wait_s: float = CATALOG_WAIT_S) -> None:
         """Snapshot each partition's current file, and create the views these tables
         lack (or that read an older layout); the catalog is opened for writing only
-        then. False when a snapshot could not be made, or another process held the
-        catalog longer than `wait_s` (or the disk is full): a later write or
-        `connect()` catches up."""
-        complete = True
+        then. A snapshot that cannot be made, or a catalog another process holds longer
+        than `wait_s` (or a full disk), is left to a later write or `connect()`."""
         for table in tables:
             for partition_dir in sorted((self.tables_dir / table).glob(f"*/{DATA_FILE}")):
-                complete &= _publish_snapshot(partition_dir.parent)
-        return self._ensure_views(tables, wait_s) and complete
+                _publish_snapshot(partition_dir.parent)
+        self._ensure_views(tables, wait_s)
 
-    def _ensure_views(self, tables: Sequence[str], wait_s: float) -> bool:
-        """Create the views these tables lack; False when the catalog stayed busy."""
+    def _ensure_views(self, tables: Sequence[str], wait_s: float) -> None:
         known = self._catalog_identity()
         if known and all((*known, self._view_glob(t)) in _CURRENT_VIEWS for t in tables):
-            return True
+            return
         try:
             if self.catalog_path.exists():
                 with self._open_catalog(read_only=True, wait_s=wait_s) as con:
@@ -255,10 +253,9 @@ class TableStore:
                     for table in self._stale_views(con, stale):
                         con.execute(self._view_sql(table))
         except (duckdb.IOException, duckdb.ConnectionException):
-            return False
+            return  # the catalog stayed busy
         if known := self._catalog_identity():
             _CURRENT_VIEWS.update((*known, self._view_glob(t)) for t in tables)
-        return True
 
     def _catalog_identity(self) -> tuple[str, int, int, int] | None:
         try:
@@ -315,14 +312,15 @@ def missing_table(table: str, partition: str, where: Path | str) -> FileNotFound
     )
 
 
-def _publish_snapshot(partition_dir: Path, grace_s: float = SNAPSHOT_GRACE_S) -> bool:
+def _publish_snapshot(partition_dir: Path, grace_s: float = SNAPSHOT_GRACE_S) -> None:
     """Make the partition's current file its newest snapshot (a hard link under the next
     number), then delete the snapshots superseded more than `grace_s` ago. Safe to run
     from several processes at once: `os.link` refuses a name another one took first.
-    False when no snapshot could be made (a filesystem without hard links)."""
+    Gives up on an OSError: a file pruned or replaced meanwhile by another process, or a
+    filesystem without hard links."""
     current = partition_dir / DATA_FILE
     snapshots = partition_dir / SNAPSHOTS_DIR
-    try:
+    with contextlib.suppress(OSError):
         snapshots.mkdir(exist_ok=True)
         while True:
             numbered = _snapshots(snapshots)
@@ -340,11 +338,6 @@ def _publish_snapshot(partition_dir: Path, grace_s: float = SNAPSHOT_GRACE_S) ->
             # ctime: when `newer` was linked, or later (never earlier)
             if now - newer.stat().st_ctime > grace_s:
                 older.unlink(missing_ok=True)
-    except FileNotFoundError:  # pruned or replaced meanwhile by another process
-        return True
-    except OSError:
-        return False
-    return True
 
 
 def _snapshots(directory: Path) -> list[Path]:
