@@ -57,16 +57,13 @@ def resource_base(name: str, *models: type[BaseModel]) -> type[dg.ConfigurableRe
     return create_model(name, __base__=dg.ConfigurableResource, **fields)
 
 
-def launched_config(context: dg.AssetExecutionContext) -> dict[str, Any]:
-    """The config keys this step's run was launched with, without Dagster's defaults."""
-    ops: Mapping[str, Any] = context.run.run_config.get("ops") or {}
-    return dict((ops.get(context.op_execution_context.op.name) or {}).get("config") or {})
-
-
 def stage_settings(
     context: dg.AssetExecutionContext, spec: DatasetSpec, stage: str, model: type[M]
 ) -> M:
     """`model`'s settings for this step: its defaults, then the registry entry's, then
-    what the run was launched with."""
-    values = {**spec.settings.get(stage, {}), **launched_config(context)}
+    the keys the run was launched with (read from the run's config, without Dagster's
+    defaults)."""
+    ops: Mapping[str, Any] = context.run.run_config.get("ops") or {}
+    launched = (ops.get(context.op_execution_context.op.name) or {}).get("config") or {}
+    values = {**spec.settings.get(stage, {}), **launched}
     return model(**{key: value for key, value in values.items() if key in model.model_fields})

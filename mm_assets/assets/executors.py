@@ -2,10 +2,8 @@
 
 Default: in the run's own process, one step after another. The chain of a partition is
 linear, so nothing runs in parallel anyway, and each library (transformers for
-tokenization, torch for training) is imported once per run, when a step first needs it.
-Measured with `bench/cli_overhead.py` on the four prep stages: ~5 s of fixed cost per
-CLI run, against ~20 s with a process per step forked from a server that preloads the
-step code, and ~12 s with the fork server preloading nothing heavy.
+tokenization, torch for training) is imported once per run, when a step first needs it:
+the least fixed cost per CLI run (BENCHMARKS.md, "Fixed cost of a CLI run").
 
 `MM_ASSETS_EXECUTOR` picks another:
 - `multiprocess`: each step in its own process (forked from that preloading server), so a
@@ -39,13 +37,8 @@ from mm_assets.orchestration.wiring import watch_pools_of
 
 PRELOADED = ["mm_assets.definitions", "mm_assets.services.preload"]
 EXECUTORS = ("in_process", "multiprocess", "celery", "k8s")
-ACCELERATOR_QUEUE = "accelerator"
 CELERY_QUEUE_TAG = "dagster-celery/queue"  # dagster_celery.tags, without importing it here
 K8S_CONFIG_TAG = "dagster-k8s/config"  # dagster_k8s.job.USER_DEFINED_K8S_CONFIG_KEY
-
-
-def celery_broker() -> str:
-    return os.environ.get("MM_ASSETS_CELERY_BROKER", "redis://localhost:6379/0")
 
 
 def step_executor() -> dg.ExecutorDefinition:
@@ -61,7 +54,7 @@ def step_executor() -> dg.ExecutorDefinition:
     if choice == "celery":
         from dagster_celery import celery_executor
 
-        broker = celery_broker()
+        broker = os.environ.get("MM_ASSETS_CELERY_BROKER", "redis://localhost:6379/0")
         backend = os.environ.get("MM_ASSETS_CELERY_BACKEND", broker)
         return watch_pools_of(celery_executor).configured({"broker": broker, "backend": backend})
     if choice == "k8s":
@@ -74,7 +67,7 @@ def step_executor() -> dg.ExecutorDefinition:
 def accelerator_step_tags() -> dict[str, Any]:
     """Tags of the steps that hold the accelerator: the Celery queue GPU workers listen
     on, and the GPUs a step's Kubernetes Job asks for. Other executors ignore them."""
-    tags: dict[str, Any] = {CELERY_QUEUE_TAG: ACCELERATOR_QUEUE}
+    tags: dict[str, Any] = {CELERY_QUEUE_TAG: "accelerator"}
     gpus = int(os.environ.get("MM_ASSETS_ACCELERATOR_GPUS", "1"))
     if gpus:
         limits = {"nvidia.com/gpu": str(gpus)}

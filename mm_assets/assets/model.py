@@ -80,10 +80,7 @@ def hidden_states(
     assert report.manifest is not None
     return dg.MaterializeResult(
         metadata=rounded(
-            {
-                **extraction_metadata(report),
-                **table_links(tables, "hidden_states_manifest", spec.name),
-            }
+            extraction_metadata(report) | table_links(tables, "hidden_states_manifest", spec.name)
         ),
         data_version=dg.DataVersion(report.manifest.content_hash),
         check_results=[rejection_check(report, settings.max_rejection_ratio)],
@@ -167,12 +164,12 @@ def trained_speculator(
 ) -> dg.MaterializeResult:
     """An EAGLE-3 draft for the target, trained on this partition's hidden states and
     written in the speculators format vLLM loads (`speculators/<partition>/`, and there
-    under the object store when one is configured). Reports the
-    held-out loss and the acceptance estimated by replaying speculative decoding over the
-    held-out replies, and — with `measure_in_vllm` — the acceptance vLLM measures serving
-    the target with it on those replies' prompts, beside the estimate for the same ones.
-    A rerun whose inputs and settings are unchanged reuses the checkpoint and its
-    measurement instead of training again (`retrain` forces it)."""
+    under the object store when one is configured). Reports the held-out loss and the
+    acceptance estimated by replaying speculative decoding over the held-out replies, and
+    — with `measure_in_vllm` — the acceptance vLLM measures serving the target with it on
+    those replies' prompts, beside the estimate for the same ones. A rerun whose inputs
+    and settings are unchanged reuses the checkpoint and its measurement instead of
+    training again (`retrain` forces it)."""
     from mm_assets.services.measurement import measure_drafts
     from mm_assets.services.training import SpeculatorJob, train_speculator
 

@@ -17,9 +17,8 @@ from mm_assets.registry import DatasetSpec, load_registry
 # Steps that hold the accelerator (a vLLM server, training) share one pool; its limit is
 # the instance's `concurrency.pools` setting (dagster.yaml: one at a time by default).
 ACCELERATOR_POOL = "accelerator"
-# Frees the pool's slots held by dead runs while a step waits (mm_assets/orchestration/). One
-# object for all the accelerator assets: Dagster requires a resource key to mean the same
-# object everywhere.
+# One watch (mm_assets/orchestration/) for all the accelerator assets: Dagster requires a
+# resource key to mean the same object everywhere.
 ACCELERATOR_WATCH = watch_resource([ACCELERATOR_POOL])
 
 REGISTRY = load_registry(STAGE_SETTINGS)

@@ -4,12 +4,7 @@ from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
-from mm_assets.assets.checks import (
-    has_rows,
-    has_rows_spec,
-    quarantine_ratio,
-    quarantine_ratio_spec,
-)
+from mm_assets.assets.checks import has_rows, has_rows_spec, quarantine_ratio, quarantine_ratio_spec
 from mm_assets.assets.config import config_class, stage_settings
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
 from mm_assets.assets.metadata import (
@@ -26,7 +21,6 @@ from mm_assets.storage import TableStore
 
 if TYPE_CHECKING:
     from mm_assets.services.prep import TokenizeReport
-
 
 ALL_QUARANTINED = (
     "Every row was quarantined: read the reasons in normalized_conversations_quarantine "

@@ -48,7 +48,6 @@ class StorageResource(dg.ConfigurableResource):
         return BlobStore(Path(self.root), kind, suffix)
 
     def log_path(self, name: str) -> Path:
-        """Where a step's server log goes (`<root>/logs/<name>.log`)."""
         return Path(self.root) / "logs" / f"{name}.log"
 
 

@@ -55,10 +55,9 @@ def target_responses(
         vllm.engine("responses"), settings, spec.resolved_image_root(),
         storage.log_path(f"vllm_responses_{context.run.run_id}"),
     ).run(spec.responses)  # fmt: skip
-    assert report.kept is not None
-    quarantined = report.quarantine.num_rows if report.quarantine else 0
+    assert report.kept is not None and report.quarantine is not None
     check = quarantine_ratio(
-        report.kept.num_rows, quarantined, report.conversations,
+        report.kept.num_rows, report.quarantine.num_rows, report.conversations,
         settings.max_response_quarantine_ratio, report.reasons, "conversations",
     )  # fmt: skip
     return dg.MaterializeResult(

@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
+
 from mm_assets.common.crashpoints import crash_point
 
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
@@ -85,21 +87,11 @@ FOREIGN_STALE_S = 6 * 3600.0
 def _writer_gone(entry: os.DirEntry, match: re.Match[str]) -> bool:
     host = match.group(2)
     if host is None or host == _host_tag():
-        return not _pid_alive(int(match.group(1)))
+        return not psutil.pid_exists(int(match.group(1)))
     try:
         return time.time() - entry.stat(follow_symlinks=False).st_mtime > FOREIGN_STALE_S
     except FileNotFoundError:
         return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def remove_stale_temporaries(directory: Path) -> int:
@@ -113,8 +105,6 @@ def remove_stale_temporaries(directory: Path) -> int:
     except FileNotFoundError:
         return 0
     for entry in entries:
-        if not entry.name.startswith("."):
-            continue
         match = _TEMPORARY.match(entry.name)
         if match is None or not _writer_gone(entry, match):
             continue
@@ -233,14 +223,13 @@ def move_into_place(source: Path, final: Path) -> None:
         remove_stale_temporaries(final.parent)
         fsync_path(source)
         crash_point("before_rename")
+        cross_device = False
         try:
             os.replace(source, final)
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
             cross_device = True
-        else:
-            cross_device = False
     if cross_device:
         with atomic_path(final, size) as tmp:
             shutil.copyfile(source, tmp)

@@ -13,13 +13,10 @@ from pathlib import Path
 from typing import Any
 
 
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
-
-
 def json_sha256(value: Any) -> str:
     """SHA-256 (hex) of a JSON-able value's canonical serialization."""
-    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def file_sha256(path: Path) -> str:

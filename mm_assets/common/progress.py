@@ -33,8 +33,7 @@ class Progress:
         extra = f", {detail}" if detail else ""
         if self._total and rate > 0:
             eta = (self._total - done) / rate
-            self._log(
-                f"{self._what} {done:,}/{self._total:,} ({rate:,.1f}/s{extra}, ETA {eta:,.0f}s)"
-            )
+            counted = f"{done:,}/{self._total:,} ({rate:,.1f}/s{extra}, ETA {eta:,.0f}s)"
         else:
-            self._log(f"{self._what} {done:,} ({rate:,.1f}/s{extra})")
+            counted = f"{done:,} ({rate:,.1f}/s{extra})"
+        self._log(f"{self._what} {counted}")

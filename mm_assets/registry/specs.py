@@ -239,14 +239,11 @@ def parse_entries(
                 f"known: {', '.join(_known_keys())})"
             )
         data = {key: value for key, value in entry.items() if key != "name"}
-        problems_of_settings = (
-            _stage_problems(data["settings"], stages)
-            if stages is not None and "settings" in data
-            else []
-        )
-        if problems_of_settings:
-            lines.extend(problems_of_settings)
-            data.pop("settings")  # reported once, not again by the type check
+        if stages is not None and "settings" in data:
+            settings_problems = _stage_problems(data["settings"], stages)
+            if settings_problems:
+                lines.extend(settings_problems)
+                data.pop("settings")  # reported once, not again by the type check
         try:
             spec = DatasetSpec.model_validate({"name": name, **data})
         except ValidationError as exc:
