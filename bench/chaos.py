@@ -42,9 +42,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mm_assets.common.crashpoints import POINTS
+
 PARTITION = "demo_sharegpt"
 REPO = Path(__file__).resolve().parent.parent
-CRASH_POINTS = ("table_write", "before_rename", "after_epoch", "measurement")
 TIMED = ("group", "server")
 PREP_TABLES = (
     "raw_dataset", "coco_image_availability", "normalized_conversations",
@@ -149,7 +150,7 @@ def _servers_of(pid: int) -> list[Any]:
 def run_killed(root: Path, demo: Path, chain: Chain, kill: Kill) -> tuple[bool, int]:
     """Run the chain with `kill`: whether it was killed (not: it ended first), its pid."""
     extra = {}
-    if kill.kind in CRASH_POINTS:
+    if kill.kind in POINTS:
         scope = ":group" if kill.group else ""
         extra["MM_ASSETS_CRASH_AT"] = f"{kill.kind}:{kill.nth}{scope}"
     run = start(root, demo, chain, extra)
@@ -293,7 +294,7 @@ def check(root: Path, clean: Path, partition: str, object_store: str | None = No
 def _kills(points: int, seed: int, reached: Counter[str], clean_s: float) -> list[Kill]:
     """`points` kills cycling through every kind, each drawn with the seed."""
     rng = random.Random(seed)
-    kinds = [k for k in CRASH_POINTS if reached[k]] + list(TIMED)
+    kinds = [k for k in POINTS if reached[k]] + list(TIMED)
     kills = []
     for i in range(points):
         kind = kinds[i % len(kinds)]
