@@ -4,12 +4,12 @@
 
 Reads the partition's `tokenized_samples`, `hidden_states_manifest` and
 `token_frequencies` from $MM_ASSETS_HOME, or from $MM_ASSETS_OBJECT_STORE when set
-(materialize `hidden_states` first), and writes
-the same checkpoint the `trained_speculator` asset writes; like the asset, it reuses a
-checkpoint trained from identical inputs and settings unless `--retrain`. Under torchrun
-each rank trains on its share of the batches with DistributedDataParallel (NCCL on GPUs,
-gloo on CPU); rank 0 saves. Resumes from the last epoch checkpoint like the asset does.
-The options are the fields of `SpeculatorSettings`, with the asset's names and defaults.
+(materialize `hidden_states` first), and writes the same checkpoint the
+`trained_speculator` asset writes; like the asset, it reuses a checkpoint trained from
+identical inputs and settings unless `--retrain`, and resumes from the last epoch
+checkpoint. Under torchrun each rank trains on its share of the batches with
+DistributedDataParallel (NCCL on GPUs, gloo on CPU); rank 0 saves. The options are the
+fields of `SpeculatorSettings`, with the asset's names and defaults.
 """
 
 from __future__ import annotations
@@ -42,11 +42,8 @@ def parser() -> argparse.ArgumentParser:
         kind: Any = info.annotation if scalar else json.loads
         help_text = f"{info.description} ({'' if scalar else 'JSON; '}default: {info.default})"
         out.add_argument(flag, dest=name, type=kind, default=info.default, help=help_text)
-    out.add_argument(
-        "--retrain",
-        action="store_true",
-        help="train even when the checkpoint already came from identical inputs and settings",
-    )
+    retrain = "train even when the checkpoint already came from identical inputs and settings"
+    out.add_argument("--retrain", action="store_true", help=retrain)
     return out
 
 

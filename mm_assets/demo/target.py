@@ -38,16 +38,6 @@ from transformers import (
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
 
-__all__ = [
-    "CHAT_SPECIAL_TOKENS",
-    "LLAVA_CHAT_TEMPLATE",
-    "QWEN_SPECIAL_TOKENS",
-    "build_demo_target",
-    "build_demo_tokenizer",
-    "build_llava_style_target",
-    "demo_chat_template",
-]
-
 VOCAB_SIZE = 2048
 VOCAB_MULTIPLE = 64
 MAX_POSITIONS = 4096
@@ -97,16 +87,6 @@ LLAVA_CHAT_TEMPLATE = r"""{%- for message in messages -%}
 """
 
 
-def demo_chat_template() -> str:
-    """The Qwen-style template shipped next to this module (package data)."""
-    return resources.files(__package__).joinpath("chat_template.jinja").read_text()
-
-
-def _round_up(value: int, multiple: int) -> int:
-    """Embedding rows padded like real checkpoints, so vocab_size >= len(tokenizer)."""
-    return -(-value // multiple) * multiple
-
-
 def _train_tokenizer(corpus: Iterable[str], special_tokens: Sequence[str]) -> Qwen2Tokenizer:
     """Byte-level BPE with Qwen2's normalizer and pre-tokenizer, specials appended at the end.
 
@@ -148,16 +128,6 @@ def _train_tokenizer(corpus: Iterable[str], special_tokens: Sequence[str]) -> Qw
     )
 
 
-def build_demo_tokenizer(
-    corpus: Iterable[str], out_dir: Path | None = None
-) -> PreTrainedTokenizerFast:
-    """Qwen2-compatible tokenizer trained on the demo texts, optionally saved to out_dir."""
-    tokenizer = _train_tokenizer(corpus, QWEN_SPECIAL_TOKENS)
-    if out_dir is not None:
-        tokenizer.save_pretrained(out_dir)
-    return tokenizer
-
-
 def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
     """Id of a special token, failing loudly rather than returning None/unk."""
     token_id = tokenizer.convert_tokens_to_ids(token)
@@ -170,7 +140,8 @@ def _text_config(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
     """Text-tower settings common to both targets, with ids taken from the tokenizer."""
     return {
         **TEXT_DIMS,
-        "vocab_size": _round_up(len(tokenizer), VOCAB_MULTIPLE),
+        # embedding rows padded like real checkpoints, so vocab_size >= len(tokenizer)
+        "vocab_size": -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE,
         "bos_token_id": _token_id(tokenizer, PAD_TOKEN),
         "eos_token_id": _token_id(tokenizer, EOS_TOKEN),
         "pad_token_id": _token_id(tokenizer, PAD_TOKEN),
@@ -238,8 +209,9 @@ def build_demo_target(
     """Write a tiny Qwen2.5-VL checkpoint + processor to out_dir and return out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    template = demo_chat_template()
-    tokenizer = build_demo_tokenizer(corpus)
+    # the Qwen-style template shipped next to this module (package data)
+    template = resources.files(__package__).joinpath("chat_template.jinja").read_text()
+    tokenizer = _train_tokenizer(corpus, QWEN_SPECIAL_TOKENS)
     tokenizer.chat_template = template
     mrope_section = [HEAD_DIM // 8, 3 * HEAD_DIM // 16, 3 * HEAD_DIM // 16]  # [4, 6, 6]
     config = Qwen2_5_VLConfig(

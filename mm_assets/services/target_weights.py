@@ -44,14 +44,8 @@ def _read(files: dict[str, Path], key: str) -> torch.Tensor:
 
 def load_target_head(model_dir: Path) -> TargetHead:
     files = _weight_files(model_dir)
-    embeds = sorted(
-        (
-            k
-            for k in files
-            if k.endswith("embed_tokens.weight") and "vision" not in k and "visual" not in k
-        ),
-        key=len,
-    )
+    embeds = [k for k in files if k.endswith("embed_tokens.weight")]
+    embeds = sorted((k for k in embeds if "vision" not in k and "visual" not in k), key=len)
     if not embeds:
         raise KeyError(f"{model_dir}: no token embedding (…embed_tokens.weight) in the weights")
     prefix = embeds[0].removesuffix("embed_tokens.weight")

@@ -2,9 +2,9 @@
 
 Nothing here decodes pixels: Pillow's `Image.open` parses the header (size, format) and
 the file's bytes are streamed once for a content hash and a cheap end-of-file check
-(truncated JPEG/PNG/GIF files lack their trailer). A reference that resolves
-outside the root — `..`, an absolute path elsewhere, a symlink pointing out — is refused
-before the file is opened.
+(truncated JPEG/PNG/GIF files lack their trailer). A reference that resolves outside
+the root — `..`, an absolute path elsewhere, a symlink pointing out — is refused before
+the file is opened.
 """
 
 from __future__ import annotations
@@ -108,11 +108,8 @@ def probe_image(reference: str, path: Path, max_pixels: int = DEFAULT_MAX_PIXELS
         return refused(ImageStatus.UNREADABLE, f"not a readable image: {exc}", bytes=stat.st_size)
     facts = {"width": width, "height": height, "format": fmt, "bytes": stat.st_size}
     if width * height > max_pixels:
-        return refused(
-            ImageStatus.TOO_LARGE,
-            f"{width}x{height} = {width * height} pixels > limit {max_pixels}",
-            **facts,
-        )
+        too_many = f"{width}x{height} = {width * height} pixels > limit {max_pixels}"
+        return refused(ImageStatus.TOO_LARGE, too_many, **facts)
     try:
         digest, tail = _hash_and_tail(path)
     except OSError as exc:

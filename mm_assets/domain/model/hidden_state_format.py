@@ -20,9 +20,9 @@ not needed, so two options shrink it:
 
 A compact blob holds `aux` `[T, 3, H]`, `final` `[M, H]`, `token_ids` (int32), and as
 needed `aux_scale` `[T, 3]`, `final_scale` `[M]` and `final_runs` `[R, 2]` (the kept
-positions as start/end runs); its
-safetensors metadata names the format, which the reader checks. Encoding and decoding
-live in `hidden_state_codec` (torch); this module is what configuration and keys need.
+positions as start/end runs); its safetensors metadata names the format, which the
+reader checks. Encoding and decoding live in `hidden_state_codec` (torch); this module
+is what configuration and keys need.
 """
 
 from __future__ import annotations

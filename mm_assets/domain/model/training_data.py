@@ -10,7 +10,7 @@ another layer convention, are refused: training on them silently collapses accep
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -138,8 +138,3 @@ def load_batch(refs: Sequence[SampleRef]) -> Batch:
         torch.cat(ids), torch.cat(masks), torch.cat(aux), torch.cat(last), torch.cat(pos),
         torch.cat(seg),
     )  # fmt: skip
-
-
-def iter_batches(batches: Iterable[Sequence[SampleRef]]) -> Iterator[Batch]:
-    for refs in batches:
-        yield load_batch(refs)
