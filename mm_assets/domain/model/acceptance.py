@@ -5,9 +5,8 @@ starts where the last one left off, the draft proposes a chain, the target accep
 leading correct part and adds one token, and the next verification starts after that.
 So easy stretches are crossed in few verifications and hard ones in many; averaging a
 per-position accuracy over every token instead (the product of conditional accuracies
-at each position) weighs the easy stretches too much and overestimates acceptance: on
-the demo's multimodal partition it read 1.91 over the replies vLLM then generated from
-(1.79 over all held-out replies), vLLM measured 1.57, and this replay gives 1.56.
+at each position) weighs the easy stretches too much and overestimates acceptance; the
+replay lands on what vLLM measures (BENCHMARKS.md, "Offline acceptance estimate").
 
 The replay reads the test-time-training statistics of a held-out row: at each position,
 how many leading draft steps proposed the target's own greedy token. Along each
