@@ -49,7 +49,8 @@ def test_the_api_key_is_an_env_var_not_a_config_value(monkeypatch: pytest.Monkey
     """The key reaches the engine, yet the resource's config names only the variable."""
     monkeypatch.setenv("MM_ASSETS_VLLM_API_KEY", "s3cret")
     resource = vllm_resource()
-    assert "s3cret" not in repr(resource._get_non_default_public_field_values())
+    assert isinstance(resource.api_key, dg.EnvVar)
+    assert "s3cret" not in repr(resource) and "s3cret" not in str(resource.model_dump())
     seen: dict[str, str] = {}
 
     @dg.asset
