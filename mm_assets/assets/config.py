@@ -21,7 +21,11 @@ from pydantic.fields import FieldInfo
 
 from mm_assets.domain.model.hidden_states import ExtractionSettings
 from mm_assets.domain.model.responses import ResponseSettings
-from mm_assets.domain.model.settings import MeasurementSettings, SpeculatorSettings
+from mm_assets.domain.model.settings import (
+    MeasurementSettings,
+    OnlineSettings,
+    SpeculatorSettings,
+)
 from mm_assets.domain.prep.settings import TokenizationSettings
 from mm_assets.registry import DatasetSpec
 
@@ -32,7 +36,7 @@ STAGE_SETTINGS: dict[str, tuple[type[BaseModel], ...]] = {
     "tokenized_samples": (TokenizationSettings,),
     "target_responses": (ResponseSettings,),
     "hidden_states": (ExtractionSettings,),
-    "trained_speculator": (SpeculatorSettings, MeasurementSettings),
+    "trained_speculator": (SpeculatorSettings, OnlineSettings, MeasurementSettings),
 }
 
 
@@ -60,10 +64,11 @@ def resource_base(name: str, *models: type[BaseModel]) -> type[dg.ConfigurableRe
 def stage_settings(
     context: dg.AssetExecutionContext, spec: DatasetSpec, stage: str, model: type[M]
 ) -> M:
-    """`model`'s settings for this step: its defaults, then the registry entry's, then
-    the keys the run was launched with (read from the run's config, without Dagster's
-    defaults)."""
+    """`model`'s settings of `stage` for this run: its defaults, then the registry
+    entry's, then the keys the run launched that stage's step with (read from the run's
+    config, without Dagster's defaults). A step may read another stage's settings: the
+    `hidden_states` step reads whether `trained_speculator` fetches states online."""
     ops: Mapping[str, Any] = context.run.run_config.get("ops") or {}
-    launched = (ops.get(context.op_execution_context.op.name) or {}).get("config") or {}
+    launched = (ops.get(stage) or {}).get("config") or {}
     values = {**spec.settings.get(stage, {}), **launched}
     return model(**{key: value for key, value in values.items() if key in model.model_fields})

@@ -12,11 +12,14 @@ from typing import TYPE_CHECKING
 import dagster as dg
 import numpy as np
 
+from mm_assets.domain.model.settings import OnlineSettings
 from mm_assets.storage import TableStore, WrittenTable
 
 if TYPE_CHECKING:  # matplotlib loads inside the steps that plot, not with the definitions
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+
+    from mm_assets.services.online_states import FetchReport
 
 
 def counts_table(counts: Mapping[str, int], key: str, value: str = "rows") -> dg.MetadataValue:
@@ -40,6 +43,45 @@ def servers_table(servers: Sequence[Mapping[str, object]], seconds: float) -> dg
             f"{'yes' if s['in_rotation'] else 'no'} | {s['tokens']} | {rate:,.0f} |"
         )
     return dg.MetadataValue.md("\n".join(lines))
+
+
+def fetch_metadata(online: OnlineSettings, fetch: FetchReport | None) -> dict[str, object]:
+    """Where training read its states; online, what fetching them took, pass by pass."""
+    if online.hidden_states == "stored":
+        return {"hidden_states_source": "stored"}
+    out: dict[str, object] = {"hidden_states_source": f"online ({online.online_cache})"}
+    if fetch is None:  # a reused checkpoint: nothing fetched
+        return out
+    lines = [
+        "| pass | rows | fetched | tokens | stored already | rejected | trainer waited s "
+        "| requests waited s | s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in fetch.passes:
+        lines.append(
+            f"| {p.label} | {p.rows} | {p.fetched} | {p.fetched_tokens} | {p.cache_hits} | "
+            f"{sum(p.rejected.values())} | {p.trainer_wait_s:.1f} | {p.request_wait_s:.1f} | "
+            f"{p.seconds:.1f} |"
+        )
+    requests, rejected = fetch.requests, Counter[str]()
+    for p in fetch.passes:
+        rejected.update(p.rejected)
+    out |= {
+        "online_passes": dg.MetadataValue.md("\n".join(lines)),
+        "online_requests_sent": requests.requests_sent,
+        "online_rows_fetched": sum(p.fetched for p in fetch.passes),
+        "online_tokens_fetched": sum(p.fetched_tokens for p in fetch.passes),
+        "online_cache_hits": sum(p.cache_hits for p in fetch.passes),
+        "online_trainer_wait_s": sum(p.trainer_wait_s for p in fetch.passes),
+        "online_request_wait_s": sum(p.request_wait_s for p in fetch.passes),
+        "online_largest_batch_bytes": fetch.largest_batch_bytes,
+        "online_servers": servers_table(requests.servers, requests.seconds or 0.0),
+        "online_server_startup_s": requests.startup_s if requests.startup_s is not None else "n/a",
+        **{f"online_rejected_{reason}": n for reason, n in rejected.items()},
+    }
+    if online.online_cache == "discard":
+        out["online_disk_peak_bytes"] = fetch.disk_peak_bytes
+    return out
 
 
 def _figure() -> tuple[Figure, Axes]:

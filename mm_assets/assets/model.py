@@ -9,6 +9,7 @@ from pydantic import Field
 from mm_assets.assets.config import config_class, stage_settings
 from mm_assets.assets.metadata import (
     acceptance_plot,
+    fetch_metadata,
     loss_curve,
     rounded,
     servers_table,
@@ -17,18 +18,23 @@ from mm_assets.assets.metadata import (
 from mm_assets.assets.partitions import accelerator_asset, dataset_spec
 from mm_assets.assets.prep import tokenized_samples
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
+from mm_assets.common.hashing import json_sha256
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION, ExtractionSettings
 from mm_assets.domain.model.settings import (
     TRAINING_VERSION,
     MeasurementSettings,
+    OnlineSettings,
     SpeculatorSettings,
 )
 from mm_assets.storage.object_store import publish_directory
 
 if TYPE_CHECKING:
     from mm_assets.domain.model.acceptance import AcceptanceSummary
-    from mm_assets.services.extraction import ExtractionReport
+    from mm_assets.registry import DatasetSpec
+    from mm_assets.services.extraction import ExtractionReport, PartitionExtraction
     from mm_assets.services.measurement import Measurement
+    from mm_assets.services.online_states import OnlineStates
+    from mm_assets.services.target import TargetModel
     from mm_assets.services.training import SpeculatorOutcome
 
 REJECTION_CHECK = "token_id_rejections"
@@ -73,10 +79,14 @@ def hidden_states(
 
     spec, tables = dataset_spec(context), storage.tables()
     settings = stage_settings(context, spec, "hidden_states", ExtractionSettings)
-    report = PartitionExtraction(
+    extraction = PartitionExtraction(
         spec.name, tables, storage.blobs(), target_model.model(), vllm.engine(), settings,
         spec.resolved_image_root(), storage.log_path(f"vllm_{context.run.run_id}"),
-    ).run()  # fmt: skip
+    )  # fmt: skip
+    online = stage_settings(context, spec, "trained_speculator", OnlineSettings)
+    if online.hidden_states == "online":
+        return trains_online(extraction, online)
+    report = extraction.run()
     assert report.manifest is not None
     return dg.MaterializeResult(
         metadata=rounded(
@@ -84,6 +94,41 @@ def hidden_states(
         ),
         data_version=dg.DataVersion(report.manifest.content_hash),
         check_results=[rejection_check(report, settings.max_rejection_ratio)],
+    )
+
+
+def trains_online(
+    extraction: "PartitionExtraction", online: OnlineSettings
+) -> dg.MaterializeResult:
+    """What an online partition's step records: no server, nothing stored, and what
+    `trained_speculator` will fetch (its layer ids checked against the target here)."""
+    layout, partition = extraction.layout(), extraction.partition
+    tokenized = extraction.tables.content_hash("tokenized_samples", partition)
+    note = (
+        f"**Online** (`hidden_states: online`, `online_cache: {online.online_cache}`): nothing "
+        "is stored here. `trained_speculator` fetches each batch's states from vLLM while it "
+        "trains, and checks them as this step would (token ids, shapes, finite values)."
+    )
+    metadata = {
+        "hidden_states_source": "online",
+        "online": dg.MetadataValue.md(note),
+        "online_cache": online.online_cache,
+        "layer_ids": layout.layer_ids,
+        "layer_convention": LAYER_CONVENTION,
+        "dtype": layout.dtype,
+        "storage_format": layout.storage.name,
+        "target_fingerprint": layout.target_fingerprint,
+    }
+    version = json_sha256(["online", tokenized, layout.layer_ids, layout.target_fingerprint,
+                           layout.dtype, layout.storage.name])  # fmt: skip
+    check = dg.AssetCheckResult(
+        check_name=REJECTION_CHECK,
+        passed=True,
+        description="Online: trained_speculator checks every fetched row and fails above "
+        "max_rejection_ratio (see its metadata for rejections by reason).",
+    )
+    return dg.MaterializeResult(
+        metadata=metadata, data_version=dg.DataVersion(version), check_results=[check]
     )
 
 
@@ -146,6 +191,7 @@ SpeculatorConfig = config_class(
     "SpeculatorConfig",
     "trained_speculator",
     SpeculatorSettings,
+    OnlineSettings,
     MeasurementSettings,
     retrain=(
         bool,
@@ -173,14 +219,16 @@ def trained_speculator(
     from mm_assets.services.measurement import measure_drafts
     from mm_assets.services.training import SpeculatorJob, train_speculator
 
-    spec, tables = dataset_spec(context), storage.tables()
+    spec, tables, target = dataset_spec(context), storage.tables(), target_model.model()
     settings = stage_settings(context, spec, "trained_speculator", SpeculatorSettings)
     measure = stage_settings(context, spec, "trained_speculator", MeasurementSettings)
-    job = SpeculatorJob.for_target(
-        spec.name, Path(storage.root), target_model.model(), settings, tables
-    )
+    online = stage_settings(context, spec, "trained_speculator", OnlineSettings)
+    states = None
+    if online.hidden_states == "online":
+        states = online_states(context, spec, storage, target, vllm, online)
+    job = SpeculatorJob.for_target(spec.name, Path(storage.root), target, settings, tables, states)
     outcome = train_speculator(job, tables, reuse=not config.retrain)
-    metadata = training_metadata(outcome, job.layer_ids)
+    metadata = training_metadata(outcome, job.layer_ids) | fetch_metadata(online, outcome.fetch)
     measured = None
     if measure.measure_in_vllm and outcome.result.held_out_replies:
         measured = measure_drafts(
@@ -208,6 +256,29 @@ def trained_speculator(
     )
 
 
+def online_states(
+    context: dg.AssetExecutionContext,
+    spec: "DatasetSpec",
+    storage: StorageResource,
+    target: "TargetModel",
+    vllm: VllmResource,
+    online: OnlineSettings,
+) -> "OnlineStates":
+    """How this run fetches the partition's states: the `hidden_states` stage's settings
+    (layer ids, storage format, requests) from the same sources that step reads."""
+    from mm_assets.services.extraction import hidden_states_layout
+    from mm_assets.services.online_states import OnlineStates
+
+    extraction = stage_settings(context, spec, "hidden_states", ExtractionSettings)
+    engine = vllm.engine()
+    return OnlineStates(
+        hidden_states_layout(target, engine, extraction), extraction, online,
+        engine.for_target(target.facts), str(target.local_dir), target.facts.image_token_id,
+        spec.resolved_image_root(), storage.log_path(f"vllm_online_{context.run.run_id}"),
+        storage.blobs(),
+    )  # fmt: skip
+
+
 def training_metadata(outcome: "SpeculatorOutcome", layer_ids: list[int]) -> dict[str, Any]:
     result = outcome.result
     return {
@@ -225,6 +296,7 @@ def training_metadata(outcome: "SpeculatorOutcome", layer_ids: list[int]) -> dic
         "untrained_acceptance_length_estimate": outcome.untrained_acceptance,
         "train_tokens_per_s": result.tokens_per_s,
         "resumed_from_epoch": result.resumed_from_epoch,
+        "batch_plan_sha256": result.batch_plan_sha256,
         "reused_checkpoint": outcome.reused,
         "loss_curve": loss_curve(result.batch_losses, result.epoch_losses, result.held_out_loss),
     }

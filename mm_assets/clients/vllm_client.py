@@ -29,7 +29,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -278,7 +278,7 @@ class VllmClient:
 
     async def map(
         self,
-        items: Iterable[Item],
+        items: Iterable[Item] | AsyncIterable[Item],
         work: Callable[[Item], Awaitable[Result]],
         handle: Callable[[Item, Result | Exception], Awaitable[None]],
         workers: int | None = None,
@@ -294,8 +294,12 @@ class VllmClient:
         handling = asyncio.Semaphore(workers * 4)
 
         async def produce() -> None:
-            for item in items:
-                await queue.put(item)
+            if isinstance(items, AsyncIterable):
+                async for item in items:
+                    await queue.put(item)
+            else:
+                for item in items:
+                    await queue.put(item)
             for _ in range(workers):
                 await queue.put(None)
 

@@ -176,30 +176,46 @@ class HiddenStatesJob:
     def write(
         self, request: ExtractionRequest, answer: ExtractionResponse | Exception, final: bool
     ) -> Outcome:
-        """Store one response, or say why its row is rejected; `ASK_AGAIN` when its file
-        could not be read (unless `final`). A row's mask is held only while it is asked."""
+        """Store one response (`store_outcome`). A row's mask is held only while it is asked."""
         masks = self.loss_masks if self.loss_masks is not None else {}
-        mask, key = masks.pop(request.row_id, None), self.keys[request.row_id]
-        if isinstance(answer, Exception):
-            return Rejected(request.row_id, "request_refused", str(answer))
-        try:
-            path = store_response(
-                request, answer, key, self.layout, self.blobs, self.path_map, loss_mask=mask
-            )
-        except HiddenStatesRejected as exc:
-            return Rejected(request.row_id, exc.reason.value, exc.detail)
-        except (OSError, TimeoutError, ValueError) as exc:
-            if not final:
-                if mask is not None:
-                    masks[request.row_id] = mask
-                return ASK_AGAIN
-            return Rejected(
-                request.row_id, "bad_file",
-                f"{exc} (after {FILE_RETRIES + 1} requests; for external servers: is the "
-                "directory their connector writes to visible here, at server_path_prefix → "
-                "local_path_prefix?)",
-            )  # fmt: skip
-        return Stored(request.num_tokens, os.path.getsize(path))
+        mask = masks.pop(request.row_id, None)
+        outcome = store_outcome(
+            request, answer, final, self.keys[request.row_id], self.layout, self.blobs,
+            self.path_map, mask,
+        )  # fmt: skip
+        if outcome is ASK_AGAIN and mask is not None:
+            masks[request.row_id] = mask
+        return outcome
+
+
+def store_outcome(
+    request: ExtractionRequest,
+    answer: ExtractionResponse | Exception,
+    final: bool,
+    key: str,
+    layout: HiddenStatesLayout,
+    blobs: BlobStore,
+    path_map: Callable[[str], str],
+    loss_mask: list[int] | None,
+) -> Outcome:
+    """Store one response under `key` (`store_response`), or say why its row is rejected;
+    `ASK_AGAIN` when its file could not be read (unless `final`)."""
+    if isinstance(answer, Exception):
+        return Rejected(request.row_id, "request_refused", str(answer))
+    try:
+        path = store_response(request, answer, key, layout, blobs, path_map, loss_mask=loss_mask)
+    except HiddenStatesRejected as exc:
+        return Rejected(request.row_id, exc.reason.value, exc.detail)
+    except (OSError, TimeoutError, ValueError) as exc:
+        if not final:
+            return ASK_AGAIN
+        return Rejected(
+            request.row_id, "bad_file",
+            f"{exc} (after {FILE_RETRIES + 1} requests; for external servers: is the "
+            "directory their connector writes to visible here, at server_path_prefix → "
+            "local_path_prefix?)",
+        )  # fmt: skip
+    return Stored(request.num_tokens, os.path.getsize(path))
 
 
 def run_extraction(
@@ -234,6 +250,18 @@ def _one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def hidden_states_layout(
+    target: TargetModel, engine: VllmEngine, settings: ExtractionSettings
+) -> HiddenStatesLayout:
+    """The layout of `target`'s states as `engine` serves them with `settings`."""
+    facts = target.facts
+    dtype = engine.for_target(facts).options.dtype
+    return HiddenStatesLayout(
+        target.fingerprint, target.layer_ids(settings.layer_ids), facts.hidden_size, dtype,
+        settings.storage,
+    )  # fmt: skip
+
+
 @dataclass
 class ExtractionReport:
     """What a hidden-states run did for a partition, for the asset to render."""
@@ -265,14 +293,14 @@ class PartitionExtraction:
     image_root: Path | None
     log_path: Path
 
+    def layout(self) -> HiddenStatesLayout:
+        """What the states are (target, layer ids checked against it, dtype, storage
+        format): part of every blob's key."""
+        return hidden_states_layout(self.target, self.engine, self.settings)
+
     def run(self) -> ExtractionReport:
-        facts = self.target.facts
-        engine = self.engine.for_target(facts)
-        layer_ids = self.target.layer_ids(self.settings.layer_ids)
-        layout = HiddenStatesLayout(
-            self.target.fingerprint, layer_ids, facts.hidden_size, engine.options.dtype,
-            self.settings.storage,
-        )  # fmt: skip
+        engine = self.engine.for_target(self.target.facts)
+        layout = self.layout()
         columns = ["row_id", "sample_id", "input_ids", "image_hashes", "loss_mask"]
         rows = self.tables.iter_rows(TOKENIZED, self.partition, columns)
         plan = plan_extraction(rows, layout, self.blobs.has)

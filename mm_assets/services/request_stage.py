@@ -17,8 +17,8 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterable, Callable, Iterable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -101,12 +101,21 @@ class RequestReport:
             self.stored_bytes += outcome.bytes
 
 
-def run_requests(
-    client: VllmClient, items: Iterable[Any], job: RequestJob, total: int | None = None
-) -> RequestReport:
-    """Ask for every item and store each answer; per-item problems come back as
-    rejections, servers that stop answering raise `CircuitOpen`."""
-    report, started = RequestReport(), time.perf_counter()
+async def request_all(
+    client: VllmClient,
+    items: Iterable[Any] | AsyncIterable[Any],
+    job: RequestJob,
+    report: RequestReport,
+    storers: Executor,
+    on_done: Callable[[Any, Stored | Rejected], None] = lambda item, outcome: None,
+    total: int | None = None,
+) -> None:
+    """On the running loop: ask for every item and store each answer with `storers`,
+    counting into `report` and telling `on_done` (on the loop) what became of each item;
+    servers that stop answering raise `CircuitOpen`. `items` may be asynchronous: a
+    producer that waits for room (the online trainer's prefetch window) without holding
+    the loop."""
+    started = time.perf_counter()
     progress = Progress(logger.info, job.what, total, every_s=10.0)
     ask = functools.partial(job.ask, client)
 
@@ -123,14 +132,26 @@ def run_requests(
                 answer = exc
         assert outcome is not None  # the last try's writer decides
         report.count(outcome)
+        on_done(item, outcome)
         rate = report.tokens / max(time.perf_counter() - started, 1e-9)
         progress.update(report.stored + len(report.rejections), f"{rate:,.0f} tok/s")
 
+    try:
+        await client.map(items, ask, handle, workers=job.workers_per_slot * client.concurrency)
+    except* CircuitOpen as group:
+        raise group.exceptions[0] from None
+
+
+def run_requests(
+    client: VllmClient, items: Iterable[Any], job: RequestJob, total: int | None = None
+) -> RequestReport:
+    """Ask for every item and store each answer (`request_all`); per-item problems come
+    back as rejections, servers that stop answering raise `CircuitOpen`."""
+    report, started = RequestReport(), time.perf_counter()
+
     async def main() -> None:
         try:
-            await client.map(items, ask, handle, workers=job.workers_per_slot * client.concurrency)
-        except* CircuitOpen as group:
-            raise group.exceptions[0] from None
+            await request_all(client, items, job, report, storers, total=total)
         finally:
             await client.close()
 
@@ -143,6 +164,17 @@ def run_requests(
             report.servers = client.server_stats()
             report.seconds = time.perf_counter() - started
     return report
+
+
+def make_client(
+    client_type: type[Client], base_urls: list[str], settings: RequestSettings, api_key: str
+) -> Client:
+    """A client for `base_urls` with a stage's request settings."""
+    s = settings
+    return client_type(
+        base_urls, s.concurrency, s.request_timeout_s, s.max_retries, s.breaker_failures,
+        api_key, probe_after_s=s.probe_after_s,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -163,11 +195,7 @@ class RequestStage:
             if served.managed:
                 startup = served.managed.startup_seconds or 0.0
                 logger.info("vLLM started in %.1fs, log %s", startup, served.managed.log_path)
-            s = self.settings
-            client = client_type(
-                served.base_urls, s.concurrency, s.request_timeout_s, s.max_retries,
-                s.breaker_failures, self.api_key, probe_after_s=s.probe_after_s,
-            )  # fmt: skip
+            client = make_client(client_type, served.base_urls, self.settings, self.api_key)
             try:
                 report = run_requests(client, items, job, total)
             except CircuitOpen as exc:

@@ -6,6 +6,7 @@ Shared by the `trained_speculator` asset (one process) and `python -m mm_assets.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mm_assets.clients.vllm_client import ExtractionRequest
 from mm_assets.common.hashing import file_sha256, json_sha256
 from mm_assets.domain.model.acceptance import summarize
 from mm_assets.domain.model.checkpoint import checkpoint_config, draft_from, draft_state
@@ -21,8 +23,17 @@ from mm_assets.domain.model.draft_vocab import build_draft_vocab
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION
 from mm_assets.domain.model.settings import TRAINING_VERSION, SpeculatorSettings
-from mm_assets.domain.model.trainer import Ranks, TrainResult, evaluate, replies_of, train
+from mm_assets.domain.model.trainer import (
+    BatchSource,
+    Ranks,
+    StoredBatches,
+    TrainResult,
+    evaluate,
+    replies_of,
+    train,
+)
 from mm_assets.domain.model.training_data import SampleRef, check_layer_ids, split
+from mm_assets.services.online_states import FetchReport, OnlineBatches, OnlineStates
 from mm_assets.services.target import TargetModel
 from mm_assets.services.target_weights import load_target_head
 from mm_assets.storage import TableStore
@@ -31,6 +42,7 @@ from mm_assets.storage.records import load_record, save_record
 
 OUTCOME_RECORD = "mm_assets_outcome.json"
 TRAINING_TABLES = ("tokenized_samples", "token_frequencies", "hidden_states_manifest")
+ONLINE_TABLES = ("tokenized_samples", "token_frequencies")
 logger = logging.getLogger(__name__)
 
 
@@ -45,6 +57,8 @@ class SpeculatorJob:
     target_fingerprint: str
     layer_ids: list[int]
     settings: SpeculatorSettings
+    online: OnlineStates | None = None
+    """How states are fetched while training; None: train on the stored ones."""
 
     @classmethod
     def for_target(
@@ -54,12 +68,15 @@ class SpeculatorJob:
         target: TargetModel,
         settings: SpeculatorSettings,
         tables: TableStore,
+        online: OnlineStates | None = None,
     ) -> SpeculatorJob:
-        """The job for the layer ids `hidden_states` generated this partition's states
-        with: decided there, once, and never chosen again here."""
+        """The job for the layer ids the partition's states are made with: those
+        `hidden_states` stored them with, or online, those its settings name (checked
+        against the target); decided there, once, and never chosen again here."""
+        layer_ids = online.layout.layer_ids if online else stored_layer_ids(tables, partition)
         return cls(
             partition, storage_root, target.local_dir, target.config, target.fingerprint,
-            stored_layer_ids(tables, partition), settings,
+            layer_ids, settings, online,
         )  # fmt: skip
 
     @property
@@ -93,6 +110,8 @@ class SpeculatorOutcome:
     """Hash of the saved `model.safetensors` (None on ranks that do not save)."""
     untrained_sha256: str | None = None
     """Hash of the untrained draft's `model.safetensors` (`SpeculatorJob.untrained_dir`)."""
+    fetch: FetchReport | None = None
+    """Online: what fetching the states took, pass by pass."""
 
 
 def stored_layer_ids(tables: TableStore, partition: str) -> list[int]:
@@ -128,17 +147,39 @@ def sample_refs(tables: TableStore, partition: str, layer_ids: list[int]) -> lis
     ]
 
 
+def training_data(
+    job: SpeculatorJob, tables: TableStore
+) -> tuple[list[SampleRef], dict[str, str], dict[str, ExtractionRequest]]:
+    """The rows to train on: those with stored states, or online every tokenized row
+    (with each one's blob key and extraction request)."""
+    if job.online is None:
+        return sample_refs(tables, job.partition, job.layer_ids), {}, {}
+    columns = ["row_id", "input_ids", "image_hashes", "loss_mask", "messages"]
+    rows = [
+        r for r in tables.iter_rows(ONLINE_TABLES[0], job.partition, columns)
+        if len(r["input_ids"]) > 1
+    ]  # fmt: skip
+    return job.online.training_rows(rows)
+
+
 def training_key(job: SpeculatorJob, tables: TableStore) -> str:
     """What the checkpoint depends on: the partition's tables (by content), the target,
-    the layer ids and every setting (the device is not one: it changes nothing learned)."""
+    the layer ids and every setting (the device is not one: it changes nothing learned);
+    online, what the states are instead of the manifest of stored ones."""
+    online = job.online
+    states = None if online is None else ["online", online.layout.dtype, online.layout.storage.name]
     return json_sha256(
         [
             TRAINING_VERSION,
-            [tables.content_hash(table, job.partition) for table in TRAINING_TABLES],
+            [
+                tables.content_hash(table, job.partition)
+                for table in (TRAINING_TABLES if online is None else ONLINE_TABLES)
+            ],
             str(job.target_dir),
             job.target_fingerprint,
             job.layer_ids,
             job.settings.model_dump(),
+            *([states] if states else []),
         ]
     )
 
@@ -154,7 +195,7 @@ def _reused_outcome(job: SpeculatorJob, tables: TableStore, key: str) -> Specula
     untrained = job.untrained_dir / "model.safetensors"
     if not untrained.is_file() or file_sha256(untrained) != record.get("untrained_sha256"):
         return None
-    refs = sample_refs(tables, job.partition, job.layer_ids)
+    refs, _, _ = training_data(job, tables)
     _, held_out = split(refs, job.settings.held_out_fraction, job.settings.seed)
     return SpeculatorOutcome(
         job.checkpoint_dir,
@@ -182,8 +223,27 @@ def train_speculator(
     if reuse and (outcome := _reused_outcome(job, tables, key)):
         logger.info("reusing %s: trained from identical inputs and settings", job.checkpoint_dir)
         return outcome
+    refs, keys, requests = training_data(job, tables)
+    with contextlib.ExitStack() as stack:
+        source: BatchSource = StoredBatches()
+        if job.online is not None:
+            source = stack.enter_context(OnlineBatches(job.online, keys, requests))
+        outcome, model = _train(job, tables, refs, source, device)
+    if isinstance(source, OnlineBatches):
+        outcome.fetch = source.report
+    if _ranks().rank == 0:
+        _save(job, model, outcome, key)
+    return outcome
+
+
+def _train(
+    job: SpeculatorJob,
+    tables: TableStore,
+    refs: list[SampleRef],
+    source: BatchSource,
+    device: str,
+) -> tuple[SpeculatorOutcome, Eagle3Draft]:
     settings = job.settings
-    refs = sample_refs(tables, job.partition, job.layer_ids)
     frequencies = {
         r["token_id"]: r["count"] for r in tables.iter_rows("token_frequencies", job.partition)
     }
@@ -195,7 +255,9 @@ def train_speculator(
     model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
     train_refs, held_out = split(refs, settings.held_out_fraction, settings.seed)
     # acceptance needs the target's own greedy token, over its whole vocabulary
-    _, untrained_replies = evaluate(model, held_out, settings, head.lm_head, device)
+    _, untrained_replies = evaluate(
+        model, held_out, settings, head.lm_head, device, source, "held-out (untrained)"
+    )
     untrained = summarize(replies_of(untrained_replies), settings.ttt_steps)
     untrained_sha256 = None
     ranks = _ranks()
@@ -206,15 +268,13 @@ def train_speculator(
     states = TrainStateFile(job.state_dir / "train_state.pt")
     result = train(
         model, train_refs, held_out, settings, states, full_lm_head=head.lm_head,
-        device=device, ranks=ranks,
+        device=device, ranks=ranks, source=source,
     )  # fmt: skip
     outcome = SpeculatorOutcome(
         job.checkpoint_dir, cfg, result, untrained.acceptance_length, len(train_refs),
         held_out, untrained_replies, untrained_sha256=untrained_sha256,
     )  # fmt: skip
-    if ranks.rank == 0:
-        _save(job, model, outcome, key)
-    return outcome
+    return outcome, model
 
 
 def _ranks() -> Ranks:

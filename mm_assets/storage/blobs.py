@@ -58,6 +58,15 @@ class BlobStore:
         path.mkdir()
         return path
 
+    def scratch(self) -> BlobStore:
+        """A fresh store beside this one for blobs kept only briefly (online training's
+        `discard`), named by this process so the next run removes what a killed one left."""
+        parent = self.dir.parent / "scratch"
+        parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(parent)
+        kind = f"{parent.name}/{temporary_name(self.dir.name)}"
+        return BlobStore(self.root, kind, self.suffix)
+
     def put_file(self, src: Path, key: str) -> Path:
         """Move a finished file in (rename on the same filesystem, else copy + rename).
         Its data is fsync'd first: the server that wrote it does not, and a blob that a

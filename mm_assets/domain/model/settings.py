@@ -10,6 +10,8 @@ and training reads them from the states it trains on.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 # Bump when a change makes training produce something else from the same inputs: it is
@@ -56,4 +58,30 @@ class MeasurementSettings(BaseModel):
         default=True,
         description="Also serve the untrained draft on the same prompts (one more server "
         "start): the baseline the trained draft's acceptance is read against.",
+    )
+
+
+class OnlineSettings(BaseModel):
+    """Where training reads the target's hidden states from. Not part of what is learned
+    (an online run trains on the same batches as an offline one), so not in
+    `SpeculatorSettings`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    hidden_states: Literal["stored", "online"] = Field(
+        default="stored",
+        description="stored: train on what `hidden_states` stored; online: `hidden_states` "
+        "stores nothing and training fetches each batch's states from vLLM as it trains.",
+    )
+    online_cache: Literal["keep", "discard"] = Field(
+        default="keep",
+        description="Online only. keep: fetched states stay in the blob store (later epochs "
+        "and runs request nothing again); discard: each batch's files are deleted once it "
+        "is built, so disk holds at most prefetch_batches + 1 batches and every epoch "
+        "requests its rows again.",
+    )
+    prefetch_batches: int = Field(
+        default=2,
+        ge=0,
+        description="Online only. Batches whose states are requested ahead of the one training.",
     )

@@ -9,6 +9,9 @@ Devices: CPU in fp32 (sdpa attention); on CUDA, bf16 autocast. Several GPUs: run
 code under `torchrun`; the caller hands in the process group as `Ranks` (each rank takes
 every world-th batch; the wrapper, DistributedDataParallel, averages gradients) and where
 the state is kept as a `StateStore`, so the loop itself opens no file and no process group.
+Nor does it read hidden states itself: a `BatchSource` hands it each batch, from the
+stored blobs (`StoredBatches`) or fetched from vLLM while it trains (`services.online_states`),
+so an online run steps through exactly the batches an offline one does.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,6 +35,23 @@ from mm_assets.domain.model.settings import SpeculatorSettings
 from mm_assets.domain.model.training_data import Batch, SampleRef, load_batch, pack
 
 logger = logging.getLogger(__name__)
+
+
+class BatchSource(Protocol):
+    """The hidden states of a pass's batches, built in the order asked; None for a batch
+    none of whose rows could be had this pass (skipped)."""
+
+    def batches(self, groups: Sequence[Sequence[SampleRef]], label: str) -> Iterator[Batch | None]:
+        """`label` names the pass in logs and reports (`epoch 2`, `held-out`)."""
+        ...
+
+
+class StoredBatches:
+    """Batches read from the blob files their rows name (`SampleRef.path`)."""
+
+    def batches(self, groups: Sequence[Sequence[SampleRef]], label: str) -> Iterator[Batch | None]:
+        for group in groups:
+            yield load_batch(group)
 
 
 class StateStore(Protocol):
@@ -71,6 +91,9 @@ class TrainResult:
     tokens_per_s: float = 0.0
     trained_tokens: int = 0
     resumed_from_epoch: int = 0
+    batch_plan_sha256: str = ""
+    """The rows of every batch this rank trains on, in order, over all epochs: equal for
+    equal rows, settings and seed, wherever the hidden states come from."""
 
 
 def _fingerprint(
@@ -98,6 +121,8 @@ def evaluate(
     settings: SpeculatorSettings,
     full_lm_head: torch.Tensor | None = None,
     device: str = "auto",
+    source: BatchSource | None = None,
+    label: str = "held-out",
 ) -> tuple[float, dict[str, list[list[int]]]]:
     """Held-out loss, and speculative decoding replayed over every supervised reply (see
     `acceptance`): row id -> per reply, the draft tokens accepted at each verification.
@@ -107,9 +132,12 @@ def evaluate(
     model.eval()
     losses, replies = [], {}
     head = full_lm_head.to(torch_device) if full_lm_head is not None else None
+    source = source or StoredBatches()
     with torch.no_grad():
-        for group in pack(refs, settings.batch_tokens):
-            batch = _batch_to(load_batch(group), torch_device)
+        for loaded in source.batches(pack(refs, settings.batch_tokens), label):
+            if loaded is None:
+                continue
+            batch = _batch_to(loaded, torch_device)
             greedy = (
                 None if head is None else model.target_greedy_tokens(batch["last_hidden"], head)
             )
@@ -124,7 +152,7 @@ def evaluate(
             lead = leading_correct([s.correct for s in steps], [s.valid for s in steps])
             runs = replay_runs(lead.tolist(), steps[0].valid.tolist(), batch["segment"].tolist())
             for segment, accepted in runs:
-                replies.setdefault(group[segment].row_id, []).append(accepted)
+                replies.setdefault(loaded.row_ids[segment], []).append(accepted)
     model.train()
     return (sum(losses) / len(losses) if losses else float("nan")), replies
 
@@ -163,20 +191,19 @@ class _Steps:
     rank: int
     world: int
 
-    def epoch(self, batches: list[list[SampleRef]], epoch: int, result: TrainResult) -> None:
+    def epoch(
+        self, batches: list[list[SampleRef]], epoch: int, result: TrainResult, source: BatchSource
+    ) -> None:
         settings = self.settings
-        order = list(range(len(batches)))
-        random.Random(settings.seed * 1_000_003 + epoch).shuffle(order)
-        if self.world > 1:  # every rank takes the same number of steps, or all-reduce hangs
-            order = order[: len(order) - len(order) % self.world] or order[:1] * self.world
+        mine = rank_batches(batches, settings.seed, epoch, self.rank, self.world)
         losses = []
         progress = Progress(
-            logger.info, f"epoch {epoch + 1}/{settings.epochs}: batch", len(order), 60.0
+            logger.info, f"epoch {epoch + 1}/{settings.epochs}: batch", len(mine), 60.0
         )
-        for position, index in enumerate(order):
+        for position, batch in enumerate(source.batches(mine, f"epoch {epoch + 1}")):
             progress.update(position)
-            if position % self.world == self.rank:
-                losses.append(self.step(load_batch(batches[index]), result))
+            if batch is not None:
+                losses.append(self.step(batch, result))
         result.batch_losses.extend(losses)
         result.epoch_losses.append(sum(losses) / max(len(losses), 1))
         logger.info("epoch %d/%d: loss %.4f", epoch + 1, settings.epochs, result.epoch_losses[-1])
@@ -197,6 +224,33 @@ class _Steps:
         return loss.item()
 
 
+def rank_batches(
+    batches: list[list[SampleRef]], seed: int, epoch: int, rank: int = 0, world: int = 1
+) -> list[list[SampleRef]]:
+    """The batches `rank` trains on in `epoch`, in order: a seeded shuffle of all of them,
+    of which each rank takes every world-th (the same number each, or all-reduce hangs)."""
+    order = list(range(len(batches)))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    if world > 1:
+        order = order[: len(order) - len(order) % world] or order[:1] * world
+    return [batches[index] for position, index in enumerate(order) if position % world == rank]
+
+
+def batch_plan_sha256(
+    batches: list[list[SampleRef]], settings: SpeculatorSettings, ranks: Ranks
+) -> str:
+    """The rows of every batch `ranks.rank` trains on, epoch by epoch (`TrainResult`)."""
+    return json_sha256(
+        [
+            [
+                [ref.row_id for ref in group]
+                for group in rank_batches(batches, settings.seed, e, ranks.rank, ranks.world)
+            ]
+            for e in range(settings.epochs)
+        ]
+    )
+
+
 def train(
     model: Eagle3Draft,
     train_refs: Sequence[SampleRef],
@@ -207,6 +261,7 @@ def train(
     full_lm_head: torch.Tensor | None = None,
     device: str = "auto",
     ranks: Ranks = Ranks(),
+    source: BatchSource | None = None,
 ) -> TrainResult:
     """Train `model` in place; resumes from `states` when they hold a matching state."""
     torch_device = resolve_device(device)
@@ -219,9 +274,11 @@ def train(
     fingerprint = _fingerprint(settings, train_refs, model)
     start = _resume(states, fingerprint, model, optimizer, result, torch_device)
     batches = pack(train_refs, settings.batch_tokens)
+    result.batch_plan_sha256 = batch_plan_sha256(batches, settings, ranks)
+    source = source or StoredBatches()
     started = time.perf_counter()
     for epoch in range(start, settings.epochs):
-        steps.epoch(batches, epoch, result)
+        steps.epoch(batches, epoch, result, source)
         if ranks.rank == 0:
             state = {"fingerprint": fingerprint, "epoch": epoch + 1, "model": model.state_dict(),
                      "optimizer": optimizer.state_dict(), "epoch_losses": result.epoch_losses,
@@ -232,7 +289,7 @@ def train(
     elapsed = time.perf_counter() - started
     result.tokens_per_s = result.trained_tokens / elapsed if elapsed > 0 else 0.0
     result.held_out_loss, result.held_out_replies = evaluate(
-        model, held_out_refs, settings, full_lm_head, device
+        model, held_out_refs, settings, full_lm_head, device, source, "held-out (trained)"
     )
     summary = summarize(replies_of(result.held_out_replies), settings.ttt_steps)
     result.held_out_acceptance = summary.acceptance_length

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
@@ -47,6 +47,7 @@ class Batch:
     last_hidden: torch.Tensor  # [M, H] last layer before the final norm, where loss_mask
     position_ids: torch.Tensor  # [N] restarting at 0 for each sample
     segment: torch.Tensor  # [N] sample index within the batch
+    row_ids: list[str] = field(default_factory=list)  # segment -> row
 
     @property
     def num_tokens(self) -> int:
@@ -136,5 +137,5 @@ def load_batch(refs: Sequence[SampleRef]) -> Batch:
         seg.append(torch.full((n - 1,), index))
     return Batch(
         torch.cat(ids), torch.cat(masks), torch.cat(aux), torch.cat(last), torch.cat(pos),
-        torch.cat(seg),
+        torch.cat(seg), [ref.row_id for ref in refs],
     )  # fmt: skip
