@@ -195,7 +195,10 @@ SpeculatorConfig = config_class(
     MeasurementSettings,
     retrain=(
         bool,
-        Field(False, description="Train and measure again even when nothing changed."),
+        Field(
+            False,
+            description="Train (from the first epoch) and measure again even when nothing changed.",
+        ),
     ),
 )
 

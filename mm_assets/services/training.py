@@ -26,6 +26,7 @@ from mm_assets.domain.model.settings import TRAINING_VERSION, SpeculatorSettings
 from mm_assets.domain.model.trainer import (
     BatchSource,
     Ranks,
+    StateStore,
     StoredBatches,
     TrainResult,
     evaluate,
@@ -218,7 +219,8 @@ def train_speculator(
     device: str = "auto",
 ) -> SpeculatorOutcome:
     """Train and save the draft, or, with `reuse`, return the checkpoint an identical
-    earlier job left (its weights verified by hash) without training."""
+    earlier job left (its weights verified by hash) without training. Without `reuse`,
+    training starts from the first epoch, not from a saved training state."""
     key = training_key(job, tables)
     if reuse and (outcome := _reused_outcome(job, tables, key)):
         logger.info("reusing %s: trained from identical inputs and settings", job.checkpoint_dir)
@@ -228,7 +230,7 @@ def train_speculator(
         source: BatchSource = StoredBatches()
         if job.online is not None:
             source = stack.enter_context(OnlineBatches(job.online, keys, requests))
-        outcome, model = _train(job, tables, refs, source, device)
+        outcome, model = _train(job, tables, refs, source, device, resume=reuse)
     if isinstance(source, OnlineBatches):
         outcome.fetch = source.report
     if _ranks().rank == 0:
@@ -242,6 +244,7 @@ def _train(
     refs: list[SampleRef],
     source: BatchSource,
     device: str,
+    resume: bool,
 ) -> tuple[SpeculatorOutcome, Eagle3Draft]:
     settings = job.settings
     frequencies = {
@@ -265,7 +268,9 @@ def _train(
         config = _checkpoint_config(job, cfg, {"untrained": True})
         save_checkpoint(model.cpu(), config, job.untrained_dir)
         untrained_sha256 = file_sha256(job.untrained_dir / "model.safetensors")
-    states = TrainStateFile(job.state_dir / "train_state.pt")
+    states: StateStore = TrainStateFile(job.state_dir / "train_state.pt")
+    if not resume:
+        states = _FromScratch(states)
     result = train(
         model, train_refs, held_out, settings, states, full_lm_head=head.lm_head,
         device=device, ranks=ranks, source=source,
@@ -275,6 +280,19 @@ def _train(
         held_out, untrained_replies, untrained_sha256=untrained_sha256,
     )  # fmt: skip
     return outcome, model
+
+
+@dataclass(frozen=True)
+class _FromScratch:
+    """A state store with nothing to resume from (`retrain`), saving as usual."""
+
+    store: StateStore
+
+    def load(self, device: torch.device) -> None:
+        return None
+
+    def save(self, state: dict[str, Any]) -> None:
+        self.store.save(state)
 
 
 def _ranks() -> Ranks:
