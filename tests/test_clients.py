@@ -476,7 +476,7 @@ def _value(cmd: list[str], flag: str) -> str:
 
 def test_command_on_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     options = EngineOptions(dtype="float32", max_model_len=4096, kv_cache_gib=2.0,
-                            extra_args=("--extra", "1"))  # fmt: skip
+                            gpu_memory_utilization=0.5, extra_args=("--extra", "1"))  # fmt: skip
     cmd = _managed(monkeypatch, False, tmp_path, options).command()
     assert cmd[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     assert _value(cmd, "--model") == "/models/target"
@@ -487,6 +487,7 @@ def test_command_on_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
     assert _value(cmd, "--max-model-len") == "4096"
     assert "--enforce-eager" in cmd
     assert "--kv-cache-memory-bytes" not in cmd  # on CPU the environment sizes the cache
+    assert "--gpu-memory-utilization" not in cmd
     seed = cmd.index("--seed")
     assert cmd[seed : seed + 2] == ["--seed", "0"]
     assert cmd[-2:] == ["--extra", "1"]
@@ -498,8 +499,13 @@ def test_command_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "--max-model-len" not in cmd
     assert "--allowed-local-media-path" not in cmd
     assert _value(cmd, "--kv-cache-memory-bytes") == str(2 << 30)
+    assert "--gpu-memory-utilization" not in cmd  # vLLM's own default
     forced = _managed(monkeypatch, True, options=EngineOptions(enforce_eager=True)).command()
     assert "--enforce-eager" in forced
+    shared = EngineOptions(kv_cache_gib=None, gpu_memory_utilization=0.45)
+    shared_cmd = _managed(monkeypatch, True, options=shared).command()
+    assert _value(shared_cmd, "--gpu-memory-utilization") == "0.45"
+    assert "--kv-cache-memory-bytes" not in shared_cmd
 
 
 def test_command_without_eager_on_cpu_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:

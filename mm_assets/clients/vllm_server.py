@@ -50,6 +50,15 @@ class EngineOptions(BaseModel):
     kv_cache_gib: float | None = Field(
         default=2.0, gt=0, description="KV cache size in GiB; None: vLLM's own default."
     )
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="GPU only: the share of the device's memory the server may use (vLLM's "
+        "--gpu-memory-utilization; None: vLLM's default, ~0.9). Online training shares the "
+        "device with the server: with kv_cache_gib set the server takes its weights plus that "
+        "cache, otherwise set this to leave the trainer its memory (README, online).",
+    )
     enforce_eager: bool | None = Field(
         default=None, description="None: eager on CPU (fast start), CUDA graphs on GPU."
     )
@@ -158,6 +167,8 @@ class ManagedVllmServer:
             cmd.append("--enforce-eager")
         if opts.kv_cache_gib and not on_cpu:
             cmd += ["--kv-cache-memory-bytes", str(int(opts.kv_cache_gib * (1 << 30)))]
+        if opts.gpu_memory_utilization and not on_cpu:
+            cmd += ["--gpu-memory-utilization", str(opts.gpu_memory_utilization)]
         return cmd + list(opts.extra_args)
 
     def environment(self) -> dict[str, str]:
