@@ -4,12 +4,15 @@
 
 Reads the partition's `tokenized_samples`, `hidden_states_manifest` and
 `token_frequencies` from $MM_ASSETS_HOME, or from $MM_ASSETS_OBJECT_STORE when set
-(materialize `hidden_states` first), and writes the same checkpoint the
+(materialize `hidden_states` first) — or, with `--hidden-states online`, fetches each
+rank's batches from the vLLM fleet at $MM_ASSETS_VLLM_URLS while it trains (the states
+the registry entry's `hidden_states` settings describe) — and writes the same checkpoint the
 `trained_speculator` asset writes; like the asset, it reuses a checkpoint trained from
 identical inputs and settings unless `--retrain`, and resumes from the last epoch
 checkpoint. Under torchrun each rank trains on its share of the batches with
 DistributedDataParallel (NCCL on GPUs, gloo on CPU); rank 0 saves. The options are the
-fields of `SpeculatorSettings`, with the asset's names and defaults.
+fields of `SpeculatorSettings` and `OnlineSettings`, with the asset's names; a value not
+given comes from the registry entry, else the default, as for the asset.
 """
 
 from __future__ import annotations
@@ -19,30 +22,44 @@ import json
 import logging
 import os
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
 
 import torch
 import torch.distributed as dist
 
+from mm_assets.assets.partitions import REGISTRY
+from mm_assets.assets.resources import vllm_resource
 from mm_assets.common import paths
-from mm_assets.domain.model.settings import SpeculatorSettings
+from mm_assets.domain.model.hidden_states import ExtractionSettings
+from mm_assets.domain.model.settings import OnlineSettings, SpeculatorSettings
+from mm_assets.registry import DatasetSpec
+from mm_assets.services.extraction import hidden_states_layout
+from mm_assets.services.online_states import OnlineStates
 from mm_assets.services.target import TargetModel
 from mm_assets.services.training import SpeculatorJob, train_speculator
 from mm_assets.storage import open_tables
+from mm_assets.storage.blobs import BlobStore
 from mm_assets.storage.object_store import ENV_VAR as OBJECT_STORE_ENV
 
 
 def parser() -> argparse.ArgumentParser:
-    """One option per settings field (`--learning-rate` for `learning_rate`)."""
+    """One option per settings field (`--learning-rate` for `learning_rate`); a value not
+    given comes from the dataset's registry entry (`settings.trained_speculator`), else
+    the field's default, as for the asset."""
     out = argparse.ArgumentParser(prog="python -m mm_assets.train")
     out.add_argument("--partition", required=True, help="Dataset name (registry entry).")
-    for name, info in SpeculatorSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        scalar = info.annotation in (int, float, str)
-        kind: Any = info.annotation if scalar else json.loads
-        help_text = f"{info.description} ({'' if scalar else 'JSON; '}default: {info.default})"
-        out.add_argument(flag, dest=name, type=kind, default=info.default, help=help_text)
-    retrain = "train even when the checkpoint already came from identical inputs and settings"
+    for model in (SpeculatorSettings, OnlineSettings):
+        for name, info in model.model_fields.items():
+            choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
+            scalar = info.annotation in (int, float, str) or choices is not None
+            kind: Any = (str if choices else info.annotation) if scalar else json.loads
+            help_text = f"{info.description} ({'' if scalar else 'JSON; '}default: {info.default})"
+            out.add_argument(
+                "--" + name.replace("_", "-"), dest=name, type=kind, choices=choices,
+                default=argparse.SUPPRESS, help=help_text,
+            )  # fmt: skip
+    retrain = "train from the first epoch even when the checkpoint came from identical inputs"
     out.add_argument("--retrain", action="store_true", help=retrain)
     return out
 
@@ -56,18 +73,54 @@ def _device(world: int) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _online(
+    spec: DatasetSpec,
+    online: OnlineSettings,
+    target: TargetModel,
+    root: Path,
+    rank: int,
+    world: int,
+) -> OnlineStates | None:
+    """Online: the states the partition's `hidden_states` settings describe, from the
+    fleet (`MM_ASSETS_VLLM_URLS`) or, in a single process, a server started here."""
+    if online.hidden_states == "stored":
+        return None
+    engine = vllm_resource().engine()
+    if engine.managed and world > 1:
+        sys.exit(
+            "online hidden states under torchrun need a fleet every rank shares: start vLLM "
+            "extraction servers and set MM_ASSETS_VLLM_URLS (each rank fetches its batches)"
+        )
+    extraction = ExtractionSettings(**spec.settings.get("hidden_states", {}))
+    return OnlineStates(
+        hidden_states_layout(target, engine, extraction), extraction, online,
+        engine.for_target(target.facts), str(target.local_dir), target.facts.image_token_id,
+        spec.resolved_image_root(), root / "logs" / f"vllm_online_train_rank{rank}.log",
+        BlobStore(root),
+    )  # fmt: skip
+
+
 def main() -> None:
     args = vars(parser().parse_args())
     partition, retrain = args.pop("partition"), args.pop("retrain")
-    settings = SpeculatorSettings(**args)
-    device = _device(int(os.environ.get("WORLD_SIZE", "1")))
-    target = TargetModel(paths.default_target_model())
-    root = paths.home()
-    tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
-    job = SpeculatorJob.for_target(partition, root, target, settings, tables)
+    if partition not in REGISTRY:
+        sys.exit(f"unknown partition {partition!r}; registered: {', '.join(sorted(REGISTRY))}")
+    spec = REGISTRY[partition]
+    values = {**spec.settings.get("trained_speculator", {}), **args}
+    settings, online = (
+        model(**{k: v for k, v in values.items() if k in model.model_fields})
+        for model in (SpeculatorSettings, OnlineSettings)
+    )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = _device(world)
     rank = dist.get_rank() if dist.is_initialized() else 0
     logging.basicConfig(stream=sys.stdout, format=f"[rank {rank}] %(message)s")
     logging.getLogger("mm_assets").setLevel(logging.INFO)  # epochs and progress; others warn
+    target = TargetModel(paths.default_target_model())
+    root = paths.home()
+    tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
+    states = _online(spec, online, target, root, rank, world)
+    job = SpeculatorJob.for_target(partition, root, target, settings, tables, states)
     outcome = train_speculator(job, tables, not retrain, device)
     if rank == 0:
         trained, untrained = outcome.result.held_out_acceptance, outcome.untrained_acceptance
