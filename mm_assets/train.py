@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -73,6 +74,20 @@ def _device(world: int) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def cli_settings(
+    entry: Mapping[str, Any], given: Mapping[str, Any]
+) -> tuple[SpeculatorSettings, OnlineSettings]:
+    """The defaults, then the registry entry's `trained_speculator` settings, then the
+    options given."""
+    values = {**entry, **given}
+    return (
+        SpeculatorSettings(
+            **{k: v for k, v in values.items() if k in SpeculatorSettings.model_fields}
+        ),
+        OnlineSettings(**{k: v for k, v in values.items() if k in OnlineSettings.model_fields}),
+    )
+
+
 def _online(
     spec: DatasetSpec,
     online: OnlineSettings,
@@ -106,11 +121,7 @@ def main() -> None:
     if partition not in REGISTRY:
         sys.exit(f"unknown partition {partition!r}; registered: {', '.join(sorted(REGISTRY))}")
     spec = REGISTRY[partition]
-    values = {**spec.settings.get("trained_speculator", {}), **args}
-    settings, online = (
-        model(**{k: v for k, v in values.items() if k in model.model_fields})
-        for model in (SpeculatorSettings, OnlineSettings)
-    )
+    settings, online = cli_settings(spec.settings.get("trained_speculator", {}), args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = _device(world)
     rank = dist.get_rank() if dist.is_initialized() else 0

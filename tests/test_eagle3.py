@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,16 @@ from mm_assets.domain.model.eagle3 import (
 )
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION
 from mm_assets.domain.model.settings import SpeculatorSettings
-from mm_assets.domain.model.trainer import evaluate, train
+from mm_assets.domain.model.trainer import (
+    Ranks,
+    StoredBatches,
+    batch_plan_sha256,
+    evaluate,
+    rank_batches,
+    train,
+)
 from mm_assets.domain.model.training_data import (
+    Batch,
     LayerMismatch,
     SampleRef,
     check_layer_ids,
@@ -323,3 +332,43 @@ def test_full_vocab_scoring_counts_only_the_targets_own_greedy_token() -> None:
     outside = ~model.t2d[greedy]
     assert not full[0].correct[outside].any()
     assert inside[0].correct.shape == full[0].correct.shape
+
+
+class _Recorded(StoredBatches):
+    """The stored batches, noting which rows each pass asked for, in order."""
+
+    def __init__(self) -> None:
+        self.passes: list[tuple[str, list[list[str]]]] = []
+
+    def batches(self, groups: Sequence[Sequence[SampleRef]], label: str) -> Iterator[Batch | None]:
+        self.passes.append((label, [[ref.row_id for ref in group] for group in groups]))
+        yield from super().batches(groups, label)
+
+
+def test_the_loop_asks_its_source_for_the_planned_batches_of_its_rank(tmp_path: Path) -> None:
+    """Each epoch asks the batch source for exactly `rank_batches` (the plan that
+    `batch_plan_sha256` hashes), so a source that fetches states (online) trains on the
+    batches a stored run does; ranks share the batches out without overlap."""
+    refs = _write_refs(tmp_path, [9, 14, 7, 11, 13, 8, 10, 12, 6, 9])
+    settings = SpeculatorSettings(epochs=2, learning_rate=2e-3, batch_tokens=24, ttt_steps=2)
+    source = _Recorded()
+    result = train(_model(), refs[:8], refs[8:], settings, _states(tmp_path), source=source)
+    batches = pack(refs[:8], settings.batch_tokens)
+    asked = dict(source.passes)
+    for epoch in range(settings.epochs):
+        planned = rank_batches(batches, settings.seed, epoch)
+        assert asked[f"epoch {epoch + 1}"] == [[r.row_id for r in g] for g in planned]
+    assert sorted(map(sorted, asked["epoch 1"])) == sorted(map(sorted, asked["epoch 2"]))
+    assert asked["epoch 1"] != asked["epoch 2"]  # reshuffled each epoch
+    assert asked["held-out (trained)"] == [["row8", "row9"]]
+    assert result.batch_plan_sha256 == batch_plan_sha256(batches, settings, Ranks())
+    # the plan names rows, not where their states are
+    moved = [SampleRef(r.row_id, "elsewhere", r.input_ids, r.loss_mask) for r in refs[:8]]
+    assert batch_plan_sha256(pack(moved, 24), settings, Ranks()) == result.batch_plan_sha256
+    reseeded = settings.model_copy(update={"seed": 1})
+    assert batch_plan_sha256(batches, reseeded, Ranks()) != result.batch_plan_sha256
+
+    shares = [rank_batches(batches, settings.seed, 0, rank, 2) for rank in (0, 1)]
+    assert len(shares[0]) == len(shares[1]) == len(batches) // 2
+    ids = [{id(g) for g in share} for share in shares]
+    assert not ids[0] & ids[1]

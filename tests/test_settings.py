@@ -15,9 +15,9 @@ from mm_assets.assets.prep import TokenizationConfig
 from mm_assets.assets.resources import VllmResource, vllm_resource
 from mm_assets.assets.responses import ResponsesConfig
 from mm_assets.clients.vllm_server import EngineOptions
-from mm_assets.domain.model.settings import SpeculatorSettings
+from mm_assets.domain.model.settings import OnlineSettings, SpeculatorSettings
 from mm_assets.registry import DatasetSpec
-from mm_assets.train import parser
+from mm_assets.train import cli_settings, parser
 
 CONFIGS = {
     "tokenized_samples": TokenizationConfig,
@@ -101,15 +101,24 @@ def test_asset_config_keeps_the_bounds() -> None:
 
 
 def test_training_cli_options_are_the_settings() -> None:
-    defaults = vars(parser().parse_args(["--partition", "p"]))
-    assert {k: v for k, v in defaults.items() if k not in ("partition", "retrain")} == (
-        SpeculatorSettings().model_dump()
-    )
-    args = parser().parse_args(["--partition", "p", "--learning-rate", "0.01"])
-    settings = SpeculatorSettings(
-        **{k: v for k, v in vars(args).items() if k not in ("partition", "retrain")}
-    )
-    assert settings.learning_rate == 0.01
+    """One option per field of the training settings; a value not given comes from the
+    registry entry, then the default, as for the asset."""
+    help_text = parser().format_help()
+    for model in (SpeculatorSettings, OnlineSettings):
+        for name in model.model_fields:
+            assert f"--{name.replace('_', '-')}" in help_text
+    given = vars(
+        parser().parse_args(["--partition", "p", "--learning-rate", "0.01", "--hidden-states",
+                             "online"])
+    )  # fmt: skip
+    assert given == {"partition": "p", "retrain": False, "learning_rate": 0.01,
+                     "hidden_states": "online"}  # fmt: skip
+    given.pop("partition"), given.pop("retrain")
+    settings, online = cli_settings({"learning_rate": 3e-3, "batch_tokens": 512}, given)
+    assert (settings.learning_rate, settings.batch_tokens, settings.epochs) == (0.01, 512, 8)
+    assert (online.hidden_states, online.online_cache) == ("online", "keep")
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--partition", "p", "--online-cache", "sometimes"])
 
 
 def test_layer_ids_are_a_setting_of_hidden_states_only() -> None:

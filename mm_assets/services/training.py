@@ -34,7 +34,8 @@ from mm_assets.domain.model.trainer import (
     train,
 )
 from mm_assets.domain.model.training_data import SampleRef, check_layer_ids, split
-from mm_assets.services.online_states import FetchReport, OnlineBatches, OnlineStates
+from mm_assets.services.online_batches import OnlineBatches
+from mm_assets.services.online_states import FetchReport, OnlineStates
 from mm_assets.services.target import TargetModel
 from mm_assets.services.target_weights import load_target_head
 from mm_assets.storage import TableStore
@@ -155,7 +156,7 @@ def training_data(
     (with each one's blob key and extraction request)."""
     if job.online is None:
         return sample_refs(tables, job.partition, job.layer_ids), {}, {}
-    columns = ["row_id", "input_ids", "image_hashes", "loss_mask", "messages"]
+    columns = ["row_id", "sample_id", "input_ids", "image_hashes", "loss_mask", "messages"]
     rows = [
         r for r in tables.iter_rows(ONLINE_TABLES[0], job.partition, columns)
         if len(r["input_ids"]) > 1

@@ -1,0 +1,328 @@
+"""The `BatchSource` that fetches hidden states from vLLM while the draft trains
+(`hidden_states: online`; what it fetches: `services/online_states.py`).
+
+The trainer asks its `BatchSource` for each pass's batches in order (`domain.model.trainer`).
+`OnlineBatches` answers from the blob store where a row's states are stored, and requests
+the others through the same client, verification and storing as offline extraction
+(`services.extraction.store_outcome`), with the next `prefetch_batches` batches in flight
+while the current one trains. `online_cache: keep` stores what it fetched in the blob
+store, so later epochs, reruns and offline runs find it; `discard` stores it in a scratch
+directory and deletes each batch's files once the batch is built, so at most
+prefetch_batches + 1 batches are on disk, and every pass requests its rows again.
+
+Threads: the trainer's (it builds batches and deletes their files), one event-loop thread
+that runs every pass's requests, and the storer threads that verify and store answers.
+A pass's counts change on the loop only; the disk tally, which both sides change, under a
+lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import shutil
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mm_assets.clients.vllm_client import CircuitOpen, ExtractionRequest, HiddenStatesClient
+from mm_assets.domain.model.training_data import Batch, SampleRef, load_batch
+from mm_assets.services.extraction import FILE_RETRIES, store_outcome
+from mm_assets.services.online_states import FetchReport, OnlineStates, PassReport
+from mm_assets.services.request_stage import (
+    Outcome,
+    Rejected,
+    ServerUnavailable,
+    Stored,
+    make_client,
+    request_all,
+)
+from mm_assets.storage.blobs import BlobStore
+
+logger = logging.getLogger(__name__)
+
+
+class TooManyRejections(RuntimeError):
+    """More of a pass's rows failed than `max_rejection_ratio` allows."""
+
+
+@dataclass(eq=False)
+class _Group:
+    """One batch of a pass: where each row's states are, as they arrive."""
+
+    serial: int
+    refs: Sequence[SampleRef]
+    paths: dict[str, str] = field(default_factory=dict)
+    rejected: set[str] = field(default_factory=set)
+    waiting: int = 0
+    listed: bool = False
+    scratch: list[Path] = field(default_factory=list)
+    bytes: int = 0
+    ready: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+    def settle(self) -> None:
+        if self.listed and self.waiting == 0 and not self.ready.done():
+            self.ready.set_result(None)
+
+
+@dataclass(eq=False)
+class _Fetch:
+    """One request, and the rows of the groups that wait for it (identical rows share)."""
+
+    request: ExtractionRequest
+    key: str
+    dest: BlobStore
+    mask: list[int] | None
+    rows: dict[_Group, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class _Pass:
+    groups: list[_Group]
+    report: PassReport
+    pending: dict[tuple[int, str], _Fetch] = field(default_factory=dict)
+    window: asyncio.Semaphore | None = None
+
+
+@dataclass
+class _FetchJob:
+    """The request stage's job: ask for one row's states, store them where it says."""
+
+    states: OnlineStates
+    path_map: Any
+    what = "hidden states (online)"
+    kept = "The training state of the last finished epoch is kept"
+    ask_again = FILE_RETRIES
+    workers_per_slot = 1
+
+    async def ask(self, client: HiddenStatesClient, item: _Fetch) -> Any:
+        return await client.extract(item.request)
+
+    def write(self, item: _Fetch, answer: Any, final: bool) -> Outcome:
+        return store_outcome(
+            item.request, answer, final, item.key, self.states.layout, item.dest,
+            self.path_map, item.mask,
+        )  # fmt: skip
+
+
+class OnlineBatches:
+    """A `BatchSource` that fetches states while the trainer trains; a context manager
+    that holds the servers (started here when managed) and the request loop.
+
+    `keys` and `requests`: each row's blob key and extraction request (`online_refs`)."""
+
+    def __init__(
+        self, states: OnlineStates, keys: dict[str, str], requests: dict[str, ExtractionRequest]
+    ) -> None:
+        self.states, self.keys, self.requests = states, keys, requests
+        self.report = FetchReport(states.online.online_cache)
+        self._discard = states.online.online_cache == "discard"
+        self._serials = 0
+        self._rejected_rows: set[str] = set()
+        self._disk_now = 0
+        self._disk_lock = threading.Lock()
+        self._stack = ExitStack()
+
+    def __enter__(self) -> OnlineBatches:
+        states, stack = self.states, self._stack
+        incoming = states.blobs.incoming_dir()
+        session = stack.enter_context(
+            states.engine.extraction_session(
+                states.model, states.layout.layer_ids, incoming, states.image_root,
+                states.log_path,
+            )
+        )  # fmt: skip
+        stack.callback(_remove_if_empty, incoming)
+        if managed := session.managed:  # its memory, just before it stops
+            self.report.requests.startup_s = managed.startup_seconds
+            stack.callback(
+                lambda: setattr(self.report.requests, "server_rss_bytes", managed.rss_bytes())
+            )
+        self.scratch = states.blobs.scratch() if self._discard else None
+        if self.scratch is not None:
+            stack.callback(shutil.rmtree, self.scratch.dir, True)
+        self.client = make_client(
+            HiddenStatesClient, session.base_urls, states.extraction, states.engine.api_key
+        )
+        self.job = _FetchJob(states, states.engine.map_path)
+        self.storers = concurrent.futures.ThreadPoolExecutor(4 * self.client.concurrency)
+        stack.callback(self.storers.shutdown)
+        self.loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=self.loop.run_forever, name="online-states", daemon=True)
+        thread.start()
+        stack.callback(self._stop_loop, thread)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _stop_loop(self, thread: threading.Thread) -> None:
+        requests = self.report.requests
+        asyncio.run_coroutine_threadsafe(self.client.close(), self.loop).result(timeout=30)
+        requests.requests_sent = self.client.requests_sent
+        requests.servers = self.client.server_stats()
+        requests.seconds = sum(p.seconds for p in self.report.passes)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        thread.join(timeout=30)
+        self.loop.close()
+
+    def batches(self, groups: Sequence[Sequence[SampleRef]], label: str) -> Iterator[Batch | None]:
+        """Each group's batch in order, its states requested up to `prefetch_batches`
+        groups ahead; rows that failed this pass are left out (None: all of them)."""
+        run = _Pass([self._group(g) for g in groups], PassReport(label))
+        run.report.rows = sum(len(g) for g in groups)
+        started = time.perf_counter()
+        task = asyncio.run_coroutine_threadsafe(self._fetch(run), self.loop)
+        try:
+            for group in run.groups:
+                waited = time.perf_counter()
+                done, _ = concurrent.futures.wait(
+                    [group.ready, task], return_when=concurrent.futures.FIRST_COMPLETED
+                )
+                if group.ready not in done:
+                    task.result()  # the requests failed: raises why
+                run.report.trainer_wait_s += time.perf_counter() - waited
+                batch = self._build(group)
+                yield batch
+                assert run.window is not None
+                self.loop.call_soon_threadsafe(run.window.release)
+            task.result()
+        except CircuitOpen as exc:
+            raise ServerUnavailable(
+                f"vLLM stopped answering during online training ({label}): {exc}. The "
+                "training state of the last finished epoch is kept; rerun to resume."
+            ) from exc
+        finally:
+            task.cancel()
+        run.report.seconds = time.perf_counter() - started
+        self.report.passes.append(run.report)
+        logger.info("%s", run.report.line())
+        self._check(run.report)
+
+    def _group(self, refs: Sequence[SampleRef]) -> _Group:
+        self._serials += 1
+        return _Group(self._serials, refs)
+
+    async def _fetch(self, run: _Pass) -> None:
+        run.window = asyncio.Semaphore(self.states.online.prefetch_batches + 1)
+        await request_all(
+            self.client, self._items(run), self.job, self.report.requests, self.storers,
+            on_done=lambda item, outcome: self._done(run, item, outcome),
+        )  # fmt: skip
+
+    async def _items(self, run: _Pass) -> AsyncIterator[_Fetch]:
+        """The requests of each group, a group only once the window has room for it."""
+        assert run.window is not None
+        blobs = self.states.blobs
+        for group in run.groups:
+            waited = time.perf_counter()
+            await run.window.acquire()
+            if not all(blobs.has(self.keys[ref.row_id]) for ref in group.refs):
+                run.report.request_wait_s += time.perf_counter() - waited
+            for fetch in self._plan(run, group):
+                yield fetch
+            group.listed = True
+            group.settle()
+
+    def _plan(self, run: _Pass, group: _Group) -> Iterator[_Fetch]:
+        """The requests `group` needs: none for rows stored already; one per distinct
+        key (identical rows share it, within the group, and with `keep` across groups)."""
+        blobs = self.states.blobs
+        for ref in group.refs:
+            key = self.keys[ref.row_id]
+            if blobs.has(key):
+                group.paths[ref.row_id] = str(blobs.path(key))
+                run.report.cache_hits += 1
+                continue
+            scope = group.serial if self._discard else 0
+            fetch = run.pending.get((scope, key))
+            new = fetch is None
+            if fetch is None:
+                fetch = self._new_fetch(ref, key, group)
+                run.pending[(scope, key)] = fetch
+            if group not in fetch.rows:
+                group.waiting += 1
+            fetch.rows.setdefault(group, []).append(ref.row_id)
+            if new:
+                yield fetch
+
+    def _new_fetch(self, ref: SampleRef, key: str, group: _Group) -> _Fetch:
+        """`keep`: into the blob store under its key; `discard`: into the scratch store,
+        under a name of this group's own (it is deleted with the group)."""
+        mask = None if self.states.layout.storage.is_native else ref.loss_mask
+        request = self.requests[ref.row_id]
+        if self.scratch is not None:
+            return _Fetch(request, f"{key}-{group.serial}", self.scratch, mask)
+        return _Fetch(request, key, self.states.blobs, mask)
+
+    def _done(self, run: _Pass, fetch: _Fetch, outcome: Stored | Rejected) -> None:
+        """On the loop: where the states of `fetch`'s rows are, or why they are not."""
+        for key, pending in list(run.pending.items()):
+            if pending is fetch:
+                del run.pending[key]
+        path = fetch.dest.path(fetch.key)
+        if isinstance(outcome, Stored):
+            run.report.fetched += 1
+            run.report.fetched_tokens += outcome.tokens
+        for group, rows in fetch.rows.items():
+            if isinstance(outcome, Rejected):
+                group.rejected.update(rows)
+                self._rejected_rows.update(rows)
+                run.report.rejected[outcome.reason] += len(rows)
+            else:
+                group.paths.update({row: str(path) for row in rows})
+                group.bytes += outcome.bytes
+                if self.scratch is not None:
+                    group.scratch.append(path)
+                    self._tally(outcome.bytes)
+            group.waiting -= 1
+            group.settle()
+
+    def _tally(self, change: int) -> None:
+        with self._disk_lock:
+            self._disk_now += change
+            self.report.disk_peak_bytes = max(self.report.disk_peak_bytes, self._disk_now)
+
+    def _build(self, group: _Group) -> Batch | None:
+        """The group's batch without its rejected rows; `discard` deletes its files."""
+        refs = [
+            dataclasses.replace(ref, path=group.paths[ref.row_id])
+            for ref in group.refs
+            if ref.row_id not in group.rejected
+        ]
+        try:
+            return load_batch(refs) if refs else None
+        finally:
+            self.report.largest_batch_bytes = max(self.report.largest_batch_bytes, group.bytes)
+            for path in group.scratch:
+                path.unlink(missing_ok=True)
+            if group.scratch:
+                self._tally(-group.bytes)
+
+    def _check(self, report: PassReport) -> None:
+        """Fail like the offline check when more of the partition's rows than
+        `max_rejection_ratio` allows have failed (in any pass so far)."""
+        rejected, rows = len(self._rejected_rows), max(len(self.keys), 1)
+        allowed = self.states.extraction.max_rejection_ratio
+        if rejected / rows > allowed:
+            first = "; ".join(
+                f"{r['row_id']}: {r['reason']} ({r['detail']})"
+                for r in self.report.requests.rejections[:3]
+            )
+            raise TooManyRejections(
+                f"{report.label}: the hidden states of {rejected}/{rows} rows were rejected "
+                f"({rejected / rows:.2%}; max_rejection_ratio {allowed:.2%}): "
+                f"{dict(report.rejected)}. First: {first}. Token mismatches mean the served "
+                "processor or its image limits differ from the ones that tokenized the rows."
+            )
+
+
+def _remove_if_empty(directory: Path) -> None:
+    if directory.is_dir() and not any(directory.iterdir()):
+        directory.rmdir()
