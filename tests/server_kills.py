@@ -10,10 +10,15 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from mm_assets.common import files
+
+if TYPE_CHECKING:
+    from mm_assets.clients.vllm_server import ManagedVllmServer
 
 
 def kill_servers_at_store(
@@ -40,3 +45,18 @@ def kill_servers_at_store(
 
     monkeypatch.setattr(files, "crash_point", point)
     return killed
+
+
+def doomed_server(demo_dir: Path, root: Path) -> ManagedVllmServer:
+    """A second extraction server for the demo target (as the session's), its files and
+    log under `root`: the one a test kills."""
+    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
+    from mm_assets.domain.model.hidden_states import default_layer_ids
+
+    return ManagedVllmServer(
+        str(demo_dir / "target"),
+        extraction_args(default_layer_ids(8), root / "doomed_incoming", "auto"),
+        demo_dir / "coco",
+        root / "logs" / "doomed.log",
+        EngineOptions(dtype="float32", kv_cache_gib=1.0),
+    )

@@ -29,7 +29,7 @@ from mm_assets.services.extraction import requests_for, run_extraction
 from mm_assets.services.target import target_fingerprint
 from mm_assets.storage.blobs import BlobStore
 from tests.conftest import PREP_ASSETS, SESSION_HOME, materialize
-from tests.server_kills import kill_servers_at_store
+from tests.server_kills import doomed_server, kill_servers_at_store
 
 pytestmark = pytest.mark.slow
 PARITY_ATOL = 1e-5  # fp32, vLLM CPU kernels vs transformers eager; measured ≤ 2e-7
@@ -408,20 +408,12 @@ def test_a_server_killed_mid_extraction_leaves_the_rotation_and_every_row_is_sto
     fifth of the rows are stored. Its requests in flight go to the other, it is taken out
     of rotation, and the step completes with every row once, each matching the session's
     uninterrupted run."""
-    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
-
     partition = "demo_sharegpt4v_coco"
     root = tmp_path / "home"
     _copy_prep_tables(SESSION_HOME, root, partition)
     tables = StorageResource(root=str(root)).tables()
     total = len(list(tables.iter_rows("tokenized_samples", partition)))
-    doomed = ManagedVllmServer(
-        str(demo_dir / "target"),
-        extraction_args(default_layer_ids(8), root / "doomed_incoming", "auto"),
-        demo_dir / "coco",
-        root / "logs" / "doomed.log",
-        EngineOptions(dtype="float32", kv_cache_gib=1.0),
-    )
+    doomed = doomed_server(demo_dir, root)
     blob_dir = root / "blobs" / "hidden_states"
     with doomed:
         killed = kill_servers_at_store(

@@ -26,6 +26,7 @@ from mm_assets.domain.model.training_data import pack, split
 from mm_assets.services.training import sample_refs, stored_layer_ids
 from mm_assets.storage import schemas
 from tests.conftest import PREP_ASSETS, SESSION_HOME, materialize
+from tests.server_kills import doomed_server
 
 pytestmark = pytest.mark.slow
 PARTITION = "demo_sharegpt4v_coco"
@@ -203,17 +204,8 @@ def test_a_server_killed_mid_training_fails_the_step_and_the_rerun_resumes(
     requests fail, and the step stops with a message saying so. Rerun against a live
     server: it resumes from epoch 1's state, fetches what it still needs, and the
     checkpoint serves in vLLM with speculative decoding."""
-    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
-    from mm_assets.domain.model.hidden_states import default_layer_ids
-
     root = _home(tmp_path / "home")
-    doomed = ManagedVllmServer(
-        str(demo_dir / "target"),
-        extraction_args(default_layer_ids(8), root / "doomed_incoming", "auto"),
-        demo_dir / "coco",
-        root / "logs" / "doomed.log",
-        EngineOptions(dtype="float32", kv_cache_gib=1.0),
-    )
+    doomed = doomed_server(demo_dir, root)
     killed: list[int] = []
     reach = trainer.crash_point
 

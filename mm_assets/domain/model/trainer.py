@@ -204,6 +204,12 @@ class _Steps:
             progress.update(position)
             if batch is not None:
                 losses.append(self.step(batch, result))
+            elif self.world > 1:  # the other ranks would wait for this one's gradients
+                raise RuntimeError(
+                    f"epoch {epoch + 1}: no row of batch {position} could be had on rank "
+                    f"{self.rank}, and under torchrun every rank must step together; see "
+                    "the rejections in the log, then rerun (it resumes from the last epoch)"
+                )
         result.batch_losses.extend(losses)
         result.epoch_losses.append(sum(losses) / max(len(losses), 1))
         logger.info("epoch %d/%d: loss %.4f", epoch + 1, settings.epochs, result.epoch_losses[-1])
