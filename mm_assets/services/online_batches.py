@@ -25,7 +25,7 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 class TooManyRejections(RuntimeError):
-    """More of a pass's rows failed than `max_rejection_ratio` allows."""
+    """More of the partition's rows failed than `max_rejection_ratio` allows."""
 
 
 @dataclass(eq=False)
@@ -79,6 +79,7 @@ class _Fetch:
     key: str
     dest: BlobStore
     mask: list[int] | None
+    pending_as: tuple[int, str]  # its entry in `_Pass.pending` while it is asked
     rows: dict[_Group, list[str]] = field(default_factory=dict)
 
 
@@ -95,7 +96,7 @@ class _FetchJob:
     """The request stage's job: ask for one row's states, store them where it says."""
 
     states: OnlineStates
-    path_map: Any
+    path_map: Callable[[str], str]
     what = "hidden states (online)"
     kept = "The training state of the last finished epoch is kept"
     ask_again = FILE_RETRIES
@@ -115,7 +116,8 @@ class OnlineBatches:
     """A `BatchSource` that fetches states while the trainer trains; a context manager
     that holds the servers (started here when managed) and the request loop.
 
-    `keys` and `requests`: each row's blob key and extraction request (`online_refs`)."""
+    `keys` and `requests`: each row's blob key and extraction request
+    (`OnlineStates.training_rows`)."""
 
     def __init__(
         self, states: OnlineStates, keys: dict[str, str], requests: dict[str, ExtractionRequest]
@@ -244,28 +246,28 @@ class OnlineBatches:
             fetch = run.pending.get((scope, key))
             new = fetch is None
             if fetch is None:
-                fetch = self._new_fetch(ref, key, group)
-                run.pending[(scope, key)] = fetch
+                fetch = self._new_fetch(ref, key, group, (scope, key))
+                run.pending[fetch.pending_as] = fetch
             if group not in fetch.rows:
                 group.waiting += 1
             fetch.rows.setdefault(group, []).append(ref.row_id)
             if new:
                 yield fetch
 
-    def _new_fetch(self, ref: SampleRef, key: str, group: _Group) -> _Fetch:
+    def _new_fetch(
+        self, ref: SampleRef, key: str, group: _Group, pending_as: tuple[int, str]
+    ) -> _Fetch:
         """`keep`: into the blob store under its key; `discard`: into the scratch store,
         under a name of this group's own (it is deleted with the group)."""
         mask = None if self.states.layout.storage.is_native else ref.loss_mask
         request = self.requests[ref.row_id]
         if self.scratch is not None:
-            return _Fetch(request, f"{key}-{group.serial}", self.scratch, mask)
-        return _Fetch(request, key, self.states.blobs, mask)
+            return _Fetch(request, f"{key}-{group.serial}", self.scratch, mask, pending_as)
+        return _Fetch(request, key, self.states.blobs, mask, pending_as)
 
     def _done(self, run: _Pass, fetch: _Fetch, outcome: Stored | Rejected) -> None:
         """On the loop: where the states of `fetch`'s rows are, or why they are not."""
-        for key, pending in list(run.pending.items()):
-            if pending is fetch:
-                del run.pending[key]
+        del run.pending[fetch.pending_as]
         path = fetch.dest.path(fetch.key)
         if isinstance(outcome, Stored):
             run.report.fetched += 1
