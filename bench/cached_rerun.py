@@ -23,7 +23,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.homes import fresh_homes, timed
+from bench.homes import (
+    fresh_homes,
+    materialization_metadata,
+    servers_started,
+    step_seconds,
+    timed,
+)
 
 PARTITION = "demo_sharegpt4v_coco"
 DAGSTER = str(Path(sys.executable).parent / "dagster")
@@ -52,25 +58,18 @@ def run(workdir: Path) -> dict:
     runs = sorted(instance.get_runs(), key=lambda r: instance.get_run_stats(r.run_id).start_time)
     assert len(runs) == 3, [r.run_id for r in runs]
 
-    def step_seconds(run_id: str) -> float:
-        return sum(
-            (s.end_time or 0) - (s.start_time or 0) for s in instance.get_run_step_stats(run_id)
-        )
+    def steps(run_id: str) -> float:
+        return sum(step_seconds(instance, run_id).values())
 
     def metadata(asset: str, run_id: str) -> dict:
-        records = instance.fetch_materializations(dg.AssetKey(asset), limit=10).records
-        (record,) = [r for r in records if r.run_id == run_id]
-        return {k: v.value for k, v in record.asset_materialization.metadata.items()}
+        return materialization_metadata(instance, asset, run_id)
 
     first_id, rerun_id = runs[0].run_id, runs[1].run_id
     hidden, trained = metadata("hidden_states", rerun_id), metadata("trained_speculator", rerun_id)
 
-    def servers(run_id: str) -> int:  # each managed server writes its log under logs/
-        return len(list((home / "logs").glob(f"vllm*{run_id}.log")))
-
     tick = dg.evaluate_automation_conditions(defs=defs, instance=instance)
     requested = sum(tick.get_num_requested(key) for key in defs.resolve_all_asset_keys())
-    first_steps = step_seconds(first_id)
+    first_steps = steps(first_id)
     return {
         "first_run_wall_s": round(first, 1),
         "rerun_wall_s": round(rerun, 1),
@@ -78,19 +77,16 @@ def run(workdir: Path) -> dict:
         "rerun_wall_ratio": round(rerun / first, 3),
         "refresh_wall_ratio": round(refresh / first, 3),
         "first_run_step_s": round(first_steps, 1),
-        "rerun_step_s": round(step_seconds(rerun_id), 1),
-        "refresh_step_s": round(step_seconds(runs[2].run_id), 1),
-        "rerun_step_ratio": round(step_seconds(rerun_id) / first_steps, 3),
-        "rerun_steps_s": {
-            s.step_key: round((s.end_time or 0) - (s.start_time or 0), 2)
-            for s in instance.get_run_step_stats(rerun_id)
-        },
-        "refresh_step_ratio": round(step_seconds(runs[2].run_id) / first_steps, 3),
+        "rerun_step_s": round(steps(rerun_id), 1),
+        "refresh_step_s": round(steps(runs[2].run_id), 1),
+        "rerun_step_ratio": round(steps(rerun_id) / first_steps, 3),
+        "rerun_steps_s": {k: round(v, 2) for k, v in step_seconds(instance, rerun_id).items()},
+        "refresh_step_ratio": round(steps(runs[2].run_id) / first_steps, 3),
         "first_run_vllm_requests": metadata("hidden_states", first_id)["requests_sent"],
-        "first_run_vllm_servers_started": servers(first_id),
+        "first_run_vllm_servers_started": servers_started(home, first_id),
         "rerun_vllm_requests": hidden["requests_sent"],
         "rerun_hidden_state_cache_hits": hidden["cache_hits"],
-        "rerun_vllm_servers_started": servers(rerun_id),
+        "rerun_vllm_servers_started": servers_started(home, rerun_id),
         "rerun_reused_checkpoint": trained["reused_checkpoint"],
         "rerun_reused_vllm_measurement": trained.get("vllm_measurement_reused"),
         "automation_requests_after_refresh": requested,
