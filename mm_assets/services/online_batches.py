@@ -130,46 +130,70 @@ class OnlineBatches:
         self._disk_now = 0
         self._disk_lock = threading.Lock()
         self._stack = ExitStack()
+        self._servers = ExitStack()  # the servers and the client, while rows are left to fetch
+        self.client: HiddenStatesClient | None = None
 
     def __enter__(self) -> OnlineBatches:
         states, stack = self.states, self._stack
-        incoming = states.blobs.incoming_dir()
-        session = stack.enter_context(
-            states.engine.extraction_session(
-                states.model, states.layout.layer_ids, incoming, states.image_root,
-                states.log_path,
-            )
-        )  # fmt: skip
-        stack.callback(_remove_if_empty, incoming)
-        if managed := session.managed:  # its memory, just before it stops
-            self.report.requests.startup_s = managed.startup_seconds
-            stack.callback(
-                lambda: setattr(self.report.requests, "server_rss_bytes", managed.rss_bytes())
-            )
         self.scratch = states.blobs.scratch() if self._discard else None
         if self.scratch is not None:
             stack.callback(shutil.rmtree, self.scratch.dir, True)
-        self.client = make_client(
-            HiddenStatesClient, session.base_urls, states.extraction, states.engine.api_key
-        )
         self.job = _FetchJob(states, states.engine.map_path)
-        self.storers = concurrent.futures.ThreadPoolExecutor(4 * self.client.concurrency)
-        stack.callback(self.storers.shutdown)
         self.loop = asyncio.new_event_loop()
         thread = threading.Thread(target=self.loop.run_forever, name="online-states", daemon=True)
         thread.start()
         stack.callback(self._stop_loop, thread)
+        stack.callback(self._stop_servers)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
+    def _servers_for(self, groups: Sequence[Sequence[SampleRef]]) -> None:
+        """Start the servers for a pass with rows to fetch; with `keep`, stop them once
+        every row of the partition is stored (their memory and cores go to training)."""
+        has = self.states.blobs.has
+        if self.client is None and any(not has(self.keys[r.row_id]) for g in groups for r in g):
+            self._start_servers()
+        elif self.client and not self._discard and all(has(k) for k in self.keys.values()):
+            logger.info("every row's states are stored: the extraction servers are released")
+            self._stop_servers()
+
+    def _start_servers(self) -> None:
+        states, servers = self.states, self._servers
+        incoming = states.blobs.incoming_dir()
+        session = servers.enter_context(
+            states.engine.extraction_session(
+                states.model, states.layout.layer_ids, incoming, states.image_root,
+                states.log_path,
+            )
+        )  # fmt: skip
+        servers.callback(_remove_if_empty, incoming)
+        if managed := session.managed:  # its memory, just before it stops
+            self.report.requests.startup_s = managed.startup_seconds
+            servers.callback(
+                lambda: setattr(self.report.requests, "server_rss_bytes", managed.rss_bytes())
+            )
+        self.client = make_client(
+            HiddenStatesClient, session.base_urls, states.extraction, states.engine.api_key
+        )
+        # the storers go with the servers: idle threads that ran torch slowed training by
+        # half (BENCHMARKS.md, online hidden states)
+        self.storers = concurrent.futures.ThreadPoolExecutor(self.client.concurrency)
+        servers.callback(self.storers.shutdown)
+
+    def _stop_servers(self) -> None:
+        """Close the client (its counts into the report) and stop a managed server."""
+        if self.client is not None:
+            requests = self.report.requests
+            asyncio.run_coroutine_threadsafe(self.client.close(), self.loop).result(timeout=30)
+            requests.requests_sent += self.client.requests_sent
+            requests.servers += self.client.server_stats()
+            self.client = None
+        self._servers.close()
+
     def _stop_loop(self, thread: threading.Thread) -> None:
-        requests = self.report.requests
-        asyncio.run_coroutine_threadsafe(self.client.close(), self.loop).result(timeout=30)
-        requests.requests_sent = self.client.requests_sent
-        requests.servers = self.client.server_stats()
-        requests.seconds = sum(p.seconds for p in self.report.passes)
+        self.report.requests.seconds = sum(p.seconds for p in self.report.passes)
         self.loop.call_soon_threadsafe(self.loop.stop)
         thread.join(timeout=30)
         self.loop.close()
@@ -177,6 +201,7 @@ class OnlineBatches:
     def batches(self, groups: Sequence[Sequence[SampleRef]], label: str) -> Iterator[Batch | None]:
         """Each group's batch in order, its states requested up to `prefetch_batches`
         groups ahead; rows that failed this pass are left out (None: all of them)."""
+        self._servers_for(groups)
         run = _Pass([self._group(g) for g in groups], PassReport(label))
         run.report.rows = sum(len(g) for g in groups)
         started = time.perf_counter()
@@ -213,6 +238,10 @@ class OnlineBatches:
 
     async def _fetch(self, run: _Pass) -> None:
         run.window = asyncio.Semaphore(self.states.online.prefetch_batches + 1)
+        if self.client is None:  # every row stored: nothing will be asked
+            async for _ in self._items(run):
+                raise RuntimeError("a row's stored states went missing during training; rerun")
+            return
         await request_all(
             self.client, self._items(run), self.job, self.report.requests, self.storers,
             on_done=lambda item, outcome: self._done(run, item, outcome),
