@@ -136,3 +136,64 @@ def test_the_prompt_key_ignores_the_replies_not_the_prompt_or_images() -> None:
     assert prompt_key(turns, ["h1"]) != prompt_key(turns, ["h2"])
     asked_otherwise = [{"role": "user", "content": "who?"}, turns[1]]
     assert prompt_key(asked_otherwise, []) != prompt_key(turns, ["h1"])
+
+
+def test_a_draft_reads_exactly_its_sources() -> None:
+    from mm_assets.assets.partitions import (
+        DRAFTS,
+        dataset_partitions,
+        draft_partitions,
+        sources_of_drafts,
+    )
+
+    mapping = sources_of_drafts()
+    for name, draft in DRAFTS.items():
+        upstream = mapping.get_upstream_mapped_partitions_result_for_partitions(
+            draft_partitions.subset_with_partition_keys([name]), draft_partitions,
+            dataset_partitions,
+        ).partitions_subset.get_partition_keys()  # fmt: skip
+        assert set(upstream) == set(draft.sources)
+
+
+def test_automation_runs_a_draft_once_all_its_sources_are_stored_and_once_per_change() -> None:
+    """With the real `trained_draft` (its automation condition and partition mapping):
+    one source stored -> nothing; both -> one run; both changed in one refresh -> one
+    run, not one per source."""
+    import dagster as dg
+
+    from mm_assets.assets.drafts import trained_draft
+    from mm_assets.assets.partitions import dataset_partitions
+    from mm_assets.definitions import defs as product
+
+    @dg.asset(name="hidden_states", partitions_def=dataset_partitions)
+    def states() -> None: ...
+
+    defs = dg.Definitions(assets=[states, trained_draft], resources=product.resources)
+    instance = dg.DagsterInstance.ephemeral()
+    mix, key = "demo_mix", dg.AssetKey("trained_draft")
+
+    def stored(asset: str, partition: str, version: str) -> None:
+        instance.report_runless_asset_event(
+            dg.AssetMaterialization(
+                asset, partition=partition, tags={"dagster/data_version": version}
+            )
+        )
+
+    def requested(cursor=None) -> tuple[list[str], object]:
+        result = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+        return sorted(result.get_requested_partitions(key)), result.cursor
+
+    assert requested()[0] == []
+    stored("hidden_states", "demo_sharegpt4v_coco", "a1")
+    runs, cursor = requested()
+    assert runs == []
+    stored("hidden_states", "demo_sharegpt", "b1")
+    runs, cursor = requested(cursor)
+    assert runs == [mix]
+    stored("trained_draft", mix, "d1")
+    runs, cursor = requested(cursor)
+    assert runs == []
+    stored("hidden_states", "demo_sharegpt4v_coco", "a2")
+    stored("hidden_states", "demo_sharegpt", "b2")
+    runs, cursor = requested(cursor)
+    assert runs == [mix]
