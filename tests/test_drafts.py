@@ -197,3 +197,42 @@ def test_automation_runs_a_draft_once_all_its_sources_are_stored_and_once_per_ch
     stored("hidden_states", "demo_sharegpt", "b2")
     runs, cursor = requested(cursor)
     assert runs == [mix]
+
+
+@pytest.mark.slow
+def test_a_draft_of_both_demo_datasets_through_the_cli_serves_in_vllm_losslessly(
+    demo_hidden_states, plain_vllm_server
+) -> None:
+    """`dagster asset materialize --select trained_draft --partition demo_mix` after both
+    sources' hidden states: trained from their stored states (no extraction), held out
+    and measured per source, and vLLM serves the checkpoint with speculative decoding,
+    greedy outputs equal to the target's own without a draft."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mm_assets.clients.vllm_generation import generate_greedy
+    from tests.conftest import SESSION_HOME
+    from tests.test_cli import REPO, _latest_metadata
+
+    config = {"epochs": 2, "vllm_prompts": 6, "compare_with_sources": False}
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "dagster"), "asset", "materialize", "-m",
+         "mm_assets.definitions", "--select", "trained_draft", "--partition", "demo_mix",
+         "--config-json", json.dumps({"ops": {"trained_draft": {"config": config}}})],
+        env=dict(os.environ), cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = _latest_metadata(dict(os.environ), "trained_draft")
+    sources = ("demo_sharegpt4v_coco", "demo_sharegpt")
+    assert all(meta[f"rows_{s}"] > 0 and meta[f"vllm_prompts_{s}"] == 6 for s in sources)
+    assert all(meta[f"vllm_acceptance_length_{s}"] >= 1.0 for s in sources)
+    assert "| **demo_mix** |" in meta["vllm_acceptance_by_source"]
+    record = json.loads(
+        (SESSION_HOME / "speculators" / "demo_mix" / "mm_assets_vllm_by_source.json").read_text()
+    )["payload"]
+    for source in sources:
+        prompts, generations = record[source]["prompts"], record[source]["generations"]
+        plain = generate_greedy(plain_vllm_server.base_url, prompts, max_tokens=64)
+        assert generations == plain, source
