@@ -9,6 +9,7 @@ starts in about a second.
 
 import dagster as dg
 
+from mm_assets.assets.drafts import trained_draft
 from mm_assets.assets.executors import step_executor
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
 from mm_assets.assets.model import hidden_states, trained_speculator
@@ -20,6 +21,18 @@ from mm_assets.common import paths
 
 paths.ensure_dagster_home()
 
+# One run covers one partitioning: a dataset's chain, or a draft of several datasets.
+dataset_chain_job = dg.define_asset_job(
+    "dataset_chain",
+    selection=dg.AssetSelection.assets(trained_speculator).upstream(),
+    description="A dataset's whole chain, down to its own draft (`trained_speculator`).",
+)
+drafts_job = dg.define_asset_job(
+    "drafts",
+    selection=dg.AssetSelection.assets(trained_draft),
+    description="A draft trained on several datasets, from their stored hidden states.",
+)
+
 defs = dg.Definitions(
     assets=[
         raw_dataset,
@@ -29,8 +42,9 @@ defs = dg.Definitions(
         tokenized_samples,
         hidden_states,
         trained_speculator,
+        trained_draft,
     ],
-    jobs=[refresh_raw_datasets_job],
+    jobs=[refresh_raw_datasets_job, dataset_chain_job, drafts_job],
     schedules=[refresh_raw_datasets],
     executor=step_executor(),  # in the run's process unless MM_ASSETS_EXECUTOR says otherwise
     resources={

@@ -27,7 +27,7 @@ from mm_assets.domain.model.settings import (
     SpeculatorSettings,
 )
 from mm_assets.domain.prep.settings import TokenizationSettings
-from mm_assets.registry import DatasetSpec
+from mm_assets.registry import DatasetSpec, DraftSpec
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -62,13 +62,19 @@ def resource_base(name: str, *models: type[BaseModel]) -> type[dg.ConfigurableRe
 
 
 def stage_settings(
-    context: dg.AssetExecutionContext, spec: DatasetSpec, stage: str, model: type[M]
+    context: dg.AssetExecutionContext,
+    spec: DatasetSpec | DraftSpec,
+    stage: str,
+    model: type[M],
+    op: str | None = None,
 ) -> M:
     """`model`'s settings of `stage` for this run: its defaults, then the registry
     entry's, then the keys the run launched that stage's step with (read from the run's
     config, without Dagster's defaults). A step may read another stage's settings: the
-    `hidden_states` step reads whether `trained_speculator` fetches states online."""
+    `hidden_states` step reads whether `trained_speculator` fetches states online. `op`:
+    the step launched with the stage's settings, when it is not named after the stage
+    (`trained_draft` takes `trained_speculator` settings)."""
     ops: Mapping[str, Any] = context.run.run_config.get("ops") or {}
-    launched = (ops.get(stage) or {}).get("config") or {}
+    launched = (ops.get(op or stage) or {}).get("config") or {}
     values = {**spec.settings.get(stage, {}), **launched}
     return model(**{key: value for key, value in values.items() if key in model.model_fields})

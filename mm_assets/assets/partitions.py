@@ -12,7 +12,7 @@ from mm_assets.assets.automation import materialize_on_change
 from mm_assets.assets.config import STAGE_SETTINGS
 from mm_assets.assets.executors import accelerator_step_tags
 from mm_assets.orchestration.wiring import WATCH_KEY, taking_watch, watch_resource
-from mm_assets.registry import DatasetSpec, load_registry
+from mm_assets.registry import DatasetSpec, DraftSpec, load_drafts, load_registry
 
 # Steps that hold the accelerator (a vLLM server, training) share one pool; its limit is
 # the instance's `concurrency.pools` setting (dagster.yaml: one at a time by default).
@@ -23,10 +23,28 @@ ACCELERATOR_WATCH = watch_resource([ACCELERATOR_POOL])
 
 REGISTRY = load_registry(STAGE_SETTINGS)
 dataset_partitions = dg.StaticPartitionsDefinition(sorted(REGISTRY))
+# Drafts of several datasets (`trained_draft`); each dataset's own is `trained_speculator`.
+# Their own partitions: Dagster runs one partitions definition per run, so a dataset's
+# chain (`*trained_speculator`) stays one run.
+DRAFTS = {n: d for n, d in load_drafts(REGISTRY, STAGE_SETTINGS).items() if not d.is_dataset}
+draft_partitions = dg.StaticPartitionsDefinition(sorted(DRAFTS))
 
 
 def dataset_spec(context: dg.AssetExecutionContext) -> DatasetSpec:
     return REGISTRY[context.partition_key]
+
+
+def draft_spec(context: dg.AssetExecutionContext) -> DraftSpec:
+    return DRAFTS[context.partition_key]
+
+
+def sources_of_drafts() -> dg.StaticPartitionMapping:
+    """Each dataset partition to the drafts it is a source of."""
+    mapping: dict[str, list[str]] = {}
+    for name, draft in sorted(DRAFTS.items()):
+        for source in draft.sources:
+            mapping.setdefault(source, []).append(name)
+    return dg.StaticPartitionMapping(mapping)
 
 
 def dataset_asset(
@@ -34,13 +52,14 @@ def dataset_asset(
     code_version: str,
     deps: Sequence[Any] = (),
     kinds: set[str] | None = None,
+    partitions_def: dg.PartitionsDefinition = dataset_partitions,
     **extra: Any,
 ) -> Callable[..., dg.AssetsDefinition]:
-    """`@dg.asset` partitioned by dataset; an asset with upstream assets materializes
-    when they really change (`materialize_on_change`), the first one on request or by
-    the refresh schedule."""
+    """`@dg.asset` partitioned by dataset (or `partitions_def`); an asset with upstream
+    assets materializes when they really change (`materialize_on_change`), the first one
+    on request or by the refresh schedule."""
     return dg.asset(
-        partitions_def=dataset_partitions,
+        partitions_def=partitions_def,
         automation_condition=materialize_on_change() if deps else None,
         group_name=group,
         code_version=code_version,

@@ -5,7 +5,8 @@ build: writes a tiny random Qwen2.5-VL-style target (real processor classes and 
        $MM_ASSETS_HOME/demo. Skipped when already built with the same builder version.
 run:   build, then materialize the whole pipeline — down to the trained speculator, measured
        in vLLM — for both demo partitions through Dagster (run history in $DAGSTER_HOME),
-       and print what landed in storage.
+       then the draft trained on both (`demo_mix`), and print what landed in storage and
+       each draft's acceptance on each dataset's held-out prompts.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from mm_assets.common import paths
 
 BUILD_VERSION = "1"
 DEMO_PARTITIONS = ("demo_sharegpt4v_coco", "demo_sharegpt")
+DEMO_DRAFTS = ("demo_mix",)  # trained on both, after them
 
 
 def build(demo_dir: Path | None = None, force: bool = False) -> Path:
@@ -40,7 +43,9 @@ def build(demo_dir: Path | None = None, force: bool = False) -> Path:
     return demo_dir
 
 
-def run(partitions: tuple[str, ...] = DEMO_PARTITIONS) -> None:
+def run(
+    partitions: tuple[str, ...] = DEMO_PARTITIONS, drafts: tuple[str, ...] = DEMO_DRAFTS
+) -> None:
     import dagster as dg
 
     paths.ensure_dagster_home()
@@ -48,21 +53,46 @@ def run(partitions: tuple[str, ...] = DEMO_PARTITIONS) -> None:
 
     build()
     instance = dg.DagsterInstance.get()
-    job = defs.resolve_implicit_global_asset_job_def()
     speculators = {}
+    # no run config: the demo's settings are its registry entries', as for the UI and CLI
     for partition in partitions:
-        started = time.perf_counter()
-        # no run config: the demo's settings are its registry entries', as for the UI and CLI
-        result = job.execute_in_process(partition_key=partition, instance=instance)
-        if not result.success:
-            sys.exit(f"demo: materializing {partition} failed; see the run in `make dev`")
-        print(f"demo: {partition}: materialized in {time.perf_counter() - started:.1f}s")
-        (mat,) = result.asset_materializations_for_node("trained_speculator")
-        speculators[partition] = {k: v.value for k, v in mat.metadata.items()}
+        speculators[partition] = _materialize(defs, instance, "dataset_chain", partition)
+    mixes = {draft: _materialize(defs, instance, "drafts", draft) for draft in drafts}
     _print_summary(partitions)
     for partition, meta in speculators.items():
         print(f"demo: {partition}: EAGLE-3 draft at {meta['checkpoint']}")
         print(_acceptance_table(meta))
+    for draft, meta in mixes.items():
+        print(f"demo: {draft}: EAGLE-3 draft on {', '.join(partitions)} at {meta['checkpoint']}")
+        print(_draft_table(draft, meta, partitions))
+
+
+def _materialize(defs: Any, instance: Any, job: str, partition: str) -> dict[str, Any]:
+    """One partition of a job (`dataset_chain`, `drafts`); the metadata of its draft."""
+    started = time.perf_counter()
+    result = defs.resolve_job_def(job).execute_in_process(
+        partition_key=partition, instance=instance
+    )
+    if not result.success:
+        sys.exit(f"demo: materializing {partition} failed; see the run in `make dev`")
+    print(f"demo: {partition}: materialized in {time.perf_counter() - started:.1f}s")
+    asset = "trained_draft" if job == "drafts" else "trained_speculator"
+    (mat,) = result.asset_materializations_for_node(asset)
+    return {k: v.value for k, v in mat.metadata.items()}
+
+
+def _draft_table(draft: str, meta: dict[str, Any], sources: tuple[str, ...]) -> str:
+    """Acceptance vLLM measured on each source's held-out prompts: the draft of both,
+    and each source's own draft on the same prompts (off its domain too)."""
+    nan = float("nan")
+    lines = [f"      {'draft':<24}" + "".join(f"{s:>24}" for s in sources)]
+    rows = [(draft, "")] + [(f"{s} (own)", f"_by_{s}") for s in sources]
+    for name, suffix in rows:
+        cells = [meta.get(f"vllm_acceptance_length_{s}{suffix}", nan) for s in sources]
+        lines.append(f"      {name:<24}" + "".join(f"{c:>24.3f}" for c in cells))
+    prompts = ", ".join(f"{meta.get(f'vllm_prompts_{s}', 0)} {s}" for s in sources)
+    lines.append(f"      (greedy, held-out prompts: {prompts})")
+    return "\n".join(lines)
 
 
 def _acceptance_table(meta: dict) -> str:

@@ -150,7 +150,7 @@ def _unknown_key(key: Any, known: Sequence[str] | None = None, where: str = "key
     return f"unknown {where} {key!r} ({hint}known: {', '.join(known)})"
 
 
-def _stage_problems(settings: Any, stages: StageSettings) -> list[str]:
+def stage_problems(settings: Any, stages: StageSettings) -> list[str]:
     """`settings` checked against each stage's models: the stage must exist, every field
     must belong to one of its models and hold a value that model accepts."""
     if not isinstance(settings, dict):
@@ -178,7 +178,7 @@ def _stage_problems(settings: Any, stages: StageSettings) -> list[str]:
             try:
                 model.model_validate(mine)
             except ValidationError as exc:
-                problems += [_describe(error, model, f"{where}.") for error in exc.errors()]
+                problems += [describe_error(error, model, f"{where}.") for error in exc.errors()]
     return problems
 
 
@@ -187,7 +187,7 @@ def _got(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _describe(
+def describe_error(
     error: Mapping[str, Any], model: type[BaseModel] = DatasetSpec, prefix: str = ""
 ) -> str:
     """One pydantic error as `'field': what is wrong, got X (allowed: ...)`."""
@@ -201,7 +201,9 @@ def _describe(
         return message
     field = loc[0]
     if kind == "extra_forbidden" and len(loc) == 1:
-        return _unknown_key(field)
+        if model is DatasetSpec:
+            return _unknown_key(field)
+        return f"{prefix}{field}: " + _unknown_key(field, list(model.model_fields))
     info = model.model_fields.get(str(field))
     allowed = info.description if info is not None else None
     where = prefix + ".".join(str(part) for part in loc if part != "[key]")
@@ -240,14 +242,14 @@ def parse_entries(
             )
         data = {key: value for key, value in entry.items() if key != "name"}
         if stages is not None and "settings" in data:
-            settings_problems = _stage_problems(data["settings"], stages)
+            settings_problems = stage_problems(data["settings"], stages)
             if settings_problems:
                 lines.extend(settings_problems)
                 data.pop("settings")  # reported once, not again by the type check
         try:
             spec = DatasetSpec.model_validate({"name": name, **data})
         except ValidationError as exc:
-            lines.extend(_describe(error) for error in exc.errors())
+            lines.extend(describe_error(error) for error in exc.errors())
         else:
             if not lines:
                 specs[name] = spec
@@ -270,14 +272,28 @@ def _read_yaml(text: str, origin: str) -> Any:
         raise ValueError(f"{origin}: not valid YAML: {exc}") from exc
 
 
+DRAFTS_KEY = "drafts"  # the section of drafts (`registry/drafts.py`), not a dataset
+
+
+def registry_documents() -> list[tuple[str, dict[str, Any]]]:
+    """The built-in file and the user's (when present), each as (origin, its mapping)."""
+    text = resources.files("mm_assets.registry").joinpath(BUILTIN_FILE).read_text()
+    documents = [(f"built-in {BUILTIN_FILE}", _read_yaml(text, f"built-in {BUILTIN_FILE}"))]
+    user_file = user_registry_file()
+    if user_file.is_file():
+        documents.append((str(user_file), _read_yaml(user_file.read_text(), str(user_file)) or {}))
+    return documents
+
+
 def load_registry(stages: StageSettings | None = None) -> dict[str, DatasetSpec]:
     """Built-in entries, then the user's file (when present) adding or replacing entries;
     with `stages`, the entries' `settings` are checked against those stages' models."""
-    text = resources.files("mm_assets.registry").joinpath(BUILTIN_FILE).read_text()
-    origin = f"built-in {BUILTIN_FILE}"
-    specs = parse_entries(_read_yaml(text, origin), origin, stages)
-    user_file = user_registry_file()
-    if user_file.is_file():
-        origin = str(user_file)
-        specs.update(parse_entries(_read_yaml(user_file.read_text(), origin) or {}, origin, stages))
+    specs: dict[str, DatasetSpec] = {}
+    for origin, document in registry_documents():
+        entries = (
+            {k: v for k, v in document.items() if k != DRAFTS_KEY}
+            if isinstance(document, dict)
+            else document
+        )
+        specs.update(parse_entries(entries, origin, stages))
     return specs

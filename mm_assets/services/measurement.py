@@ -104,26 +104,52 @@ def measured_acceptance(
     reuse: bool = True,
 ) -> Measurement:
     """Acceptance vLLM counts while serving the target with this draft and generating
-    greedily from `prompts`. With `reuse`, the figures recorded beside the draft when the
-    same weights (`weights_sha256`, of its model.safetensors) were measured on the same
-    prompts and settings: starting a server costs about a minute on CPU and holds the
-    accelerator."""
-    record = draft_dir / MEASUREMENT_RECORD
+    greedily from `prompts` (`measured_groups` with one group)."""
+    return measured_groups(
+        target, draft_dir, weights_sha256, {"": prompts}, engine, image_root, log_path,
+        speculative_tokens, max_tokens, reuse,
+    )[""]  # fmt: skip
+
+
+def measured_groups(
+    target: str,
+    draft_dir: Path,
+    weights_sha256: str,
+    groups: dict[str, list[list[dict[str, Any]]]],
+    engine: VllmEngine,
+    image_root: Path | None,
+    log_path: Path,
+    speculative_tokens: int,
+    max_tokens: int,
+    reuse: bool = True,
+    record_name: str = MEASUREMENT_RECORD,
+) -> dict[str, Measurement]:
+    """Acceptance vLLM counts for each group of prompts in turn (its counters differenced
+    per group) on one server of the target with this draft. With `reuse`, the figures
+    recorded beside the draft (`record_name`) when the same weights (`weights_sha256`)
+    were measured on the same prompts and settings: starting a server costs about a
+    minute on CPU and holds the accelerator."""
+    record = draft_dir / record_name
     options = engine.options.model_dump()
-    key = json_sha256([weights_sha256, target, prompts, options, speculative_tokens, max_tokens])
+    key = json_sha256([weights_sha256, target, groups, options, speculative_tokens, max_tokens])
     if reuse and (cached := load_record(record, key)):
-        return Measurement(**cached, reused=True)
+        return {name: Measurement(**fields, reused=True) for name, fields in cached.items()}
     args = speculative_decoding_args(draft_dir, speculative_tokens)
+    measured = {}
     with engine.server(target, args, image_root, log_path) as url:
-        before = spec_decode_counters(url)
         crash_point("measurement")
-        generations = generate_greedy(url, prompts, max_tokens)
-        counters = spec_decode_counters(url).minus(before)
-    measured = Measurement(
-        counters.acceptance_length, counters.per_position_rates, int(counters.drafts),
-        prompts, generations,
-    )  # fmt: skip
-    save_record(record, key, {k: v for k, v in asdict(measured).items() if k != "reused"})
+        for name, prompts in groups.items():
+            before = spec_decode_counters(url)
+            generations = generate_greedy(url, prompts, max_tokens)
+            counters = spec_decode_counters(url).minus(before)
+            measured[name] = Measurement(
+                counters.acceptance_length, counters.per_position_rates, int(counters.drafts),
+                prompts, generations,
+            )  # fmt: skip
+    fields = {
+        name: {k: v for k, v in asdict(m).items() if k != "reused"} for name, m in measured.items()
+    }
+    save_record(record, key, fields)
     return measured
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +187,32 @@ def training_key(job: SpeculatorJob, tables: TableStore) -> str:
     )
 
 
-def _reused_outcome(job: SpeculatorJob, tables: TableStore, key: str) -> SpeculatorOutcome | None:
+@dataclass(frozen=True)
+class TrainingSet:
+    """What one training reads: its rows, the held-out ones, and the supervised-token
+    counts the draft vocabulary is chosen from."""
+
+    train: list[SampleRef]
+    held_out: list[SampleRef]
+    frequencies: dict[int, int]
+    keys: dict[str, str] = field(default_factory=dict)
+    """Online: each row's blob key (`training_data`)."""
+    requests: dict[str, ExtractionRequest] = field(default_factory=dict)
+    """Online: each row's extraction request."""
+
+
+def dataset_training_set(job: SpeculatorJob, tables: TableStore) -> TrainingSet:
+    """A dataset's rows (`training_data`) split by the held-out rule, and its counts."""
+    refs, keys, requests = training_data(job, tables)
+    train_refs, held_out = split(refs, job.settings.held_out_fraction, job.settings.seed)
+    counts = tables.iter_rows("token_frequencies", job.partition)
+    frequencies = {r["token_id"]: r["count"] for r in counts}
+    return TrainingSet(train_refs, held_out, frequencies, keys, requests)
+
+
+def _reused_outcome(
+    job: SpeculatorJob, key: str, held_out: Callable[[], list[SampleRef]]
+) -> SpeculatorOutcome | None:
     record = load_record(job.checkpoint_dir / OUTCOME_RECORD, key)
     weights = job.checkpoint_dir / "model.safetensors"
     if record is None or not weights.is_file():
@@ -197,15 +223,13 @@ def _reused_outcome(job: SpeculatorJob, tables: TableStore, key: str) -> Specula
     untrained = job.untrained_dir / "model.safetensors"
     if not untrained.is_file() or file_sha256(untrained) != record.get("untrained_sha256"):
         return None
-    refs, _, _ = training_data(job, tables)
-    _, held_out = split(refs, job.settings.held_out_fraction, job.settings.seed)
     return SpeculatorOutcome(
         job.checkpoint_dir,
         Eagle3Config.from_target(job.target_config, job.settings.draft_vocab_size),
         TrainResult(**record["result"]),
         record["untrained_acceptance"],
         record["train_rows"],
-        held_out,
+        held_out(),
         record["untrained_replies"],
         reused=True,
         weights_sha256=weights_sha256,
@@ -218,20 +242,23 @@ def train_speculator(
     tables: TableStore,
     reuse: bool = True,
     device: str = "auto",
+    draft: tuple[str, Callable[[], TrainingSet]] | None = None,
 ) -> SpeculatorOutcome:
     """Train and save the draft, or, with `reuse`, return the checkpoint an identical
     earlier job left (its weights verified by hash) without training. Without `reuse`,
-    training starts from the first epoch, not from a saved training state."""
-    key = training_key(job, tables)
-    if reuse and (outcome := _reused_outcome(job, tables, key)):
+    training starts from the first epoch, not from a saved training state. `draft`: the
+    reuse key and the training set of a draft trained on several datasets; by default
+    the partition's own (`dataset_training_set`)."""
+    key, data = draft or (training_key(job, tables), lambda: dataset_training_set(job, tables))
+    if reuse and (outcome := _reused_outcome(job, key, lambda: data().held_out)):
         logger.info("reusing %s: trained from identical inputs and settings", job.checkpoint_dir)
         return outcome
-    refs, keys, requests = training_data(job, tables)
+    rows = data()
     with contextlib.ExitStack() as stack:
         source: BatchSource = StoredBatches()
         if job.online is not None:
-            source = stack.enter_context(OnlineBatches(job.online, keys, requests))
-        outcome, model = _train(job, tables, refs, source, device, resume=reuse)
+            source = stack.enter_context(OnlineBatches(job.online, rows.keys, rows.requests))
+        outcome, model = _train(job, rows, source, device, resume=reuse)
     if isinstance(source, OnlineBatches):
         outcome.fetch = source.report
     if _ranks().rank == 0:
@@ -240,24 +267,16 @@ def train_speculator(
 
 
 def _train(
-    job: SpeculatorJob,
-    tables: TableStore,
-    refs: list[SampleRef],
-    source: BatchSource,
-    device: str,
-    resume: bool,
+    job: SpeculatorJob, data: TrainingSet, source: BatchSource, device: str, resume: bool
 ) -> tuple[SpeculatorOutcome, Eagle3Draft]:
     settings = job.settings
-    frequencies = {
-        r["token_id"]: r["count"] for r in tables.iter_rows("token_frequencies", job.partition)
-    }
     torch.manual_seed(settings.seed)
     cfg = Eagle3Config.from_target(job.target_config, settings.draft_vocab_size)
-    vocab = build_draft_vocab(frequencies, cfg.vocab_size, cfg.draft_vocab_size)
+    vocab = build_draft_vocab(data.frequencies, cfg.vocab_size, cfg.draft_vocab_size)
     model = Eagle3Draft(cfg)
     head = load_target_head(job.target_dir)
     model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
-    train_refs, held_out = split(refs, settings.held_out_fraction, settings.seed)
+    train_refs, held_out = data.train, data.held_out
     # acceptance needs the target's own greedy token, over its whole vocabulary
     _, untrained_replies = evaluate(
         model, held_out, settings, head.lm_head, device, source, "held-out (untrained)"

@@ -54,6 +54,11 @@ class MeasurementSettings(BaseModel):
     )
     vllm_prompts: int = Field(default=32, ge=1, description="Held-out prompts vLLM generates from.")
     vllm_max_tokens: int = Field(default=64, ge=1, description="Tokens generated per prompt.")
+    compare_with_sources: bool = Field(
+        default=True,
+        description="Drafts of several datasets: also serve each source's own draft (its "
+        "trained_speculator checkpoint, when there is one) on the same prompts.",
+    )
     measure_untrained_in_vllm: bool = Field(
         default=True,
         description="Also serve the untrained draft on the same prompts (one more server "

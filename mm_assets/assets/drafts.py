@@ -1,0 +1,157 @@
+"""Drafts trained on several datasets: `trained_draft`, one partition per `drafts:` entry
+of the registry, reading its sources' stored hidden states."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import dagster as dg
+from pydantic import Field
+
+from mm_assets.assets.config import config_class, stage_settings
+from mm_assets.assets.metadata import rounded
+from mm_assets.assets.model import hidden_states, training_metadata
+from mm_assets.assets.partitions import (
+    REGISTRY,
+    accelerator_asset,
+    draft_partitions,
+    draft_spec,
+    sources_of_drafts,
+)
+from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
+from mm_assets.domain.model.settings import (
+    TRAINING_VERSION,
+    MeasurementSettings,
+    SpeculatorSettings,
+)
+from mm_assets.storage.object_store import publish_directory
+
+if TYPE_CHECKING:
+    from mm_assets.domain.model.draft_set import DraftSet
+    from mm_assets.registry import DraftSpec
+    from mm_assets.services.draft_measurement import DraftBySource
+    from mm_assets.storage import TableStore
+
+DraftConfig = config_class(
+    "DraftConfig",
+    "trained_speculator",
+    SpeculatorSettings,
+    MeasurementSettings,
+    retrain=(
+        bool,
+        Field(False, description="Train (from the first epoch) and measure again."),
+    ),
+)
+
+
+@accelerator_asset(
+    TRAINING_VERSION,
+    deps=[dg.AssetDep(hidden_states, partition_mapping=sources_of_drafts())],
+    kinds={"pytorch", "safetensors"},
+    partitions_def=draft_partitions,
+)
+def trained_draft(
+    context: dg.AssetExecutionContext,
+    config: DraftConfig,  # type: ignore[valid-type]
+    storage: StorageResource,
+    target_model: TargetModelResource,
+    vllm: VllmResource,
+) -> dg.MaterializeResult:
+    """An EAGLE-3 draft trained on several datasets (a `drafts:` entry: its sources, each
+    capped), from their stored hidden states: a conversation that two sources hold trains
+    once, every source keeps held-out rows by the rule its own draft uses, and the draft
+    is measured per source — offline and in vLLM — beside each source's own draft on the
+    same prompts (`compare_with_sources`). Written as `speculators/<draft>/`."""
+    from mm_assets.services.draft_measurement import measure_by_source
+    from mm_assets.services.draft_training import train_draft
+
+    draft, tables, root = draft_spec(context), storage.tables(), Path(storage.root)
+    settings = stage_settings(
+        context, draft, "trained_speculator", SpeculatorSettings, "trained_draft"
+    )
+    measure = stage_settings(
+        context, draft, "trained_speculator", MeasurementSettings, "trained_draft"
+    )
+    job, trained = train_draft(
+        draft, root, target_model.model(), settings, tables, reuse=not config.retrain
+    )
+    metadata = training_metadata(trained.outcome, job.layer_ids) | sources_metadata(trained.rows)
+    if measure.measure_in_vllm:
+        own = {s: root / "speculators" / s for s in draft.sources}
+        others = {s: d for s, d in own.items() if (d / "model.safetensors").is_file()}
+        by_source = measure_by_source(
+            job, trained.outcome, list(draft.sources), tables, vllm.engine(),
+            image_root(draft, tables), storage.log_path(f"vllm_draft_{context.run.run_id}"),
+            measure.vllm_prompts, measure.vllm_max_tokens, not config.retrain,
+            others if measure.compare_with_sources else {},
+        )  # fmt: skip
+        metadata |= by_source_metadata(draft.name, by_source)
+    if (store := storage.checkpoint_store()) is not None:
+        url, uploaded = publish_directory(
+            store, trained.outcome.checkpoint, "speculators", draft.name
+        )
+        metadata["checkpoint_url"] = dg.MetadataValue.path(url)
+        metadata["checkpoint_files_uploaded"] = uploaded
+    assert trained.outcome.weights_sha256 is not None
+    return dg.MaterializeResult(
+        metadata=rounded(metadata), data_version=dg.DataVersion(trained.outcome.weights_sha256)
+    )
+
+
+def image_root(draft: DraftSpec, tables: TableStore) -> Path | None:
+    """The directory vLLM may read images under: the image root of the sources that have
+    images (their common parent when there are several)."""
+    import os
+
+    roots = {
+        REGISTRY[s].resolved_image_root()
+        for s in draft.sources
+        if tables.num_rows("coco_image_availability", s)
+    }
+    return Path(os.path.commonpath(sorted(roots))) if roots else None
+
+
+def sources_metadata(rows: DraftSet) -> dict[str, Any]:
+    lines = [
+        "| source | rows | held out | tokens | supervised | left out by the cap | duplicates |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, f in rows.figures.items():
+        lines.append(
+            f"| {name} | {f.rows} | {f.held_out} | {f.tokens} | {f.supervised} | {f.capped} | "
+            f"{f.duplicates} |"
+        )
+    return {
+        "sources": dg.MetadataValue.md("\n".join(lines)),
+        "duplicates_by_source_pair": dict(rows.duplicates),
+        **{f"rows_{name}": f.rows for name, f in rows.figures.items()},
+    }
+
+
+def by_source_metadata(name: str, measured: DraftBySource) -> dict[str, Any]:
+    """A Markdown table draft × source (vLLM-measured acceptance), and this draft's
+    figures per source as numbers (the Plots tab)."""
+    sources = list(measured.trained)
+    lines = [
+        "| draft | " + " | ".join(sources) + " |",
+        "|---|" + "---:|" * len(sources),
+        f"| **{name}** | "
+        + " | ".join(f"{measured.trained[s].acceptance_length:.3f}" for s in sources)
+        + " |",
+    ]
+    for other, figures in measured.others.items():
+        cells = [f"{figures[s].acceptance_length:.3f}" if s in figures else "" for s in sources]
+        lines.append(f"| {other} (its own draft) | " + " | ".join(cells) + " |")
+    out: dict[str, Any] = {"vllm_acceptance_by_source": dg.MetadataValue.md("\n".join(lines))}
+    for source, f in measured.trained.items():
+        out[f"vllm_acceptance_length_{source}"] = f.acceptance_length
+        out[f"vllm_prompts_{source}"] = f.prompts
+        if f.estimate is not None:
+            out[f"vllm_acceptance_length_estimate_{source}"] = f.estimate
+        if f.same_as_target is not None:
+            out[f"vllm_generations_same_as_target_{source}"] = f.same_as_target
+    for other, figures in measured.others.items():
+        for source, f in figures.items():
+            out[f"vllm_acceptance_length_{source}_by_{other}"] = f.acceptance_length
+    return out

@@ -1,0 +1,145 @@
+"""Draft entries: a draft is trained on several registered datasets (its sources), each
+capped, read from the `drafts:` section of the same YAML files as the datasets.
+
+    drafts:
+      vlm_chat:
+        sources: {sharegpt4v_coco: {max_rows: 30000}, ultrachat: {fraction: 0.5}}
+        epochs: 4            # any trained_speculator setting
+
+Every dataset is also a one-source draft of its own name, so a draft's name may not be a
+dataset's. Entries are checked when the registry loads, like datasets: an unknown source
+or key, a bad cap, or sources whose states cannot be trained on together (other layer
+ids, states fetched online) are refused with a line naming the file, the draft and the
+field.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from mm_assets.registry.specs import (
+    DRAFTS_KEY,
+    DatasetSpec,
+    StageSettings,
+    describe_error,
+    registry_documents,
+    stage_problems,
+)
+
+STAGE = "trained_speculator"  # the stage whose settings a draft entry may set
+
+
+class SourceCap(BaseModel):
+    """How much of one source a draft takes (all of it by default)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_rows: int | None = Field(
+        default=None, gt=0, strict=True, description="at most this many training rows"
+    )
+    fraction: float | None = Field(
+        default=None, gt=0, le=1, description="this share of the rows, from 0 to 1"
+    )
+
+    @model_validator(mode="after")
+    def _one_cap(self) -> SourceCap:
+        if self.max_rows is not None and self.fraction is not None:
+            raise ValueError("give max_rows or fraction, not both")
+        return self
+
+
+class DraftSpec(BaseModel):
+    """One draft: its sources and their caps, and its `trained_speculator` settings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    sources: dict[str, SourceCap] = Field(
+        min_length=1, description="a mapping {dataset name: {max_rows | fraction}}"
+    )
+    settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    @property
+    def is_dataset(self) -> bool:
+        """A dataset's own draft: one source of the same name, uncapped."""
+        return list(self.sources) == [self.name] and self.sources[self.name] == SourceCap()
+
+    @classmethod
+    def of_dataset(cls, spec: DatasetSpec) -> DraftSpec:
+        return cls(name=spec.name, sources={spec.name: SourceCap()}, settings=spec.settings)
+
+
+def parse_drafts(
+    entries: Any, origin: str, datasets: Mapping[str, DatasetSpec], stages: StageSettings
+) -> dict[str, DraftSpec]:
+    """Validate raw `drafts:` entries against the datasets; all problems in one error."""
+    if entries is None:
+        return {}
+    if not isinstance(entries, dict):
+        raise ValueError(f"{origin}: 'drafts': expected a mapping of draft name -> entry")
+    drafts, problems = {}, []
+    for name, entry in entries.items():
+        lines = _draft_problems(name, entry, datasets, stages)
+        if not lines:
+            settings = {k: v for k, v in entry.items() if k != "sources"}
+            drafts[name] = DraftSpec(
+                name=name, sources=entry["sources"], settings={STAGE: settings} if settings else {}
+            )
+        problems += [f"{origin}: draft {name!r}: {line}" for line in lines]
+    if problems:
+        raise ValueError("\n".join(problems))
+    return drafts
+
+
+def _draft_problems(
+    name: str, entry: Any, datasets: Mapping[str, DatasetSpec], stages: StageSettings
+) -> list[str]:
+    if name in datasets:
+        return ["a dataset has this name (every dataset is already a draft of its own)"]
+    if not isinstance(entry, dict) or not isinstance(entry.get("sources"), dict):
+        return ["expected a mapping with 'sources': {dataset name: {max_rows | fraction}}"]
+    settings = {k: v for k, v in entry.items() if k != "sources"}
+    lines = [
+        line.replace(f"settings.{STAGE}.", "").replace(f"'settings.{STAGE}': ", "")
+        for line in stage_problems({STAGE: settings}, stages)
+    ]
+    for source, cap in entry["sources"].items():
+        if source not in datasets:
+            close = difflib.get_close_matches(str(source), list(datasets), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            lines.append(
+                f"'sources.{source}': unknown dataset ({hint}known: {', '.join(datasets)})"
+            )
+            continue
+        try:
+            SourceCap.model_validate(cap or {})
+        except ValidationError as exc:
+            lines += [describe_error(e, SourceCap, f"sources.{source}.") for e in exc.errors()]
+    known = [datasets[s] for s in entry["sources"] if s in datasets]
+    layer_ids = {str(s.settings.get("hidden_states", {}).get("layer_ids")) for s in known}
+    if len(layer_ids) > 1:
+        lines.append(
+            f"'sources': their hidden_states layer_ids differ ({', '.join(sorted(layer_ids))}); "
+            "a draft trains on one set of layers: give every source the same layer_ids"
+        )
+    online = [s.name for s in known if s.settings.get(STAGE, {}).get("hidden_states") == "online"]
+    if online:
+        lines.append(
+            f"'sources': {', '.join(online)} fetch hidden states online; a draft trains on "
+            "its sources' stored states: store them (hidden_states: stored)"
+        )
+    return lines
+
+
+def load_drafts(datasets: Mapping[str, DatasetSpec], stages: StageSettings) -> dict[str, DraftSpec]:
+    """Every dataset as its own draft, then the files' `drafts:` sections (built-in, then
+    the user's, adding or replacing drafts)."""
+    drafts = {name: DraftSpec.of_dataset(spec) for name, spec in datasets.items()}
+    for origin, document in registry_documents():
+        if isinstance(document, dict):
+            drafts.update(parse_drafts(document.get(DRAFTS_KEY), origin, datasets, stages))
+    return drafts
