@@ -296,12 +296,18 @@ def test_the_products_accelerator_steps_carry_the_watch(monkeypatch: pytest.Monk
     from mm_assets.definitions import defs as product
 
     assert wiring.is_watched(product.executor)
-    assert wiring.is_watched(product.resolve_implicit_global_asset_job_def().executor_def)
+    for job in ("dataset_chain", "drafts"):
+        assert wiring.is_watched(product.resolve_job_def(job).executor_def)
     monkeypatch.setenv("MM_ASSETS_EXECUTOR", "multiprocess")
     assert wiring.is_watched(step_executor())
     assets = [a for a in product.assets or [] if isinstance(a, dg.AssetsDefinition)]
     in_pool = {a.key.to_user_string(): a for a in assets if a.op.pool == ACCELERATOR_POOL}
-    assert set(in_pool) == {"target_responses", "hidden_states", "trained_speculator"}
+    assert set(in_pool) == {
+        "target_responses",
+        "hidden_states",
+        "trained_speculator",
+        "trained_draft",
+    }
     for asset in in_pool.values():
         assert asset.resource_defs[wiring.WATCH_KEY] is ACCELERATOR_WATCH
         assert wiring.WATCH_KEY in asset.required_resource_keys

@@ -311,4 +311,8 @@ def test_the_demo_entries_carry_the_demo_settings(
     for name in ("demo_sharegpt4v_coco", "demo_sharegpt"):
         settings = registry[name].settings
         assert settings["target_responses"] == {"max_tokens": 64}
-        assert settings["trained_speculator"] == {"learning_rate": 3e-3, "batch_tokens": 512}
+        assert settings["trained_speculator"] == {
+            "learning_rate": 3e-3,
+            "batch_tokens": 512,
+            "measure_untrained_in_vllm": False,
+        }

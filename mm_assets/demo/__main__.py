@@ -102,14 +102,16 @@ def _acceptance_table(meta: dict) -> str:
     nan = float("nan")
     lines = [f"      {'':<10}{'vLLM measured':>15}  {'per position':<26}{'estimate':>9}"]
     for name, prefix in (("trained", ""), ("untrained", "untrained_")):
-        measured = meta.get(f"vllm_{prefix}acceptance_length", nan)
+        measured = meta.get(f"vllm_{prefix}acceptance_length")
         positions = ", ".join(
             f"{r:.2f}" for r in meta.get(f"vllm_{prefix}per_position_acceptance", [])
         )
-        estimate = meta.get(f"vllm_{prefix}acceptance_length_estimate", nan)
-        lines.append(
-            f"      {name:<10}{measured:>15.3f}  {'[' + positions + ']':<26}{estimate:>9.3f}"
+        estimate = meta.get(
+            f"vllm_{prefix}acceptance_length_estimate",
+            meta.get(f"{prefix}acceptance_length_estimate", nan),  # not served: all replies
         )
+        shown = f"{measured:>15.3f}" if measured is not None else f"{'(not served)':>15}"
+        lines.append(f"      {name:<10}{shown}  {'[' + positions + ']':<26}{estimate:>9.3f}")
     prompts = meta.get("vllm_prompts", 0)
     lines.append(
         f"      ({prompts} of {meta['held_out_replies']} held-out replies, greedy; estimate "
