@@ -9,6 +9,7 @@ import pytest
 
 from mm_assets.assets.config import STAGE_SETTINGS
 from mm_assets.domain.model.draft_set import SourceRows, draft_set, prompt_key, source_of
+from mm_assets.domain.model.settings import SpeculatorSettings
 from mm_assets.domain.model.training_data import SampleRef
 from mm_assets.registry import DatasetSpec, load_drafts, load_registry
 from mm_assets.registry.drafts import parse_drafts
@@ -236,3 +237,40 @@ def test_a_draft_of_both_demo_datasets_through_the_cli_serves_in_vllm_losslessly
         prompts, generations = record[source]["prompts"], record[source]["generations"]
         plain = generate_greedy(plain_vllm_server.base_url, prompts, max_tokens=64)
         assert generations == plain, source
+
+
+def test_the_reuse_key_follows_every_source_table_and_cap(tmp_path: Path) -> None:
+    """A draft retrains when any source's table changes (by content) or a cap changes,
+    and not when a table is rewritten with the same rows or another dataset changes."""
+    from mm_assets.registry import DraftSpec, SourceCap
+    from mm_assets.services.draft_training import SOURCE_TABLES, draft_key
+    from mm_assets.services.training import SpeculatorJob
+    from mm_assets.storage import open_tables, schemas
+
+    tables = open_tables(tmp_path)
+    shapes = {
+        "tokenized_samples": schemas.TOKENIZED, "token_frequencies": schemas.TOKEN_FREQUENCIES,
+        "hidden_states_manifest": schemas.MANIFEST, "normalized_conversations": schemas.NORMALIZED,
+    }  # fmt: skip
+    assert set(shapes) == set(SOURCE_TABLES)
+
+    def write(partition: str, table: str, value: int) -> None:
+        row = {"token_id": value, "count": value} if table == "token_frequencies" else {
+            "row_id": f"r{value}", "sample_id": f"r{value}"}  # fmt: skip
+        tables.write(table, partition, [row], shapes[table])
+
+    for partition in ("a", "b", "other"):
+        for table in SOURCE_TABLES:
+            write(partition, table, 1)
+    draft = DraftSpec(name="mix", sources={"a": SourceCap(), "b": SourceCap(max_rows=5)})
+    job = SpeculatorJob("mix", tmp_path, tmp_path, {}, "fp", [1, 2, 3, 4], SpeculatorSettings())
+    key = draft_key(job, draft, tables)
+    write("b", "tokenized_samples", 1)
+    write("other", "tokenized_samples", 2)
+    assert draft_key(job, draft, tables) == key
+    write("b", "normalized_conversations", 2)
+    assert draft_key(job, draft, tables) != key
+    write("b", "normalized_conversations", 1)
+    assert draft_key(job, draft, tables) == key
+    capped = DraftSpec(name="mix", sources={"a": SourceCap(), "b": SourceCap(max_rows=6)})
+    assert draft_key(job, capped, tables) != key

@@ -146,6 +146,7 @@ def by_source_metadata(name: str, measured: DraftBySource) -> dict[str, Any]:
     out: dict[str, Any] = {"vllm_acceptance_by_source": dg.MetadataValue.md("\n".join(lines))}
     for source, f in measured.trained.items():
         out[f"vllm_acceptance_length_{source}"] = f.acceptance_length
+        out[f"vllm_per_position_acceptance_{source}"] = [round(r, 4) for r in f.per_position]
         out[f"vllm_prompts_{source}"] = f.prompts
         if f.estimate is not None:
             out[f"vllm_acceptance_length_estimate_{source}"] = f.estimate
