@@ -91,26 +91,6 @@ def same_as_target(replies: list[HeldOutReply], generations: list[list[int]]) ->
     return sum(target[: len(g)] == g[: len(target)] for target, g in pairs)
 
 
-def measured_acceptance(
-    target: str,
-    draft_dir: Path,
-    weights_sha256: str,
-    prompts: list[list[dict[str, Any]]],
-    engine: VllmEngine,
-    image_root: Path | None,
-    log_path: Path,
-    speculative_tokens: int,
-    max_tokens: int,
-    reuse: bool = True,
-) -> Measurement:
-    """Acceptance vLLM counts while serving the target with this draft and generating
-    greedily from `prompts` (`measured_groups` with one group)."""
-    return measured_groups(
-        target, draft_dir, weights_sha256, {"": prompts}, engine, image_root, log_path,
-        speculative_tokens, max_tokens, reuse,
-    )[""]  # fmt: skip
-
-
 def measured_groups(
     target: str,
     draft_dir: Path,
@@ -178,19 +158,20 @@ def measure_drafts(
     reuse: bool = True,
     untrained: bool = True,
 ) -> DraftMeasurements:
-    """`measured_acceptance` of a training outcome on its held-out replies' prompts and,
-    with `untrained`, of the same draft before training (`SpeculatorJob.untrained_dir`)
-    on the same prompts: the baseline that shows what training bought."""
+    """What vLLM measures (`measured_groups`) of a training outcome on its held-out
+    replies' prompts and, with `untrained`, of the same draft before training
+    (`SpeculatorJob.untrained_dir`) on the same prompts: the baseline that shows what
+    training bought."""
     replies = held_out_replies(tables, job.partition, outcome.result.held_out_replies, max_prompts)
     prompts = [reply.prompt for reply in replies]
     engine = engine.for_target(text_config_facts(job.target_config))
 
     def measure(draft_dir: Path, weights_sha256: str | None) -> Measurement:
         weights_sha256 = weights_sha256 or file_sha256(draft_dir / "model.safetensors")
-        return measured_acceptance(
-            str(job.target_dir), draft_dir, weights_sha256, prompts, engine, image_root,
+        return measured_groups(
+            str(job.target_dir), draft_dir, weights_sha256, {"": prompts}, engine, image_root,
             log_path, job.settings.speculative_tokens, max_tokens, reuse,
-        )  # fmt: skip
+        )[""]  # fmt: skip
 
     def estimate(replayed: dict[str, list[list[int]]]) -> AcceptanceSummary:
         walks = [replayed[reply.row_id][reply.reply] for reply in replies]
