@@ -3,6 +3,7 @@ of the registry, reading its sources' stored hidden states."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -102,8 +103,6 @@ def trained_draft(
 def image_root(draft: DraftSpec, tables: TableStore) -> Path | None:
     """The directory vLLM may read images under: the image root of the sources that have
     images (their common parent when there are several)."""
-    import os
-
     roots = {
         REGISTRY[s].resolved_image_root()
         for s in draft.sources
