@@ -2,7 +2,8 @@
 
 From each source's rows with stored hidden states: the cap (a row count or a fraction,
 chosen by a seeded hash of the row id, so the choice is the same on every run and a row
-added to the source leaves the others' choice alone), then one copy of each conversation
+added to the source changes it by at most one row: it is kept or not, and with
+`max_rows` it may take one other's place), then one copy of each conversation
 that several sources hold (by its prompt side: the turns without the replies' text,
 images by content; the first source listed keeps it), then each source's held-out rows
 by the same rule a one-dataset draft uses, with at least `min_held_out` per source so
