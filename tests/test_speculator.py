@@ -73,11 +73,11 @@ def test_checkpoint_fields_and_held_out_acceptance(trained: dict) -> None:
 
 def _measurement(trained: dict, untrained: bool = False) -> dict:
     """What the measurement recorded beside the checkpoint (or the untrained draft's):
-    prompts, generations, figures."""
+    prompts, generations, figures (one group of prompts: `measured_groups`)."""
     draft = Path(trained["checkpoint"])
     if untrained:
         draft = draft.parent.parent / "untrained_speculators" / draft.name
-    return json.loads((draft / MEASUREMENT_RECORD).read_text())["payload"]
+    return json.loads((draft / MEASUREMENT_RECORD).read_text())["payload"][""]
 
 
 def test_the_trained_draft_beats_the_untrained_one_in_vllm(trained: dict) -> None:
