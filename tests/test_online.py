@@ -234,3 +234,34 @@ def test_a_server_killed_mid_training_fails_the_step_and_the_rerun_resumes(
         "| epoch 1 |" not in trained["online_passes"] and "| epoch 2 |" in trained["online_passes"]
     )
     assert trained["vllm_prompts"] == 4 and trained["vllm_acceptance_length"] >= 1.0
+
+
+@pytest.mark.long
+def test_on_a_fleet_training_goes_on_when_a_server_dies(
+    demo_hidden_states, vllm_server, demo_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Two servers; one dies after epoch 1 (SIGKILL, its process group). Its requests go
+    to the other, it leaves the rotation, and the step trains to the end with every row
+    of every pass (discard: each epoch asks again)."""
+    root = _home(tmp_path / "home")
+    doomed = doomed_server(demo_dir, root)
+    killed: list[int] = []
+    reach = trainer.crash_point
+
+    def kill_after_first_epoch(name: str) -> None:
+        reach(name)
+        if name == "after_epoch" and not killed and doomed.process is not None:
+            os.killpg(os.getpgid(doomed.process.pid), signal.SIGKILL)
+            killed.append(doomed.process.pid)
+
+    monkeypatch.setattr(trainer, "crash_point", kill_after_first_epoch)
+    with doomed:
+        fleet = [doomed.base_url, vllm_server.base_url]
+        result = _run(root, fleet, {**ONLINE, "online_cache": "discard"})
+    trained = _meta(result, "trained_speculator")
+    assert killed and trained.get("online_rejected_request_refused") is None
+    passes = TRAINING["epochs"] * trained["train_rows"] + 2 * trained["held_out_rows"]
+    assert trained["online_rows_fetched"] == passes
+    rows = {line.split("|")[1].strip(): line for line in trained["online_servers"].splitlines()}
+    assert "| 1 | no |" in rows[doomed.base_url]  # taken out once, out of rotation
+    assert trained["batch_plan_sha256"] == _offline_plan()
