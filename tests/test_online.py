@@ -83,6 +83,22 @@ def _failure(result: dg.ExecuteInProcessResult) -> str:
     return "\n".join(messages)
 
 
+def _kill_after_first_epoch(monkeypatch: pytest.MonkeyPatch, doomed) -> list[int]:
+    """SIGKILL `doomed`'s process group once the trainer has saved epoch 1; the pids
+    killed (filled in when it happens)."""
+    killed: list[int] = []
+    reach = trainer.crash_point
+
+    def point(name: str) -> None:
+        reach(name)
+        if name == "after_epoch" and not killed and doomed.process is not None:
+            os.killpg(os.getpgid(doomed.process.pid), signal.SIGKILL)
+            killed.append(doomed.process.pid)
+
+    monkeypatch.setattr(trainer, "crash_point", point)
+    return killed
+
+
 def _blobs(root: Path) -> dict[str, Path]:
     return {p.stem: p for p in (root / "blobs").rglob("*.safetensors")}
 
@@ -206,16 +222,7 @@ def test_a_server_killed_mid_training_fails_the_step_and_the_rerun_resumes(
     checkpoint serves in vLLM with speculative decoding."""
     root = _home(tmp_path / "home")
     doomed = doomed_server(demo_dir, root)
-    killed: list[int] = []
-    reach = trainer.crash_point
-
-    def kill_after_first_epoch(name: str) -> None:
-        reach(name)
-        if name == "after_epoch" and not killed and doomed.process is not None:
-            os.killpg(os.getpgid(doomed.process.pid), signal.SIGKILL)
-            killed.append(doomed.process.pid)
-
-    monkeypatch.setattr(trainer, "crash_point", kill_after_first_epoch)
+    killed = _kill_after_first_epoch(monkeypatch, doomed)
     discard = {**ONLINE, "online_cache": "discard"}
     quick_failure = {"max_retries": 1, "breaker_failures": 2}
     with doomed:
@@ -245,16 +252,7 @@ def test_on_a_fleet_training_goes_on_when_a_server_dies(
     of every pass (discard: each epoch asks again)."""
     root = _home(tmp_path / "home")
     doomed = doomed_server(demo_dir, root)
-    killed: list[int] = []
-    reach = trainer.crash_point
-
-    def kill_after_first_epoch(name: str) -> None:
-        reach(name)
-        if name == "after_epoch" and not killed and doomed.process is not None:
-            os.killpg(os.getpgid(doomed.process.pid), signal.SIGKILL)
-            killed.append(doomed.process.pid)
-
-    monkeypatch.setattr(trainer, "crash_point", kill_after_first_epoch)
+    killed = _kill_after_first_epoch(monkeypatch, doomed)
     with doomed:
         fleet = [doomed.base_url, vllm_server.base_url]
         result = _run(root, fleet, {**ONLINE, "online_cache": "discard"})
