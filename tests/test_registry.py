@@ -89,7 +89,7 @@ def test_keyword_construction_defaults_and_frozen() -> None:
         ),
         pytest.param(
             "path: x.json\n  format: llava",
-            ["'format'", "'sharegpt4v', 'sharegpt' or 'messages'", "'llava'"],
+            ["'format'", "'sharegpt4v', 'sharegpt', 'messages' or 'prompts'", "'llava'"],
             id="unknown-format",
         ),
         pytest.param(

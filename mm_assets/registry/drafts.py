@@ -115,6 +115,9 @@ def _draft_problems(
                 f"'sources.{source}': unknown dataset ({hint}known: {', '.join(datasets)})"
             )
             continue
+        if datasets[source].is_benchmark:
+            lines.append(f"'sources.{source}': a benchmark is never trained on")
+            continue
         try:
             SourceCap.model_validate(cap or {})
         except ValidationError as exc:
@@ -136,9 +139,11 @@ def _draft_problems(
 
 
 def load_drafts(datasets: Mapping[str, DatasetSpec], stages: StageSettings) -> dict[str, DraftSpec]:
-    """Every dataset as its own draft, then the files' `drafts:` sections (built-in, then
+    """Every training dataset as its own draft, then the files' `drafts:` sections (built-in, then
     the user's, adding or replacing drafts)."""
-    drafts = {name: DraftSpec.of_dataset(spec) for name, spec in datasets.items()}
+    drafts = {
+        name: DraftSpec.of_dataset(spec) for name, spec in datasets.items() if not spec.is_benchmark
+    }
     for origin, document in registry_documents():
         if isinstance(document, dict):
             drafts.update(parse_drafts(document.get(DRAFTS_KEY), origin, datasets, stages))

@@ -28,15 +28,34 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from mm_assets.common import paths
 
 BUILTIN_FILE = "datasets.yaml"
+DEFAULT_CATEGORY = "all"
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
-DatasetFormat = Literal["sharegpt4v", "sharegpt", "messages"]
+DatasetFormat = Literal["sharegpt4v", "sharegpt", "messages", "prompts"]
+DatasetRole = Literal["training", "benchmark"]
 # the filters `domain.ingest.sources.FILTERS` implements, each taking a string
 FilterName = Literal["image_prefix"]
 # keys an earlier release knew under another name: refused with the new one
 RENAMED = {"max_quarantine_ratio": "max_tokenization_quarantine_ratio"}
 # stage name -> the settings models its fields come from (`load_registry(stages)`)
 StageSettings = Mapping[str, Sequence[type[BaseModel]]]
+
+
+class PromptColumns(BaseModel):
+    """Where a `prompts`-format record keeps its parts (e.g. MMStar: question, image)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    prompt: str = Field(
+        default="prompt", description="the column of the prompt: a string, or a list of "
+        "strings asked turn after turn (MT-Bench's two turns)",
+    )  # fmt: skip
+    image: str | None = Field(
+        default=None, description="the column of the prompt's image(s), shown before its text"
+    )
+    answer: str | None = Field(
+        default=None, description="the column of the reference answer(s), if any"
+    )
 
 
 class DatasetSpec(BaseModel):
@@ -51,7 +70,39 @@ class DatasetSpec(BaseModel):
     )
     subset: str | None = Field(default=None, description="the hub dataset's subset (config)")
     split: str = Field(default="train", description="a split name, e.g. train")
-    format: DatasetFormat = Field(description="sharegpt4v, sharegpt or messages")
+    data_files: list[str] | None = Field(
+        default=None,
+        description="files of the hub dataset (or under the local directory) to read, in "
+        "order, e.g. one per subset",
+    )
+    format: DatasetFormat = Field(
+        description="sharegpt4v, sharegpt, messages (TRL's layout with an `images` column "
+        "included) or prompts (columns named by `columns`)"
+    )
+    columns: PromptColumns = Field(
+        default_factory=PromptColumns, description="format prompts: {prompt, image, answer}"
+    )
+    role: DatasetRole = Field(
+        default="training",
+        description="'training' (a draft is trained on it) or 'benchmark' (prompts drafts "
+        "are measured on, per category; prepared but never trained on)",
+    )
+    category: str | None = Field(
+        default=None, description="benchmark: one category for every row of the entry"
+    )
+    category_column: str | None = Field(
+        default=None, description="benchmark: the column holding each row's category"
+    )
+    category_from_file: bool = Field(
+        default=False,
+        strict=True,
+        description="benchmark: each row's category is the name of its file (without the "
+        "suffix), e.g. one file per subset",
+    )
+    benchmarks: list[str] = Field(
+        default_factory=list,
+        description="benchmark entries `speculator_benchmark` measures this dataset's draft on",
+    )
     filter: dict[FilterName, str] = Field(
         default_factory=dict,
         description="a mapping {filter name: argument}; filters: image_prefix (keep rows "
@@ -117,7 +168,35 @@ class DatasetSpec(BaseModel):
                 f"give exactly one of 'hub' (a hub dataset id) or 'path' (a local file or "
                 f"directory); {given}"
             )
+        ways = [self.category is not None, self.category_column is not None,
+                self.category_from_file]  # fmt: skip
+        if sum(ways) > 1:
+            raise ValueError(
+                "give at most one of 'category', 'category_column' and 'category_from_file'"
+            )
+        if any(ways) and self.role != "benchmark":
+            raise ValueError("categories are for benchmarks: add 'role: benchmark'")
+        if self.benchmarks and self.role == "benchmark":
+            raise ValueError("'benchmarks' lists what a draft is measured on: a benchmark "
+                             "entry has no draft; remove it")  # fmt: skip
         return self
+
+    @property
+    def is_benchmark(self) -> bool:
+        return self.role == "benchmark"
+
+    def category_of(self, record: Mapping[str, Any], source_file: str | None) -> str:
+        """A benchmark row's category: the entry's one value, its column or its file's
+        name (`DEFAULT_CATEGORY` when none is set or the row holds none)."""
+        if self.category is not None:
+            return self.category
+        if self.category_from_file and source_file:
+            return Path(source_file).name.split(".")[0]
+        if self.category_column is not None:
+            value = record.get(self.category_column)
+            if value is not None and str(value).strip():
+                return str(value)
+        return DEFAULT_CATEGORY
 
     def resolved_image_root(self) -> Path:
         """The directory image references resolve under: the entry's, else `$COCO_DIR`."""
@@ -296,4 +375,25 @@ def load_registry(stages: StageSettings | None = None) -> dict[str, DatasetSpec]
             else document
         )
         specs.update(parse_entries(entries, origin, stages))
+    problems = benchmark_problems(specs)
+    if problems:
+        raise ValueError("\n".join(problems))
     return specs
+
+
+def benchmark_problems(specs: Mapping[str, DatasetSpec]) -> list[str]:
+    """A training entry's `benchmarks` must name benchmark entries."""
+    problems = []
+    benchmarks = sorted(n for n, s in specs.items() if s.is_benchmark)
+    for name, spec in specs.items():
+        for bench in spec.benchmarks:
+            if bench in benchmarks:
+                continue
+            close = difflib.get_close_matches(bench, benchmarks, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            what = "a training dataset" if bench in specs else "not an entry"
+            problems.append(
+                f"dataset {name!r}: 'benchmarks': {bench!r} is {what} ({hint}benchmark "
+                f"entries, with 'role: benchmark': {', '.join(benchmarks) or 'none'})"
+            )
+    return problems
