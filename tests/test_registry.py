@@ -94,7 +94,7 @@ def test_keyword_construction_defaults_and_frozen() -> None:
         ),
         pytest.param(
             "path: x.json",
-            ["'format' is required", "sharegpt4v, sharegpt or messages"],
+            ["'format' is required", "sharegpt4v, sharegpt, messages"],
             id="missing-format",
         ),
         pytest.param(
