@@ -1,5 +1,5 @@
 """The mm_assets code location: dataset → images → conversations → tokens → hidden states
-→ trained EAGLE-3 speculator.
+→ trained EAGLE-3 speculator → benchmarked per category.
 
 `dagster dev`, `dg dev`, `dagster asset materialize -m mm_assets.definitions` and
 `dg launch` load this module. Loading it imports neither torch nor transformers: the
@@ -9,6 +9,7 @@ starts in about a second.
 
 import dagster as dg
 
+from mm_assets.assets.benchmarks import speculator_benchmark
 from mm_assets.assets.drafts import trained_draft
 from mm_assets.assets.executors import step_executor
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
@@ -24,8 +25,9 @@ paths.ensure_dagster_home()
 # One run covers one partitioning: a dataset's chain, or a draft of several datasets.
 dataset_chain_job = dg.define_asset_job(
     "dataset_chain",
-    selection=dg.AssetSelection.assets(trained_speculator).upstream(),
-    description="A dataset's whole chain, down to its own draft (`trained_speculator`).",
+    selection=dg.AssetSelection.assets(speculator_benchmark).upstream(),
+    description="A dataset's whole chain, down to its own draft (`trained_speculator`) "
+    "benchmarked (`speculator_benchmark`); on a benchmark's partition, its preparation.",
 )
 drafts_job = dg.define_asset_job(
     "drafts",
@@ -43,6 +45,7 @@ defs = dg.Definitions(
         hidden_states,
         trained_speculator,
         trained_draft,
+        speculator_benchmark,
     ],
     jobs=[refresh_raw_datasets_job, dataset_chain_job, drafts_job],
     schedules=[refresh_raw_datasets],

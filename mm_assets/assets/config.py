@@ -19,6 +19,7 @@ import dagster as dg
 from pydantic import BaseModel, create_model
 from pydantic.fields import FieldInfo
 
+from mm_assets.domain.model.benchmark import BenchmarkSettings
 from mm_assets.domain.model.hidden_states import ExtractionSettings
 from mm_assets.domain.model.responses import ResponseSettings
 from mm_assets.domain.model.settings import (
@@ -37,6 +38,7 @@ STAGE_SETTINGS: dict[str, tuple[type[BaseModel], ...]] = {
     "target_responses": (ResponseSettings,),
     "hidden_states": (ExtractionSettings,),
     "trained_speculator": (SpeculatorSettings, OnlineSettings, MeasurementSettings),
+    "speculator_benchmark": (BenchmarkSettings,),
 }
 
 

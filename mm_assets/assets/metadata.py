@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # matplotlib loads inside the steps that plot, not with the d
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+    from mm_assets.domain.model.benchmark import BenchmarkFigures
     from mm_assets.services.online_states import FetchReport
 
 
@@ -168,6 +169,35 @@ def acceptance_plot(
     ax.set_title("per-position acceptance")
     ax.legend()
     return png_markdown(fig, "per-position acceptance")
+
+
+def benchmark_plot(bench: str, rows: Sequence[BenchmarkFigures]) -> dg.MetadataValue:
+    """Per category: acceptance length of each speculating method, and its speedup in
+    output tokens/s over no speculation (1.0 marked)."""
+    from matplotlib.figure import Figure
+
+    from mm_assets.domain.model.benchmark import speedup
+
+    categories = list(dict.fromkeys(r.category for r in rows))
+    methods = [m for m in dict.fromkeys(r.method for r in rows) if m != "none"]
+    fig = Figure(figsize=(7.0, 3.4), dpi=90, layout="constrained")
+    accept_ax, speed_ax = fig.subplots(1, 2)
+    x = np.arange(len(categories))
+    width = 0.8 / max(len(methods), 1)
+    for i, method in enumerate(methods):
+        mine = {r.category: r for r in rows if r.method == method}
+        offsets = x - 0.4 + width * (i + 0.5)
+        lengths = [(mine[c].acceptance_length or 1.0) if c in mine else 0.0 for c in categories]
+        ratios = [(speedup(mine[c], rows) or 0.0) if c in mine else 0.0 for c in categories]
+        accept_ax.bar(offsets, lengths, width, label=method)
+        speed_ax.bar(offsets, ratios, width, label=method)
+    speed_ax.axhline(1.0, color="gray", linewidth=0.8)
+    for ax, title in ((accept_ax, "acceptance length"), (speed_ax, "speedup vs no speculation")):
+        ax.set_xticks(x, categories, rotation=30, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=9)
+    accept_ax.legend(fontsize=7)
+    fig.suptitle(bench, fontsize=10)
+    return png_markdown(fig, f"{bench} per category")
 
 
 def table_links(tables: TableStore, table: str, partition: str) -> dict[str, dg.MetadataValue]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,18 +48,45 @@ def sources_of_drafts() -> dg.StaticPartitionMapping:
     return dg.StaticPartitionMapping(mapping)
 
 
+def skipping_benchmarks(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, except on a benchmark's partition, where the step records that a benchmark
+    is never trained on and passes its checks without doing anything. Benchmarks are
+    partitions of every dataset asset because Dagster runs one partitioning per run: a
+    benchmark's chain (ingest and prep) is then the same job as a dataset's."""
+
+    @functools.wraps(fn)
+    def step(context: dg.AssetExecutionContext, *args: Any, **kwargs: Any) -> Any:
+        spec = REGISTRY.get(context.partition_key)
+        if spec is None or not spec.is_benchmark:
+            return fn(context, *args, **kwargs)
+        why = f"{spec.name} is a benchmark (role: benchmark): prepared, never trained on."
+        context.log.info("%s Nothing to do for %s.", why, context.assets_def.key.to_user_string())
+        return dg.MaterializeResult(
+            metadata={"benchmark": why},
+            data_version=dg.DataVersion("benchmark"),
+            check_results=[
+                dg.AssetCheckResult(check_name=check.name, passed=True, description=why)
+                for check in context.assets_def.check_specs
+            ],
+        )
+
+    return step
+
+
 def dataset_asset(
     group: str,
     code_version: str,
     deps: Sequence[Any] = (),
     kinds: set[str] | None = None,
     partitions_def: dg.PartitionsDefinition = dataset_partitions,
+    trains: bool = False,
     **extra: Any,
 ) -> Callable[..., dg.AssetsDefinition]:
     """`@dg.asset` partitioned by dataset (or `partitions_def`); an asset with upstream
     assets materializes when they really change (`materialize_on_change`), the first one
-    on request or by the refresh schedule."""
-    return dg.asset(
+    on request or by the refresh schedule. A step that `trains` (or feeds training) does
+    nothing on a benchmark's partition (`skipping_benchmarks`)."""
+    decorate = dg.asset(
         partitions_def=partitions_def,
         automation_condition=materialize_on_change() if deps else None,
         group_name=group,
@@ -67,6 +95,7 @@ def dataset_asset(
         deps=list(deps),
         **extra,
     )
+    return (lambda fn: decorate(skipping_benchmarks(fn))) if trains else decorate
 
 
 def accelerator_asset(
@@ -74,7 +103,8 @@ def accelerator_asset(
 ) -> Callable[..., dg.AssetsDefinition]:
     """A `model` asset whose step holds the accelerator (a vLLM server, training). It takes
     the pool's watch as a resource, so that its runs free the slots dead runs hold, and
-    tags that send it to GPU workers (`executors.py`)."""
+    tags that send it to GPU workers (`executors.py`). None runs on a benchmark's
+    partition (`skipping_benchmarks`)."""
 
     def decorate(fn: Callable[..., Any]) -> dg.AssetsDefinition:
         with warnings.catch_warnings():
@@ -87,6 +117,7 @@ def accelerator_asset(
                 pool=ACCELERATOR_POOL,
                 op_tags=accelerator_step_tags(),  # Celery queue, Kubernetes GPUs
                 resource_defs={WATCH_KEY: ACCELERATOR_WATCH},
+                trains=True,
                 **extra,
             )(taking_watch(fn))
 

@@ -62,6 +62,7 @@ TokenizationConfig = config_class("TokenizationConfig", "tokenized_samples", Tok
     "prep",
     code_version="3",  # 3: rows supervising only special tokens are quarantined
     deps=["target_responses"],
+    trains=True,
     check_specs=[
         quarantine_ratio_spec(
             "tokenized_samples", "conversations", "max_tokenization_quarantine_ratio"

@@ -1,8 +1,8 @@
 """`python -m mm_assets.demo build|run`: the offline demo model and datasets, end to end.
 
 build: writes a tiny random Qwen2.5-VL-style target (real processor classes and chat
-       template, locally trained tokenizer) and two demo datasets under
-       $MM_ASSETS_HOME/demo. Skipped when already built with the same builder version.
+       template, locally trained tokenizer), two demo datasets and a demo benchmark
+       (images inside, TRL's layout) under $MM_ASSETS_HOME/demo. Skipped when already built with the same builder version.
 run:   build, then materialize the whole pipeline — down to the trained speculator, measured
        in vLLM — for both demo partitions through Dagster (run history in $DAGSTER_HOME),
        then the draft trained on both (`demo_mix`), and print what landed in storage and
@@ -21,13 +21,15 @@ from typing import Any
 
 from mm_assets.common import paths
 
-BUILD_VERSION = "1"
+BUILD_VERSION = "2"  # 2: the demo benchmark
 DEMO_PARTITIONS = ("demo_sharegpt4v_coco", "demo_sharegpt")
 DEMO_DRAFTS = ("demo_mix",)  # trained on both, after them
+DEMO_BENCHMARK = "demo_benchmark"  # prepared first; each dataset's draft is measured on it
 
 
 def build(demo_dir: Path | None = None, force: bool = False) -> Path:
     """Build the demo target and datasets once; return the demo directory."""
+    from mm_assets.demo.benchmark import build_demo_benchmark
     from mm_assets.demo.data import build_demo_datasets, demo_corpus
     from mm_assets.demo.target import build_demo_target
 
@@ -38,6 +40,7 @@ def build(demo_dir: Path | None = None, force: bool = False) -> Path:
     if demo_dir.exists():
         shutil.rmtree(demo_dir)
     build_demo_datasets(demo_dir)
+    build_demo_benchmark(demo_dir)
     build_demo_target(demo_dir / "target", demo_corpus(demo_dir))
     stamp.write_text(BUILD_VERSION)
     return demo_dir
@@ -55,6 +58,7 @@ def run(
     instance = dg.DagsterInstance.get()
     speculators = {}
     # no run config: the demo's settings are its registry entries', as for the UI and CLI
+    _materialize(defs, instance, "dataset_chain", DEMO_BENCHMARK)
     for partition in partitions:
         speculators[partition] = _materialize(defs, instance, "dataset_chain", partition)
     mixes = {draft: _materialize(defs, instance, "drafts", draft) for draft in drafts}
@@ -65,6 +69,7 @@ def run(
     for draft, meta in mixes.items():
         print(f"demo: {draft}: EAGLE-3 draft on {', '.join(partitions)} at {meta['checkpoint']}")
         print(_draft_table(draft, meta, partitions))
+    print(_benchmark_table(partitions, DEMO_BENCHMARK))
 
 
 def _materialize(defs: Any, instance: Any, job: str, partition: str) -> dict[str, Any]:
@@ -78,6 +83,8 @@ def _materialize(defs: Any, instance: Any, job: str, partition: str) -> dict[str
     print(f"demo: {partition}: materialized in {time.perf_counter() - started:.1f}s")
     asset = "trained_draft" if job == "drafts" else "trained_speculator"
     (mat,) = result.asset_materializations_for_node(asset)
+    if "benchmark" in mat.metadata:  # a benchmark's partition: prepared, nothing trained
+        return {}
     return {k: v.value for k, v in mat.metadata.items()}
 
 
@@ -92,6 +99,52 @@ def _draft_table(draft: str, meta: dict[str, Any], sources: tuple[str, ...]) -> 
         lines.append(f"      {name:<24}" + "".join(f"{c:>24.3f}" for c in cells))
     prompts = ", ".join(f"{meta.get(f'vllm_prompts_{s}', 0)} {s}" for s in sources)
     lines.append(f"      (greedy, held-out prompts: {prompts})")
+    return "\n".join(lines)
+
+
+def _benchmark_table(drafts: tuple[str, ...], bench: str) -> str:
+    """Each draft on the benchmark, per category, from the `speculator_benchmarks` table:
+    its acceptance and the n-gram baseline's, output tokens/s of the three methods
+    (vLLM's counters) and the speedups over no speculation, and the lossless counts."""
+    from mm_assets.assets.resources import StorageResource
+
+    with StorageResource().tables().connect() as con:
+        rows = con.execute(
+            """
+            WITH latest AS (
+                SELECT * FROM speculator_benchmarks WHERE benchmark = ? AND status = 'ok'
+                QUALIFY measured_at = max(measured_at) OVER (PARTITION BY draft)
+            )
+            SELECT d.draft, d.category, d.acceptance_length, g.acceptance_length,
+                   n.output_tokens_per_s, g.output_tokens_per_s, d.output_tokens_per_s,
+                   g.speedup, d.speedup, d.lossless + g.lossless, d.compared + g.compared
+            FROM latest d
+            JOIN latest g USING (draft, category)
+            JOIN latest n USING (draft, category)
+            WHERE d.method = 'eagle3' AND g.method = 'ngram' AND n.method = 'none'
+            ORDER BY d.draft, d.category = 'overall', d.category
+            """,
+            [bench],
+        ).fetchall()
+    head = (
+        f"      {'draft':<22}{'category':<18}{'accept':>7}{'ngram':>7}{'tok/s none':>11}"
+        f"{'ngram':>8}{'draft':>8}{'x ngram':>8}{'x draft':>8}{'lossless':>10}"
+    )
+    lines = [f"demo: {bench}: each draft per category in vLLM (greedy)", head]
+    for draft, category, *figures, same, compared in rows:
+        if draft not in drafts:
+            continue
+        accept, ngram_accept, none_tps, ngram_tps, draft_tps, x_ngram, x_draft = figures
+        lines.append(
+            f"      {draft:<22}{category:<18}{accept:>7.3f}{ngram_accept or 1.0:>7.3f}"
+            f"{none_tps:>11.1f}{ngram_tps:>8.1f}{draft_tps:>8.1f}{x_ngram:>7.2f}x"
+            f"{x_draft:>7.2f}x{f'{same}/{compared}':>10}"
+        )
+    lines.append(
+        "      (accept: acceptance length, the draft's and n-gram's; tok/s: output tokens "
+        "per second per request; x: speedup over no speculation; lossless: outputs of the "
+        "draft and n-gram equal to no speculation's)"
+    )
     return "\n".join(lines)
 
 

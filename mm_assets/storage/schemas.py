@@ -101,3 +101,32 @@ MANIFEST = pa.schema(
 )
 
 REJECTIONS = pa.schema([("row_id", pa.string()), ("reason", pa.string()), ("detail", pa.string())])
+
+# One row per draft x benchmark x category (and "overall") x method (eagle3, ngram, none):
+# vLLM's counters over that category's requests. Kept across measurements (`measurement`).
+SPECULATOR_BENCHMARKS = pa.schema(
+    [
+        ("draft", pa.string()),
+        ("benchmark", pa.string()),
+        ("category", pa.string()),
+        ("method", pa.string()),  # eagle3 (the draft), ngram, none (no speculation)
+        ("status", pa.string()),  # ok, or why the method did not run
+        ("prompts", pa.int32()),
+        ("requests", pa.int32()),
+        ("output_tokens", pa.int64()),
+        ("acceptance_length", pa.float64()),
+        ("per_position_acceptance", pa.list_(pa.float64())),
+        ("drafts", pa.int64()),
+        ("output_tokens_per_s", pa.float64()),  # per request: tokens / its e2e latency
+        ("time_per_output_token_ms", pa.float64()),
+        ("speedup", pa.float64()),  # output_tokens_per_s / no speculation's, same category
+        ("lossless", pa.int32()),  # requests whose greedy output equals no speculation's
+        ("compared", pa.int32()),
+        ("max_tokens", pa.int32()),
+        ("concurrency", pa.int32()),
+        ("target_fingerprint", pa.string()),
+        ("draft_sha256", pa.string()),
+        ("measured_at", pa.timestamp("s", tz="UTC")),
+        ("measurement", pa.string()),  # same draft, benchmark and settings: same key
+    ]
+)

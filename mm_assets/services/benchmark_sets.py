@@ -1,0 +1,73 @@
+"""A benchmark's prompts by category, and the `speculator_benchmarks` table of results.
+
+The prompts are the benchmark partition's normalized conversations (`role: benchmark`
+entries are prepared like any dataset: images probed, bad rows quarantined). The table
+keeps every measurement a draft has had, so drafts and retrainings compare in DuckDB;
+measuring the same draft, benchmark and settings again replaces its rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mm_assets.common.hashing import json_sha256
+from mm_assets.domain.prep.conversations import Turn
+from mm_assets.storage import TableStore, schemas
+
+TABLE = "speculator_benchmarks"
+
+
+@dataclass(frozen=True)
+class BenchmarkSet:
+    """One benchmark's conversations, by category (in the order categories first appear)."""
+
+    name: str
+    categories: dict[str, list[list[Turn]]]
+    images: bool
+
+    @property
+    def conversations(self) -> int:
+        return sum(len(c) for c in self.categories.values())
+
+
+def load_benchmark(
+    tables: TableStore, benchmark: str, per_category: int | None = None
+) -> BenchmarkSet:
+    """The benchmark partition's conversations by category, the first `per_category` of
+    each (all when None). Fails with what to run when the benchmark is not prepared."""
+    if not tables.exists("normalized_conversations", benchmark):
+        raise FileNotFoundError(
+            f"benchmark {benchmark!r} is not prepared: materialize its partition first "
+            f"(`dagster asset materialize -m mm_assets.definitions --select "
+            f"'+normalized_conversations' --partition {benchmark}`, or the dataset_chain job)"
+        )
+    categories: dict[str, list[list[Turn]]] = {}
+    images = False
+    columns = ["turns", "category", "multimodal"]
+    for row in tables.iter_rows("normalized_conversations", benchmark, columns):
+        found = categories.setdefault(row["category"] or "all", [])
+        if per_category is None or len(found) < per_category:
+            found.append(json.loads(row["turns"]))
+            images = images or bool(row["multimodal"])
+    return BenchmarkSet(benchmark, categories, images)
+
+
+def results_key(draft_sha256: str | None, benchmark: str, settings: Mapping[str, Any]) -> str:
+    """What makes two measurements the same one: reruns of it replace its rows."""
+    return json_sha256([draft_sha256, benchmark, dict(settings)])[:16]
+
+
+def write_results(
+    tables: TableStore, draft: str, key: str, rows: Iterable[Mapping[str, Any]]
+) -> int:
+    """The draft's partition of the table: its earlier measurements (other keys) kept,
+    this one's rows (`key`) written in place of any it had. Returns the rows written."""
+    earlier = []
+    if tables.exists(TABLE, draft):
+        earlier = [r for r in tables.iter_rows(TABLE, draft) if r["measurement"] != key]
+    new = [{**row, "measurement": key} for row in rows]
+    tables.write(TABLE, draft, [*earlier, *new], schemas.SPECULATOR_BENCHMARKS)
+    return len(new)
