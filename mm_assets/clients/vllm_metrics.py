@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import urllib.request
 from dataclasses import astuple, dataclass
+from itertools import zip_longest
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,7 +40,9 @@ class SpecDecodeCounters:
     accepted_per_position: list[float]
 
     def minus(self, before: SpecDecodeCounters) -> SpecDecodeCounters:
-        positions = zip(self.accepted_per_position, before.accepted_per_position, strict=False)
+        # a position not exposed yet (no draft reached it before) counts as zero
+        positions = zip_longest(self.accepted_per_position, before.accepted_per_position,
+                                fillvalue=0.0)  # fmt: skip
         return SpecDecodeCounters(
             self.drafts - before.drafts,
             self.draft_tokens - before.draft_tokens,
