@@ -159,3 +159,32 @@ def test_a_rerun_with_the_same_inputs_starts_no_server(
     assert again.reused == {"none": True, "ngram": True, "eagle3": True}
     assert again.rows == report.rows
     assert again.prompts == report.prompts
+
+
+def test_another_draft_reuses_the_baselines_and_one_vllm_refuses_is_reported_not_run(
+    setup: dict, report: BenchmarkReport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second draft on the same target and prompts starts only its own server; a
+    draft vLLM cannot load is a row not run, with vLLM's reason, not a failed benchmark."""
+    draft = setup["args"][2]
+    broken = draft.dir.parent / "broken_draft"
+    broken.mkdir()
+    (broken / "config.json").write_text((draft.dir / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    started = []
+    real_server = VllmEngine.server
+
+    def counted(engine, model, serve_args, *rest):
+        started.append(serve_args)
+        return real_server(engine, model, serve_args, *rest)
+
+    monkeypatch.setattr(VllmEngine, "server", counted)
+    args = list(setup["args"])
+    args[2] = DraftUnderTest(broken, file_sha256(broken / "model.safetensors"), 3)
+    again = benchmark(*args)
+    assert len(started) == 1 and str(broken) in started[0][1]  # the draft's server only
+    assert again.reused == {"none": True, "ngram": True, "eagle3": False}
+    assert "vLLM exited" in again.not_run["eagle3"]
+    assert {r.method for r in again.rows} == {"none", "ngram"}
+    cache = setup["args"][-1]  # what failed to start is not recorded: a rerun tries again
+    assert len(list(cache.glob("benchmark_draft_*.json"))) == 1

@@ -294,12 +294,14 @@ def benchmark(
             method, args, target, conversations, answers, settings, engine, image_root, log_path
         )
 
-    cached = load_record(base_record, base_key) if reuse else None
-    if cached:
-        none, ngram = _from_record(cached["none"]), _from_record(cached["ngram"])
+    # a method vLLM did not start is not reused: the next run tries it again
+    cached = (load_record(base_record, base_key) if reuse else None) or {}
+    none = _from_record(cached["none"]) if "none" in cached else run("none", [], None)
+    if "ngram" in cached and cached["ngram"]["not_run"] is None:
+        ngram = _from_record(cached["ngram"])
     else:
-        none = run("none", [], None)
         ngram = _checked(run("ngram", ngram_args(settings, ngram_tokens), none), none)
+    if not (none.reused and ngram.reused):
         save_record(base_record, base_key, {"none": _to_record(none), "ngram": _to_record(ngram)})
     runs = {"none": none, "ngram": ngram}
     if draft is not None:
@@ -311,7 +313,8 @@ def benchmark(
         else:
             args = speculative_decoding_args(draft.dir, draft.speculative_tokens)
             runs["eagle3"] = _checked(run("eagle3", args, none), none)
-            save_record(draft_record, draft_key, _to_record(runs["eagle3"]))
+            if runs["eagle3"].not_run is None:
+                save_record(draft_record, draft_key, _to_record(runs["eagle3"]))
     rows = with_overall([f for r in runs.values() for f in r.figures])
     prompts = {
         name: all_prompts(convs, none.answers[name]) for name, convs in conversations.items()
