@@ -1,4 +1,5 @@
-"""Benchmark rounds and figures: pure functions over counter sums."""
+"""Benchmark rounds and figures (pure functions over counter sums), and what the
+benchmark service refuses before starting anything."""
 
 from __future__ import annotations
 
@@ -108,3 +109,13 @@ def test_lossless_counts_identical_greedy_outputs() -> None:
     row = table_row(f, [f])
     assert row["lossless"] == "1/2" and row["speedup"] is None
     assert row["acceptance_length"] is None and row["tokens_per_second"] == 50.0
+
+
+def test_benchmarking_refuses_external_servers_it_cannot_reconfigure(tmp_path) -> None:
+    from mm_assets.domain.model.benchmark import BenchmarkSettings
+    from mm_assets.services.benchmarking import benchmark
+    from mm_assets.services.engine import VllmEngine
+
+    engine = VllmEngine(base_urls=("http://fleet:8000/v1",))
+    with pytest.raises(ValueError, match="managed vllm resource"):
+        benchmark(tmp_path, {}, None, BenchmarkSettings(), engine, None, tmp_path / "l", tmp_path)

@@ -36,6 +36,7 @@ from mm_assets.clients.vllm_server import ServerStartupError, speculative_decodi
 from mm_assets.common.hashing import json_sha256
 from mm_assets.domain.model.benchmark import (
     BENCHMARK_VERSION,
+    OVERALL,
     Answer,
     BenchmarkConversation,
     BenchmarkFigures,
@@ -210,7 +211,7 @@ def run_method(
     finally:
         server.stop()
     total = _figures(
-        "overall", method, sum(f.prompts for f in figures), sum(f.requests for f in figures), whole
+        OVERALL, method, sum(f.prompts for f in figures), sum(f.requests for f in figures), whole
     )
     return MethodRun(method, figures, answers, total)
 
