@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import astuple
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -31,8 +32,11 @@ from mm_assets.clients.vllm_client import (
     RequestRefused,
 )
 from mm_assets.clients.vllm_metrics import (
+    ServingCounters,
     SpecDecodeCounters,
     counters_from_metrics_text,
+    server_counters,
+    server_counters_from_metrics_text,
     spec_decode_counters,
 )
 from mm_assets.clients.vllm_server import (
@@ -395,6 +399,29 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="m"} 3.0
 vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 5.0
 vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 5.0
 vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 0.9
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="m"} 300.0
+vllm:generation_tokens_total{engine="1",model_name="m"} 100.0
+# HELP vllm:request_generation_tokens Number of generation tokens processed.
+# TYPE vllm:request_generation_tokens histogram
+vllm:request_generation_tokens_sum{engine="0",model_name="m"} 999.0
+vllm:request_generation_tokens_count{engine="0",model_name="m"} 9.0
+# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} 6.0
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="m"} 6.0
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 3.0
+vllm:e2e_request_latency_seconds_count{engine="1",model_name="m"} 2.0
+vllm:e2e_request_latency_seconds_sum{engine="1",model_name="m"} 1.0
+# HELP vllm:e2e_request_latency_seconds_created Histogram of e2e request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds_created gauge
+vllm:e2e_request_latency_seconds_created{engine="0",model_name="m"} 1.75e9
+# HELP vllm:request_time_per_output_token_seconds Time per output token per request.
+# TYPE vllm:request_time_per_output_token_seconds histogram
+vllm:request_time_per_output_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 8.0
+vllm:request_time_per_output_token_seconds_count{engine="0",model_name="m"} 8.0
+vllm:request_time_per_output_token_seconds_sum{engine="0",model_name="m"} 0.08
 """
 
 
@@ -403,6 +430,26 @@ def test_spec_decode_counters_sum_over_engines_and_skip_created_samples() -> Non
     assert counters == SpecDecodeCounters(14.0, 42.0, 21.0, [11.0, 7.0, 3.0])
     assert counters.acceptance_length == pytest.approx(1 + 21 / 14)
     assert counters.per_position_rates == pytest.approx([11 / 14, 7 / 14, 3 / 14])
+
+
+def test_serving_counters_sum_over_labels_and_give_the_servers_speed() -> None:
+    """Generated tokens and the latency histograms' sums and counts, summed over engines;
+    another histogram's `_sum` (request_generation_tokens) and `_created` do not count."""
+    serving = server_counters_from_metrics_text(METRICS).serving
+    assert serving == ServingCounters(400.0, 4.0, 8.0, 0.08, 8.0)
+    assert serving.tokens_per_second == pytest.approx(100.0)
+    assert serving.mean_time_per_output_token_s == pytest.approx(0.01)
+    before = ServingCounters(100.0, 1.0, 2.0, 0.02, 2.0)
+    delta = serving.minus(before)
+    assert astuple(delta) == pytest.approx((300.0, 3.0, 6.0, 0.06, 6.0))
+    assert ServingCounters(0, 0, 0, 0, 0).tokens_per_second == 0.0
+
+
+def test_one_scrape_differences_both_kinds_of_counter() -> None:
+    counters = server_counters_from_metrics_text(METRICS)
+    zero = server_counters_from_metrics_text("")
+    assert counters.minus(zero) == counters
+    assert counters.spec_decode == counters_from_metrics_text(METRICS)
 
 
 def test_spec_decode_counters_without_a_draft_are_zero() -> None:
@@ -452,6 +499,7 @@ def test_spec_decode_counters_read_the_servers_metrics(metrics_server: str) -> N
     expected = counters_from_metrics_text(METRICS)
     assert spec_decode_counters(metrics_server) == expected
     assert spec_decode_counters(metrics_server + "/") == expected
+    assert server_counters(metrics_server) == server_counters_from_metrics_text(METRICS)
 
 
 def _managed(

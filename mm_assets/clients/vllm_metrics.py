@@ -1,14 +1,18 @@
-"""Spec-decode counters of a vLLM server, read from its Prometheus `/metrics`.
+"""Spec-decode and serving counters of a vLLM server, read from its Prometheus `/metrics`.
 
 The change of these counters over a set of generations gives the acceptance length
-(`1 + accepted / drafts`) and the per-position acceptance rates of the served draft.
+(`1 + accepted / drafts`) and the per-position acceptance rates of the served draft, and
+the speed the server itself measured: generated tokens over the summed end-to-end
+latency of its requests, and its mean time per output token. One scrape reads both, so
+a difference of two scrapes covers exactly the same requests for every figure.
 The exposition is parsed by `prometheus_client`, the library vLLM writes it with.
 """
 
 from __future__ import annotations
 
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
+from itertools import zip_longest
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -16,6 +20,16 @@ DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+GENERATION_TOKENS = "vllm:generation_tokens"
+E2E_LATENCY = "vllm:e2e_request_latency_seconds"
+TIME_PER_OUTPUT_TOKEN = "vllm:request_time_per_output_token_seconds"
+SERVING_SAMPLES = (
+    GENERATION_TOKENS,
+    f"{E2E_LATENCY}_sum",
+    f"{E2E_LATENCY}_count",
+    f"{TIME_PER_OUTPUT_TOKEN}_sum",
+    f"{TIME_PER_OUTPUT_TOKEN}_count",
+)
 
 
 @dataclass(frozen=True)
@@ -26,7 +40,9 @@ class SpecDecodeCounters:
     accepted_per_position: list[float]
 
     def minus(self, before: SpecDecodeCounters) -> SpecDecodeCounters:
-        positions = zip(self.accepted_per_position, before.accepted_per_position, strict=False)
+        # a position not exposed yet (no draft reached it before) counts as zero
+        positions = zip_longest(self.accepted_per_position, before.accepted_per_position,
+                                fillvalue=0.0)  # fmt: skip
         return SpecDecodeCounters(
             self.drafts - before.drafts,
             self.draft_tokens - before.draft_tokens,
@@ -43,11 +59,53 @@ class SpecDecodeCounters:
         return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_position]
 
 
-def counters_from_metrics_text(text: str) -> SpecDecodeCounters:
-    """The spec-decode counters in a Prometheus text exposition, summed over every other
-    label (engine, model name). Only the counter samples count (`name` or `name_total`),
-    not their `_created` timestamps; a server without a draft gives zeros."""
-    totals = dict.fromkeys((DRAFTS, DRAFT_TOKENS, ACCEPTED), 0.0)
+@dataclass(frozen=True)
+class ServingCounters:
+    """What the server counted of its requests: tokens generated, and the sum and count
+    of two per-request histograms (end-to-end latency; time per output token)."""
+
+    generation_tokens: float
+    e2e_latency_sum_s: float
+    e2e_latency_count: float
+    time_per_output_token_sum_s: float
+    time_per_output_token_count: float
+
+    def minus(self, before: ServingCounters) -> ServingCounters:
+        return ServingCounters(
+            *(a - b for a, b in zip(astuple(self), astuple(before), strict=True))
+        )
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Output tokens per second of one request's own time (generated tokens over
+        the summed end-to-end latency): with one request in flight, what a user waits."""
+        return self.generation_tokens / self.e2e_latency_sum_s if self.e2e_latency_sum_s else 0.0
+
+    @property
+    def mean_time_per_output_token_s(self) -> float:
+        count = self.time_per_output_token_count
+        return self.time_per_output_token_sum_s / count if count else 0.0
+
+
+@dataclass(frozen=True)
+class ServerCounters:
+    """Spec-decode and serving counters from one scrape."""
+
+    spec_decode: SpecDecodeCounters
+    serving: ServingCounters
+
+    def minus(self, before: ServerCounters) -> ServerCounters:
+        return ServerCounters(
+            self.spec_decode.minus(before.spec_decode), self.serving.minus(before.serving)
+        )
+
+
+def server_counters_from_metrics_text(text: str) -> ServerCounters:
+    """The spec-decode and serving counters in a Prometheus text exposition, summed over
+    every other label (engine, model name, finish reason). Only the counter samples count
+    (`name` or `name_total`; a histogram's `_sum` and `_count`), not their `_created`
+    timestamps; a server without a draft gives zero spec-decode counters."""
+    totals = dict.fromkeys((DRAFTS, DRAFT_TOKENS, ACCEPTED, *SERVING_SAMPLES), 0.0)
     per_position: dict[int, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -57,16 +115,28 @@ def counters_from_metrics_text(text: str) -> SpecDecodeCounters:
             elif name == ACCEPTED_PER_POSITION and "position" in sample.labels:
                 position = int(sample.labels["position"])
                 per_position[position] = per_position.get(position, 0.0) + sample.value
-    return SpecDecodeCounters(
+    spec_decode = SpecDecodeCounters(
         totals[DRAFTS],
         totals[DRAFT_TOKENS],
         totals[ACCEPTED],
         [per_position.get(p, 0.0) for p in range(max(per_position, default=-1) + 1)],
     )
+    return ServerCounters(spec_decode, ServingCounters(*(totals[n] for n in SERVING_SAMPLES)))
+
+
+def counters_from_metrics_text(text: str) -> SpecDecodeCounters:
+    """The spec-decode counters in a Prometheus text exposition (see
+    `server_counters_from_metrics_text`)."""
+    return server_counters_from_metrics_text(text).spec_decode
+
+
+def server_counters(base_url: str) -> ServerCounters:
+    """All counters now, from `<root>/metrics` of an OpenAI-compatible base URL."""
+    root = base_url.removesuffix("/").removesuffix("/v1")
+    with urllib.request.urlopen(f"{root}/metrics", timeout=30) as response:
+        return server_counters_from_metrics_text(response.read().decode())
 
 
 def spec_decode_counters(base_url: str) -> SpecDecodeCounters:
-    """The counters now, from `<root>/metrics` of an OpenAI-compatible base URL."""
-    root = base_url.removesuffix("/").removesuffix("/v1")
-    with urllib.request.urlopen(f"{root}/metrics", timeout=30) as response:
-        return counters_from_metrics_text(response.read().decode())
+    """The spec-decode counters now (see `server_counters`)."""
+    return server_counters(base_url).spec_decode

@@ -1,0 +1,215 @@
+"""Benchmarking a draft per category: prompts, rounds and the figures vLLM's counters give.
+
+A benchmark conversation is its user turns (system turns kept in front). The dataset's
+assistant turns are dropped: the target answers every turn itself, so round k's prompt is
+the system turns, user turn 1, the target's own answer 1, …, user turn k. The answers come
+from the run without speculation, and every method is sent the same prompts built from
+them: a method's figures then differ only by how it decodes, never by what it was asked.
+
+Figures keep the counter sums they are computed from (tokens, summed latencies, drafts,
+accepted tokens), so categories combine exactly as one counter difference over all of
+them would: acceptance weighted by drafts, tokens per second as Σ tokens ÷ Σ latency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Turn = dict[str, Any]
+Method = Literal["none", "ngram", "eagle3"]
+METHODS: tuple[Method, ...] = ("none", "ngram", "eagle3")
+OVERALL = "overall"
+# Bump when a change makes a benchmark produce other figures from the same inputs: it is
+# part of the reuse key of recorded figures.
+BENCHMARK_VERSION = "1"
+
+
+class BenchmarkSettings(BaseModel):
+    """How a benchmark is run, declared once (the asset's config is made from it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(default=128, ge=1, description="Tokens generated per request.")
+    concurrency: int = Field(
+        default=1,
+        ge=1,
+        description="Requests in flight. 1: the latency regime speculative decoding is for.",
+    )
+    ngram_speculative_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens vLLM's n-gram method proposes per step; None: the draft's, or 3.",
+    )
+    prompt_lookup_min: int = Field(default=2, ge=1, description="n-gram: shortest match.")
+    prompt_lookup_max: int = Field(default=4, ge=1, description="n-gram: longest match.")
+    max_prompts_per_category: int | None = Field(
+        default=None, ge=1, description="Conversations measured per category; None: all."
+    )
+    warmup_max_tokens: int = Field(
+        default=8, ge=1, description="Tokens of the warm-up request sent to each server."
+    )
+
+
+@dataclass(frozen=True)
+class BenchmarkConversation:
+    system: list[Turn]
+    questions: list[Turn]
+    """The user turns, in order: one round each."""
+
+    @property
+    def rounds(self) -> int:
+        return len(self.questions)
+
+
+def benchmark_conversation(turns: Sequence[Turn]) -> BenchmarkConversation:
+    """A normalized conversation as a benchmark sees it: its system turns (in front) and
+    its user turns; assistant and tool turns are dropped (the target answers itself)."""
+    system = [t for t in turns if t["role"] == "system"]
+    questions = [t for t in turns if t["role"] == "user"]
+    if not questions:
+        raise ValueError("a benchmark conversation needs at least one user turn")
+    return BenchmarkConversation(system, questions)
+
+
+def round_prompt(conversation: BenchmarkConversation, answers: Sequence[str], k: int) -> list[Turn]:
+    """Round k's prompt (0-based): the system turns, then each earlier question with the
+    target's answer to it (`answers[:k]`), then question k."""
+    if len(answers) < k:
+        raise ValueError(f"round {k} needs the answers of the {k} rounds before it")
+    turns = list(conversation.system)
+    for question, answer in zip(conversation.questions[:k], answers, strict=False):
+        turns += [question, {"role": "assistant", "content": answer}]
+    return [*turns, conversation.questions[k]]
+
+
+def capped(
+    categories: dict[str, list[list[Turn]]], limit: int | None
+) -> dict[str, list[list[Turn]]]:
+    """The first `limit` conversations of each category (all with None), in order."""
+    return {name: convs[:limit] if limit else list(convs) for name, convs in categories.items()}
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class BenchmarkFigures:
+    """One method on one category (or all of them: `OVERALL`), as vLLM counted it.
+
+    The fields are counter sums; the figures a user reads are properties of them."""
+
+    category: str
+    method: str
+    prompts: int
+    """Conversations."""
+    requests: int
+    output_tokens: int
+    latency_s: float
+    """Σ end-to-end latency of the requests (vLLM's histogram sum)."""
+    time_per_output_token_sum_s: float
+    time_per_output_token_count: int
+    drafts: int
+    accepted: int
+    accepted_per_position: list[int] = field(default_factory=list)
+    lossless: int | None = None
+    """Requests whose greedy output equals the no-speculation output (None for `none`,
+    which is the reference)."""
+    compared: int = 0
+    """Requests the lossless count is out of."""
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """`1 + accepted / drafts`; None for a method that drafts nothing."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else None
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / self.drafts for a in self.accepted_per_position] if self.drafts else []
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Output tokens per second of a request's own time: generated tokens ÷ Σ e2e
+        latency, both counted by vLLM."""
+        return self.output_tokens / self.latency_s if self.latency_s else 0.0
+
+    @property
+    def mean_time_per_output_token_ms(self) -> float:
+        count = self.time_per_output_token_count
+        return 1000.0 * self.time_per_output_token_sum_s / count if count else 0.0
+
+
+def combined(figures: Sequence[BenchmarkFigures], category: str = OVERALL) -> BenchmarkFigures:
+    """Several categories of one method as one row, weighted as the counters are: every
+    sum summed, so acceptance is weighted by drafts and tokens/s is Σ tokens ÷ Σ latency."""
+    methods = {f.method for f in figures}
+    if len(methods) != 1:
+        raise ValueError(f"combine the rows of one method at a time, not {sorted(methods)}")
+    width = max((len(f.accepted_per_position) for f in figures), default=0)
+    per_position = [
+        sum(f.accepted_per_position[k] for f in figures if k < len(f.accepted_per_position))
+        for k in range(width)
+    ]
+    lossless = [f.lossless for f in figures]
+    return BenchmarkFigures(
+        category, methods.pop(), sum(f.prompts for f in figures),
+        sum(f.requests for f in figures), sum(f.output_tokens for f in figures),
+        sum(f.latency_s for f in figures), sum(f.time_per_output_token_sum_s for f in figures),
+        sum(f.time_per_output_token_count for f in figures), sum(f.drafts for f in figures),
+        sum(f.accepted for f in figures), per_position,
+        None if None in lossless else sum(x for x in lossless if x is not None),
+        sum(f.compared for f in figures),
+    )  # fmt: skip
+
+
+def lossless_count(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> int:
+    """Requests whose greedy token ids equal the no-speculation ones (same prompt, same
+    `max_tokens`: they must be identical)."""
+    return sum(list(a) == list(b) for a, b in zip(outputs, reference, strict=True))
+
+
+def with_lossless(
+    figures: BenchmarkFigures, outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]
+) -> BenchmarkFigures:
+    return replace(figures, lossless=lossless_count(outputs, reference), compared=len(reference))
+
+
+def speedup(figures: BenchmarkFigures, rows: Sequence[BenchmarkFigures]) -> float | None:
+    """tokens/s ÷ the `none` method's tokens/s on the same category; None without one."""
+    base = next((r for r in rows if r.category == figures.category and r.method == "none"), None)
+    if base is None or not base.tokens_per_second:
+        return None
+    return figures.tokens_per_second / base.tokens_per_second
+
+
+def with_overall(rows: Sequence[BenchmarkFigures]) -> list[BenchmarkFigures]:
+    """The per-category rows followed by one `OVERALL` row per method (`combined`)."""
+    methods = list(dict.fromkeys(r.method for r in rows if r.category != OVERALL))
+    per_category = [r for r in rows if r.category != OVERALL]
+    overall = [combined([r for r in per_category if r.method == m]) for m in methods]
+    return per_category + overall
+
+
+def table_row(figures: BenchmarkFigures, rows: Sequence[BenchmarkFigures]) -> dict[str, Any]:
+    """The figures a user reads, one table row (speedup against `none` in `rows`)."""
+    acceptance = figures.acceptance_length
+    return {
+        "category": figures.category,
+        "method": figures.method,
+        "prompts": figures.prompts,
+        "requests": figures.requests,
+        "output_tokens": figures.output_tokens,
+        "acceptance_length": None if acceptance is None else round(acceptance, 3),
+        "per_position": [round(p, 3) for p in figures.per_position],
+        "drafts": figures.drafts,
+        "tokens_per_second": round(figures.tokens_per_second, 2),
+        "time_per_output_token_ms": round(figures.mean_time_per_output_token_ms, 3),
+        "speedup": None if (s := speedup(figures, rows)) is None else round(s, 3),
+        "lossless": None if figures.lossless is None else f"{figures.lossless}/{figures.compared}",
+    }

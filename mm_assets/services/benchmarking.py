@@ -1,0 +1,323 @@
+"""A draft benchmarked per category in vLLM, beside no speculation and vLLM's n-gram method.
+
+Each method runs on a server of its own, one after the other: `none` first, because its
+answers are the target's, and every method's later rounds are built from them (so all
+three are sent the same prompts) and its token ids are what losslessness is checked
+against; then `ngram` (prompt lookup, the free baseline); then `eagle3` with the draft.
+On each server a short warm-up request goes first (compilation and caches are not the
+draft's cost); then for each category its requests, all rounds, between two scrapes of
+`/metrics`, so categories never mix. One more pair of scrapes spans every category: the
+combined rows must agree with it.
+
+Starting servers and generating cost minutes on CPU and hold the accelerator on GPU, so
+figures are recorded under the cache directory: the `none` and `ngram` figures (with
+answers and token ids) keyed by the target's content, the conversations, the settings and
+the engine options, so a second draft on the same target and benchmark starts no baseline
+server; the draft's figures keyed additionally by its weights. A rerun with nothing
+changed starts no server and sends nothing.
+
+A method vLLM refuses to start (a method the engine does not support) is reported as not
+run with vLLM's reason, and the others still run; `none` failing fails the benchmark, as
+there is nothing to compare with.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from mm_assets.clients.vllm_generation import generate_greedy_replies
+from mm_assets.clients.vllm_metrics import ServerCounters, server_counters
+from mm_assets.clients.vllm_server import ServerStartupError, speculative_decoding_args
+from mm_assets.common.hashing import json_sha256
+from mm_assets.domain.model.benchmark import (
+    BENCHMARK_VERSION,
+    OVERALL,
+    Answer,
+    BenchmarkConversation,
+    BenchmarkFigures,
+    BenchmarkSettings,
+    Turn,
+    benchmark_conversation,
+    capped,
+    combined,
+    round_prompt,
+    with_lossless,
+    with_overall,
+)
+from mm_assets.domain.model.hidden_states import text_config_facts
+from mm_assets.domain.prep.conversations import to_vllm_messages
+from mm_assets.services.engine import VllmEngine
+from mm_assets.services.target import target_fingerprint
+from mm_assets.storage.records import load_record, save_record
+
+logger = logging.getLogger(__name__)
+WARMUP_PROMPT = [{"role": "user", "content": "Hello."}]
+DEFAULT_NGRAM_TOKENS = 3
+
+
+@dataclass(frozen=True)
+class DraftUnderTest:
+    dir: Path
+    weights_sha256: str
+    speculative_tokens: int
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """One method's server run: figures per category, the answers per category (one list
+    per conversation, one answer per round), and the figures of one counter difference
+    over all categories."""
+
+    method: str
+    figures: list[BenchmarkFigures] = field(default_factory=list)
+    answers: dict[str, list[list[Answer]]] = field(default_factory=dict)
+    whole_run: BenchmarkFigures | None = None
+    not_run: str | None = None
+    """Why the method did not run (vLLM's refusal to start it); None when it ran."""
+    reused: bool = False
+
+
+@dataclass(frozen=True)
+class BenchmarkReport:
+    rows: list[BenchmarkFigures]
+    """Per category per method, then one `OVERALL` row per method (`combined`)."""
+    runs: dict[str, MethodRun]
+    """Each method's run, with its answers (generations) and its whole-run figures."""
+    prompts: dict[str, list[list[list[Turn]]]]
+    """The prompts every method was sent, per category, per conversation, per round
+    (normalized turns, built from the `none` answers)."""
+
+    @property
+    def not_run(self) -> dict[str, str]:
+        return {m: r.not_run for m, r in self.runs.items() if r.not_run is not None}
+
+    @property
+    def reused(self) -> dict[str, bool]:
+        return {m: r.reused for m, r in self.runs.items()}
+
+
+def ngram_args(settings: BenchmarkSettings, speculative_tokens: int) -> list[str]:
+    config = {
+        "method": "ngram",
+        "num_speculative_tokens": speculative_tokens,
+        "prompt_lookup_max": settings.prompt_lookup_max,
+        "prompt_lookup_min": settings.prompt_lookup_min,
+    }
+    return ["--speculative-config", json.dumps(config)]
+
+
+def all_prompts(
+    conversations: list[BenchmarkConversation], answers: list[list[Answer]]
+) -> list[list[list[Turn]]]:
+    """Every round's prompt of each conversation, from the reference answers."""
+    return [
+        [round_prompt(conv, [a.text for a in done], k) for k in range(conv.rounds)]
+        for conv, done in zip(conversations, answers, strict=True)
+    ]
+
+
+def _figures(
+    category: str, method: str, prompts: int, requests: int, counters: ServerCounters
+) -> BenchmarkFigures:
+    spec, serving = counters.spec_decode, counters.serving
+    return BenchmarkFigures(
+        category, method, prompts, requests, round(serving.generation_tokens),
+        serving.e2e_latency_sum_s, serving.time_per_output_token_sum_s,
+        round(serving.time_per_output_token_count), round(spec.drafts), round(spec.accepted),
+        [round(a) for a in spec.accepted_per_position],
+    )  # fmt: skip
+
+
+def counters_after(
+    url: str, before: ServerCounters, requests: int, timeout_s: float = 30.0
+) -> ServerCounters:
+    """The counters once the server has counted `requests` more finished requests (its
+    e2e latency count): vLLM records a request's figures beside answering it, so a scrape
+    right after the last answer could miss that request's share."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = server_counters(url)
+        counted = now.serving.e2e_latency_count - before.serving.e2e_latency_count
+        if counted >= requests or time.monotonic() > deadline:
+            if counted < requests:
+                logger.warning(f"vLLM counted {counted:.0f} of {requests} requests at {url}")
+            return now
+        time.sleep(0.05)
+
+
+def _category_answers(
+    url: str,
+    conversations: list[BenchmarkConversation],
+    reference: list[list[Answer]] | None,
+    settings: BenchmarkSettings,
+) -> list[list[Answer]]:
+    """Every round of a category's conversations, round by round (round k of every
+    conversation before round k+1): a later round quotes the reference answers, or,
+    without a reference (`none` itself), the answers just generated."""
+    answers: list[list[Answer]] = [[] for _ in conversations]
+    for k in range(max((c.rounds for c in conversations), default=0)):
+        asked = [i for i, c in enumerate(conversations) if c.rounds > k]
+        quoted = reference if reference is not None else answers
+        prompts = [
+            to_vllm_messages(round_prompt(conversations[i], [a.text for a in quoted[i]], k))
+            for i in asked
+        ]
+        replies = generate_greedy_replies(url, prompts, settings.max_tokens, settings.concurrency)
+        for i, reply in zip(asked, replies, strict=True):
+            answers[i].append(Answer(reply.text, reply.token_ids))
+    return answers
+
+
+def run_method(
+    method: str,
+    serve_args: list[str],
+    target: str,
+    categories: dict[str, list[BenchmarkConversation]],
+    reference: dict[str, list[list[Answer]]] | None,
+    settings: BenchmarkSettings,
+    engine: VllmEngine,
+    image_root: Path | None,
+    log_path: Path,
+) -> MethodRun:
+    """One method on a server of its own: a warm-up request, then each category between
+    two scrapes of the counters (see the module's docstring)."""
+    log_path = log_path.with_name(f"{log_path.stem}.{method}{log_path.suffix}")
+    server = engine.server(target, serve_args, image_root, log_path)
+    try:
+        url = server.start()
+    except ServerStartupError as exc:
+        if method == "none":
+            raise
+        logger.warning(f"benchmark: vLLM did not start the {method} method: {exc}")
+        return MethodRun(method, not_run=str(exc))
+    try:
+        zero = server_counters(url)
+        generate_greedy_replies(url, [WARMUP_PROMPT], settings.warmup_max_tokens, 1)
+        start = counters_after(url, zero, 1)
+        figures, answers = [], {}
+        for name, conversations in categories.items():
+            before = server_counters(url)
+            own = _category_answers(url, conversations, reference and reference[name], settings)
+            requests = sum(len(a) for a in own)
+            delta = counters_after(url, before, requests).minus(before)
+            figures.append(_figures(name, method, len(conversations), requests, delta))
+            answers[name] = own
+        whole = server_counters(url).minus(start)
+    finally:
+        server.stop()
+    total = _figures(
+        OVERALL, method, sum(f.prompts for f in figures), sum(f.requests for f in figures), whole
+    )
+    return MethodRun(method, figures, answers, total)
+
+
+def _checked(run: MethodRun, reference: MethodRun) -> MethodRun:
+    """The run's figures with their lossless counts against the reference's token ids."""
+    if run.not_run is not None:
+        return run
+    figures = []
+    for f in run.figures:
+        ours = [a.token_ids for conv in run.answers[f.category] for a in conv]
+        theirs = [a.token_ids for conv in reference.answers[f.category] for a in conv]
+        figures.append(with_lossless(f, ours, theirs))
+    total = combined(figures)
+    whole = run.whole_run and replace(
+        run.whole_run, lossless=total.lossless, compared=total.compared
+    )
+    return replace(run, figures=figures, whole_run=whole)
+
+
+def _to_record(run: MethodRun) -> dict[str, Any]:
+    return {
+        "method": run.method,
+        "figures": [asdict(f) for f in run.figures],
+        "answers": {k: [[asdict(a) for a in conv] for conv in v] for k, v in run.answers.items()},
+        "whole_run": asdict(run.whole_run) if run.whole_run else None,
+        "not_run": run.not_run,
+    }
+
+
+def _from_record(fields: dict[str, Any]) -> MethodRun:
+    return MethodRun(
+        fields["method"],
+        [BenchmarkFigures(**f) for f in fields["figures"]],
+        {k: [[Answer(**a) for a in conv] for conv in v] for k, v in fields["answers"].items()},
+        BenchmarkFigures(**fields["whole_run"]) if fields["whole_run"] else None,
+        fields["not_run"],
+        reused=True,
+    )
+
+
+def benchmark(
+    target_dir: Path,
+    categories: dict[str, list[list[Turn]]],
+    draft: DraftUnderTest | None,
+    settings: BenchmarkSettings,
+    engine: VllmEngine,
+    image_root: Path | None,
+    log_path: Path,
+    cache_dir: Path,
+    reuse: bool = True,
+) -> BenchmarkReport:
+    """Per category (normalized conversations, grouped), the figures of `none`, `ngram`
+    and — with a draft — `eagle3`, each on a server of its own (see the module's
+    docstring), plus an `OVERALL` row per method."""
+    if not engine.managed:
+        raise ValueError(
+            "benchmarking starts a server per method (none, ngram, eagle3) with its own "
+            "--speculative-config; use a managed vllm resource (no base_urls) for it"
+        )
+    config = json.loads((target_dir / "config.json").read_text())
+    engine = engine.for_target(text_config_facts(config))
+    categories = capped(categories, settings.max_prompts_per_category)
+    conversations = {
+        name: [benchmark_conversation(turns) for turns in convs]
+        for name, convs in categories.items()
+    }
+    ngram_tokens = settings.ngram_speculative_tokens or (
+        draft.speculative_tokens if draft else DEFAULT_NGRAM_TOKENS
+    )
+    base_key = json_sha256([
+        BENCHMARK_VERSION, target_fingerprint(target_dir), categories, settings.model_dump(),
+        engine.options.model_dump(), ngram_tokens,
+    ])  # fmt: skip
+    base_record = cache_dir / f"benchmark_baselines_{base_key[:20]}.json"
+    target = str(target_dir)
+
+    def run(method: str, args: list[str], reference: MethodRun | None) -> MethodRun:
+        answers = reference.answers if reference else None
+        return run_method(
+            method, args, target, conversations, answers, settings, engine, image_root, log_path
+        )
+
+    # a method vLLM did not start is not reused: the next run tries it again
+    cached = (load_record(base_record, base_key) if reuse else None) or {}
+    none = _from_record(cached["none"]) if "none" in cached else run("none", [], None)
+    if "ngram" in cached and cached["ngram"]["not_run"] is None:
+        ngram = _from_record(cached["ngram"])
+    else:
+        ngram = _checked(run("ngram", ngram_args(settings, ngram_tokens), none), none)
+    if not (none.reused and ngram.reused):
+        save_record(base_record, base_key, {"none": _to_record(none), "ngram": _to_record(ngram)})
+    runs = {"none": none, "ngram": ngram}
+    if draft is not None:
+        draft_key = json_sha256([base_key, draft.weights_sha256, draft.speculative_tokens])
+        draft_record = cache_dir / f"benchmark_draft_{draft_key[:20]}.json"
+        cached = load_record(draft_record, draft_key) if reuse else None
+        if cached:
+            runs["eagle3"] = _from_record(cached)
+        else:
+            args = speculative_decoding_args(draft.dir, draft.speculative_tokens)
+            runs["eagle3"] = _checked(run("eagle3", args, none), none)
+            if runs["eagle3"].not_run is None:
+                save_record(draft_record, draft_key, _to_record(runs["eagle3"]))
+    rows = with_overall([f for r in runs.values() for f in r.figures])
+    prompts = {
+        name: all_prompts(convs, none.answers[name]) for name, convs in conversations.items()
+    }
+    return BenchmarkReport(rows, runs, prompts)

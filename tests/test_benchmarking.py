@@ -1,0 +1,190 @@
+"""A draft benchmarked per category on the real CPU vLLM, beside no speculation and vLLM's
+n-gram method: one benchmark run (three servers) shared by the tests of this module.
+
+The demo target has random weights, so its greedy output is a loop of a few tokens after
+some prompts and a varied run after others; n-gram lookup, which proposes what followed
+the last few tokens earlier in the context, is accepted far more often on the loops. The
+two single-turn categories are picked that way (measured on the seeded demo target);
+a third category has two rounds, the second quoting the target's own first answer.
+The draft is the untrained EAGLE-3 checkpoint the trainer starts from (no training needed
+to check that vLLM serves it and that decoding with it stays lossless).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mm_assets.clients.vllm_server import EngineOptions
+from mm_assets.common.hashing import file_sha256
+from mm_assets.domain.model.benchmark import OVERALL, BenchmarkSettings, combined
+from mm_assets.domain.model.checkpoint import checkpoint_config
+from mm_assets.domain.model.draft_vocab import build_draft_vocab
+from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
+from mm_assets.domain.model.hidden_states import default_layer_ids, text_config_facts
+from mm_assets.services.benchmarking import BenchmarkReport, DraftUnderTest, benchmark
+from mm_assets.services.engine import VllmEngine
+from mm_assets.services.target_weights import load_target_head
+from mm_assets.services.training import save_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+CATEGORIES = {
+    "loops": [
+        [_user("I have 7 red balls and 4 blue balls. How many balls do I have?")],
+        [_user("You are a helpful assistant.")],
+        [_user("What is 56 - 85?")],
+    ],
+    "varied": [
+        [_user("What colour do you get when you mix red and blue?")],
+        [_user("What colour do you get when you mix blue and yellow?")],
+        [_user("What colour do you get when you mix red and white?")],
+    ],
+    "two_rounds": [
+        [
+            {"role": "system", "content": "You are a patient maths tutor. Answer briefly."},
+            _user("How many sides does a square have?"),
+            {"role": "assistant", "content": "A square has four sides."},  # dropped
+            _user("How many sides does a triangle have?"),
+        ]
+    ],
+}
+SETTINGS = BenchmarkSettings(max_tokens=24)
+SPECULATIVE_TOKENS = 3
+
+
+def untrained_draft(target_dir: Path, out_dir: Path) -> DraftUnderTest:
+    """The EAGLE-3 draft training starts from, written as a checkpoint vLLM loads."""
+    config = json.loads((target_dir / "config.json").read_text())
+    torch.manual_seed(0)
+    cfg = Eagle3Config.from_target(config, draft_vocab_size=256)
+    model = Eagle3Draft(cfg)
+    head = load_target_head(target_dir)
+    vocab = build_draft_vocab({t: 1 for t in range(cfg.vocab_size)}, cfg.vocab_size, 256)
+    model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
+    layers = default_layer_ids(text_config_facts(config).num_layers)
+    ckpt = checkpoint_config(
+        cfg, layers[:3], str(target_dir), config["architectures"], SPECULATIVE_TOKENS, {}
+    )
+    save_checkpoint(model, ckpt, out_dir)
+    return DraftUnderTest(out_dir, file_sha256(out_dir / "model.safetensors"), SPECULATIVE_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def setup(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("benchmark")
+    return {
+        "args": (
+            demo_dir / "target", CATEGORIES,
+            untrained_draft(demo_dir / "target", root / "draft"), SETTINGS,
+            VllmEngine(options=EngineOptions(dtype="float32", kv_cache_gib=1.0)),
+            demo_dir / "coco", root / "logs" / "benchmark.log", root / "cache",
+        ),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def report(setup: dict) -> BenchmarkReport:
+    started = time.perf_counter()
+    report = benchmark(*setup["args"])
+    setup["seconds"] = time.perf_counter() - started
+    return report
+
+
+def _row(report: BenchmarkReport, category: str, method: str):
+    return next(r for r in report.rows if r.category == category and r.method == method)
+
+
+def test_ngram_acceptance_differs_per_category_and_combines_as_one_difference(
+    report: BenchmarkReport,
+) -> None:
+    loops, varied = _row(report, "loops", "ngram"), _row(report, "varied", "ngram")
+    assert loops.acceptance_length > varied.acceptance_length + 0.8, (loops, varied)
+    overall = _row(report, OVERALL, "ngram")
+    whole = report.runs["ngram"].whole_run  # one difference around every category
+    assert (overall.drafts, overall.accepted, overall.accepted_per_position) == (
+        whole.drafts, whole.accepted, whole.accepted_per_position,
+    )  # fmt: skip
+    assert (overall.requests, overall.output_tokens) == (whole.requests, whole.output_tokens)
+    assert overall.tokens_per_second == pytest.approx(whole.tokens_per_second, rel=1e-6)
+    assert overall.acceptance_length == pytest.approx(whole.acceptance_length)
+    per_category = [r for r in report.rows if r.method == "ngram" and r.category != OVERALL]
+    assert overall == combined(per_category)
+    assert overall.requests == 3 + 3 + 2  # the two-round conversation asks twice
+
+
+def test_every_method_is_timed_on_the_same_prompts_and_stays_lossless(
+    report: BenchmarkReport,
+) -> None:
+    assert report.not_run == {}
+    for method in ("none", "ngram", "eagle3"):
+        for category in (*CATEGORIES, OVERALL):
+            row = _row(report, category, method)
+            assert row.tokens_per_second > 0 and row.mean_time_per_output_token_ms > 0, row
+            assert row.output_tokens > 0 and row.latency_s > 0
+        if method != "none":
+            overall = _row(report, OVERALL, method)
+            assert overall.drafts > 0
+            assert overall.lossless == overall.compared == 8, (method, overall)
+    # round 2 quotes the target's own first answer (from `none`), not the dataset's
+    first_answer = report.runs["none"].answers["two_rounds"][0][0]
+    second_prompt = report.prompts["two_rounds"][0][1]
+    assert second_prompt[0]["role"] == "system"
+    assert second_prompt[2] == {"role": "assistant", "content": first_answer.text}
+    assert second_prompt[1]["content"] == CATEGORIES["two_rounds"][0][1]["content"]
+    for method in ("ngram", "eagle3"):
+        ids = [[a.token_ids for a in conv] for conv in report.runs[method].answers["two_rounds"]]
+        texts = [a.text for a in report.runs[method].answers["two_rounds"][0]]
+        assert ids == [[a.token_ids for a in report.runs["none"].answers["two_rounds"][0]]]
+        assert texts[0] == first_answer.text
+
+
+def test_a_rerun_with_the_same_inputs_starts_no_server(
+    setup: dict, report: BenchmarkReport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rerun with unchanged inputs must not start a server")
+
+    monkeypatch.setattr(VllmEngine, "server", refuse)
+    again = benchmark(*setup["args"])
+    assert again.reused == {"none": True, "ngram": True, "eagle3": True}
+    assert again.rows == report.rows
+    assert again.prompts == report.prompts
+
+
+def test_another_draft_reuses_the_baselines_and_one_vllm_refuses_is_reported_not_run(
+    setup: dict, report: BenchmarkReport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second draft on the same target and prompts starts only its own server; a
+    draft vLLM cannot load is a row not run, with vLLM's reason, not a failed benchmark."""
+    draft = setup["args"][2]
+    broken = draft.dir.parent / "broken_draft"
+    broken.mkdir()
+    (broken / "config.json").write_text((draft.dir / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    started = []
+    real_server = VllmEngine.server
+
+    def counted(engine, model, serve_args, *rest):
+        started.append(serve_args)
+        return real_server(engine, model, serve_args, *rest)
+
+    monkeypatch.setattr(VllmEngine, "server", counted)
+    args = list(setup["args"])
+    args[2] = DraftUnderTest(broken, file_sha256(broken / "model.safetensors"), 3)
+    again = benchmark(*args)
+    assert len(started) == 1 and str(broken) in started[0][1]  # the draft's server only
+    assert again.reused == {"none": True, "ngram": True, "eagle3": False}
+    assert "vLLM exited" in again.not_run["eagle3"]
+    assert {r.method for r in again.rows} == {"none", "ngram"}
+    cache = setup["args"][-1]  # what failed to start is not recorded: a rerun tries again
+    assert len(list(cache.glob("benchmark_draft_*.json"))) == 1
