@@ -65,7 +65,9 @@ def test_every_dataset_is_its_own_draft_and_the_demo_mix_is_built_in(
     monkeypatch.setenv("MM_ASSETS_DATASETS", str(tmp_path / "absent.yaml"))
     datasets = load_registry(STAGE_SETTINGS)
     drafts = load_drafts(datasets, STAGE_SETTINGS)
-    assert all(drafts[name].is_dataset for name in datasets)
+    trained = [name for name, spec in datasets.items() if not spec.is_benchmark]
+    assert all(drafts[name].is_dataset for name in trained) and "demo_benchmark" in datasets
+    assert "demo_benchmark" not in drafts  # a benchmark is never trained on
     mix = drafts["demo_mix"]
     assert list(mix.sources) == ["demo_sharegpt4v_coco", "demo_sharegpt"] and not mix.is_dataset
     assert "drafts" not in datasets

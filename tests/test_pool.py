@@ -307,6 +307,7 @@ def test_the_products_accelerator_steps_carry_the_watch(monkeypatch: pytest.Monk
         "hidden_states",
         "trained_speculator",
         "trained_draft",
+        "speculator_benchmark",
     }
     for asset in in_pool.values():
         assert asset.resource_defs[wiring.WATCH_KEY] is ACCELERATOR_WATCH

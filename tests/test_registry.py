@@ -16,6 +16,7 @@ PRESETS = {
     "ultrachat": "messages",
     "demo_sharegpt4v_coco": "sharegpt4v",
     "demo_sharegpt": "sharegpt",
+    "demo_benchmark": "messages",
 }
 
 

@@ -9,6 +9,7 @@ import dagster as dg
 import pydantic
 import pytest
 
+from mm_assets.assets.benchmarks import BenchmarkConfig
 from mm_assets.assets.config import STAGE_SETTINGS, stage_settings
 from mm_assets.assets.model import HiddenStatesConfig, SpeculatorConfig
 from mm_assets.assets.prep import TokenizationConfig
@@ -24,6 +25,7 @@ CONFIGS = {
     "target_responses": ResponsesConfig,
     "hidden_states": HiddenStatesConfig,
     "trained_speculator": SpeculatorConfig,
+    "speculator_benchmark": BenchmarkConfig,
 }
 
 

@@ -2,7 +2,8 @@
 
 build: writes a tiny random Qwen2.5-VL-style target (real processor classes and chat
        template, locally trained tokenizer), two demo datasets and a demo benchmark
-       (images inside, TRL's layout) under $MM_ASSETS_HOME/demo. Skipped when already built with the same builder version.
+       (images inside, TRL's layout) under $MM_ASSETS_HOME/demo. Skipped when already
+       built with the same builder version.
 run:   build, then materialize the whole pipeline — down to the trained speculator, measured
        in vLLM — for both demo partitions through Dagster (run history in $DAGSTER_HOME),
        then the draft trained on both (`demo_mix`), and print what landed in storage and

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mm_assets.demo import images
-from mm_assets.demo.data import SHAREGPT_FILE, _MIXES, _SIDES, _a, _plural
+from mm_assets.demo.data import _MIXES, _SIDES, SHAREGPT_FILE, _a, _plural
 from mm_assets.demo.images import ImageSpec
 
 BENCHMARK_FILE = Path("data") / "benchmark.parquet"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -286,7 +287,6 @@ def benchmark(
         BENCHMARK_VERSION, target_fingerprint(target_dir), categories, settings.model_dump(),
         engine.options.model_dump(), ngram_tokens,
     ])  # fmt: skip
-    base_record = cache_dir / f"benchmark_baselines_{base_key[:20]}.json"
     target = str(target_dir)
 
     def run(method: str, args: list[str], reference: MethodRun | None) -> MethodRun:
@@ -295,29 +295,48 @@ def benchmark(
             method, args, target, conversations, answers, settings, engine, image_root, log_path
         )
 
-    # a method vLLM did not start is not reused: the next run tries it again
-    cached = (load_record(base_record, base_key) if reuse else None) or {}
-    none = _from_record(cached["none"]) if "none" in cached else run("none", [], None)
-    if "ngram" in cached and cached["ngram"]["not_run"] is None:
-        ngram = _from_record(cached["ngram"])
-    else:
-        ngram = _checked(run("ngram", ngram_args(settings, ngram_tokens), none), none)
-    if not (none.reused and ngram.reused):
-        save_record(base_record, base_key, {"none": _to_record(none), "ngram": _to_record(ngram)})
+    record = cache_dir / f"benchmark_baselines_{base_key[:20]}.json"
+    none, ngram = _baselines(run, ngram_args(settings, ngram_tokens), record, base_key, reuse)
     runs = {"none": none, "ngram": ngram}
     if draft is not None:
-        draft_key = json_sha256([base_key, draft.weights_sha256, draft.speculative_tokens])
-        draft_record = cache_dir / f"benchmark_draft_{draft_key[:20]}.json"
-        cached = load_record(draft_record, draft_key) if reuse else None
-        if cached:
-            runs["eagle3"] = _from_record(cached)
-        else:
-            args = speculative_decoding_args(draft.dir, draft.speculative_tokens)
-            runs["eagle3"] = _checked(run("eagle3", args, none), none)
-            if runs["eagle3"].not_run is None:
-                save_record(draft_record, draft_key, _to_record(runs["eagle3"]))
+        runs["eagle3"] = _draft_run(run, none, draft, cache_dir, base_key, reuse)
     rows = with_overall([f for r in runs.values() for f in r.figures])
     prompts = {
         name: all_prompts(convs, none.answers[name]) for name, convs in conversations.items()
     }
     return BenchmarkReport(rows, runs, prompts)
+
+
+Runner = Callable[[str, list[str], MethodRun | None], MethodRun]
+
+
+def _baselines(
+    run: Runner, ngram: list[str], record: Path, key: str, reuse: bool
+) -> tuple[MethodRun, MethodRun]:
+    """`none` and `ngram`, from their record when it is there; a method vLLM did not
+    start is not reused: the next run tries it again."""
+    cached = (load_record(record, key) if reuse else None) or {}
+    none = _from_record(cached["none"]) if "none" in cached else run("none", [], None)
+    if "ngram" in cached and cached["ngram"]["not_run"] is None:
+        n_gram = _from_record(cached["ngram"])
+    else:
+        n_gram = _checked(run("ngram", ngram, none), none)
+    if not (none.reused and n_gram.reused):
+        save_record(record, key, {"none": _to_record(none), "ngram": _to_record(n_gram)})
+    return none, n_gram
+
+
+def _draft_run(
+    run: Runner, none: MethodRun, draft: DraftUnderTest, cache_dir: Path, base_key: str, reuse: bool
+) -> MethodRun:
+    """The draft's run, from its record (keyed by its weights too) when it is there."""
+    key = json_sha256([base_key, draft.weights_sha256, draft.speculative_tokens])
+    record = cache_dir / f"benchmark_draft_{key[:20]}.json"
+    cached = load_record(record, key) if reuse else None
+    if cached:
+        return _from_record(cached)
+    args = speculative_decoding_args(draft.dir, draft.speculative_tokens)
+    measured = _checked(run("eagle3", args, none), none)
+    if measured.not_run is None:
+        save_record(record, key, _to_record(measured))
+    return measured
