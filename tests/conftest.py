@@ -67,6 +67,7 @@ demo_onpolicy:
   image_path_strip_prefix: "coco/"
   max_samples: 96
   responses: target
+  benchmarks: [demo_benchmark]
 
 bad_inputs:
   path: {BAD_DIR}/data.json
