@@ -97,6 +97,7 @@ def coco_image_availability(
                 "availability_ratio": report.ratio,
                 "images_by_status": counts_table(report.by_status, "status", "images"),
                 "image_root": dg.MetadataValue.path(str(report.image_root)),
+                "embedded_images_dir": dg.MetadataValue.path(str(report.embedded_dir)),
                 **table_links(tables, "coco_image_availability", spec.name),
             }
         ),
@@ -118,7 +119,8 @@ def availability_check(report: "ImageAvailabilityReport", minimum: float) -> dg.
         description += (
             f" First unavailable: {first}. Check that COCO_DIR (now {root}) holds the images "
             f"the dataset references (e.g. {root}/train2017/…), or lower "
-            "min_image_availability for this dataset in the registry."
+            "min_image_availability for this dataset in the registry. Images that were "
+            f"inside the rows (sha256:…) are under {report.embedded_dir}."
         )
     return dg.AssetCheckResult(
         check_name=AVAILABILITY_CHECK,

@@ -315,6 +315,7 @@ class ImageAvailabilityReport:
     written: WrittenTable
     probes: list[ImageProbe]
     image_root: Path
+    embedded_dir: Path
 
     @property
     def by_status(self) -> Counter[str]:
@@ -354,4 +355,4 @@ def probe_dataset_images(
     ]
     rows = ({**p.as_row(), "referenced_by": referenced_by[p.reference]} for p in probes)
     written = tables.write("coco_image_availability", spec.name, rows, schemas.IMAGE_AVAILABILITY)
-    return ImageAvailabilityReport(written, probes, root)
+    return ImageAvailabilityReport(written, probes, root, embedded_dir)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -196,4 +196,9 @@ def probe_reference(
     resolved = resolve_reference(root, reference, strip_prefix, embedded_dir)
     if isinstance(resolved, ImageProbe):
         return resolved
-    return probe_image(str(reference), resolved, max_pixels)
+    probe = probe_image(str(reference), resolved, max_pixels)
+    if probe.status is ImageStatus.MISSING and is_embedded_reference(reference):
+        return replace(
+            probe, detail="not in the embedded-image directory: materialize raw_dataset again"
+        )
+    return probe
