@@ -20,6 +20,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -255,8 +256,7 @@ def source_reader(
     if spec.hub:
         read = hub_source(spec.hub, spec.subset, spec.split, spec.data_files)
     else:
-        path, data_files = spec.resolved_path(), spec.data_files
-        read = (lambda: read_local(path, data_files)) if data_files else (lambda: read_local(path))
+        read = partial(read_local, spec.resolved_path(), spec.data_files)
     if images is None:
         return read
     return lambda: (images.take(row) for row in read())
