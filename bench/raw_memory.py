@@ -89,6 +89,7 @@ def write_sources(directory: Path, rows: int) -> dict[str, Path]:
 
 def _child(source: Path, root: Path) -> None:
     """Runs in the fresh process: one `raw_dataset` materialization, then its peak RSS."""
+    from mm_assets.domain.ingest.embedded_images import embedded_images_dir
     from mm_assets.registry import DatasetSpec
     from mm_assets.services.ingest import load_raw_dataset
     from mm_assets.storage import TableStore
@@ -103,7 +104,7 @@ def _child(source: Path, root: Path) -> None:
     )
     before = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
-    report = load_raw_dataset(spec, TableStore(root))
+    report = load_raw_dataset(spec, TableStore(root), embedded_images_dir(root))
     seconds = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime

@@ -29,6 +29,7 @@ from typing import Any, Literal, get_args, get_origin
 import torch
 import torch.distributed as dist
 
+from mm_assets.assets.media import media_root
 from mm_assets.assets.partitions import REGISTRY
 from mm_assets.assets.resources import vllm_resource
 from mm_assets.common import paths
@@ -110,7 +111,8 @@ def _online(
     return OnlineStates(
         hidden_states_layout(target, engine, extraction), extraction, online,
         engine.for_target(target.facts), str(target.local_dir), target.facts.image_token_id,
-        spec.resolved_image_root(), root / "logs" / f"vllm_online_train_rank{rank}.log",
+        media_root(spec, open_tables(root, os.environ.get(OBJECT_STORE_ENV)), root),
+        root / "logs" / f"vllm_online_train_rank{rank}.log",
         BlobStore(root),
     )  # fmt: skip
 

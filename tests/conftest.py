@@ -116,6 +116,18 @@ demo_regen_text:
   max_samples: 24
   responses: target
 
+embedded_mmstar:
+  path: {SESSION_HOME}/embedded/mmstar.parquet
+  format: prompts
+  columns: {{prompt: question, image: image}}
+
+embedded_adversarial:
+  path: {SESSION_HOME}/embedded/adversarial
+  data_files: [images.parquet, data_urls.jsonl]
+  format: prompts
+  columns: {{prompt: question, image: image}}
+  min_image_availability: 0.0
+
 demo_wrong_root:
   path: {SESSION_HOME}/demo/data/sharegpt4v_coco.json
   format: sharegpt4v

@@ -121,9 +121,9 @@ def test_the_source_is_read_twice_only_when_it_is_subsampled(
     calls: list[Path] = []
     real = sources.read_local
 
-    def counted(p: Path) -> Iterator[RawRow]:
+    def counted(p: Path, *data_files: list[str]) -> Iterator[RawRow]:
         calls.append(p)
-        return real(p)
+        return real(p, *data_files)
 
     monkeypatch.setattr(sources, "read_local", counted)
 
@@ -140,8 +140,8 @@ def test_a_source_that_changes_between_the_two_reads_is_refused(
     path.write_text("".join(json.dumps(r) + "\n" for r in _mixed_records(20)))
     real = sources.read_local
 
-    def growing(p: Path) -> Iterator[RawRow]:
-        yield from real(p)
+    def growing(p: Path, *data_files: list[str]) -> Iterator[RawRow]:
+        yield from real(p, *data_files)
         path.write_text(path.read_text() + json.dumps({"image": "coco/new.jpg"}) + "\n")
 
     monkeypatch.setattr(sources, "read_local", growing)

@@ -3,7 +3,6 @@ of the registry, reading its sources' stored hidden states."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +10,7 @@ import dagster as dg
 from pydantic import Field
 
 from mm_assets.assets.config import config_class, stage_settings
+from mm_assets.assets.media import common_root, media_root
 from mm_assets.assets.metadata import rounded
 from mm_assets.assets.model import hidden_states, training_metadata
 from mm_assets.assets.partitions import (
@@ -83,7 +83,7 @@ def trained_draft(
         others = {s: d for s, d in own.items() if (d / "model.safetensors").is_file()}
         by_source = measure_by_source(
             job, trained.outcome, list(draft.sources), tables, vllm.engine(),
-            image_root(draft, tables), storage.log_path(f"vllm_draft_{context.run.run_id}"),
+            image_root(draft, tables, root), storage.log_path(f"vllm_draft_{context.run.run_id}"),
             measure.vllm_prompts, measure.vllm_max_tokens, not config.retrain,
             others if measure.compare_with_sources else {},
         )  # fmt: skip
@@ -100,15 +100,11 @@ def trained_draft(
     )
 
 
-def image_root(draft: DraftSpec, tables: TableStore) -> Path | None:
-    """The directory vLLM may read images under: the image root of the sources that have
-    images (their common parent when there are several)."""
-    roots = {
-        REGISTRY[s].resolved_image_root()
-        for s in draft.sources
-        if tables.num_rows("coco_image_availability", s)
-    }
-    return Path(os.path.commonpath(sorted(roots))) if roots else None
+def image_root(draft: DraftSpec, tables: TableStore, storage_root: Path) -> Path | None:
+    """The directory vLLM may read images under: each source's `media_root` (their common
+    parent when there are several)."""
+    roots = [media_root(REGISTRY[s], tables, storage_root) for s in draft.sources]
+    return common_root([r for r in roots if r is not None])
 
 
 def sources_metadata(rows: DraftSet) -> dict[str, Any]:

@@ -21,18 +21,20 @@ NO_SOURCE_ROWS = (
 
 
 @dataset_asset(
-    "ingest", code_version="1", check_specs=[has_rows_spec("raw_dataset", NO_SOURCE_ROWS)]
+    "ingest", code_version="2", check_specs=[has_rows_spec("raw_dataset", NO_SOURCE_ROWS)]
 )
 def raw_dataset(
     context: dg.AssetExecutionContext, storage: StorageResource
 ) -> dg.MaterializeResult:
     """The dataset's rows as loaded (local file or hub), filtered and deterministically
     subsampled (`max_samples`, `seed`) before any normalization; keeps each row's source
-    index and its original JSON."""
+    index, file and original JSON. Images inside the rows (bytes, data URLs) are written
+    once to `images/sha256/` under the storage root and referenced as `sha256:<hex>`
+    (`embedded_images`: seen in the kept rows, distinct, files written now)."""
     from mm_assets.services.ingest import load_raw_dataset
 
     tables = storage.tables()
-    report = load_raw_dataset(dataset_spec(context), tables)
+    report = load_raw_dataset(dataset_spec(context), tables, storage.embedded_images_dir())
     return dg.MaterializeResult(
         metadata={
             "rows": report.written.num_rows,
@@ -40,6 +42,11 @@ def raw_dataset(
             "rows_after_filter": report.rows_after_filter,
             "unparseable_rows": report.unparseable_rows,
             "source": report.source,
+            "embedded_images": {
+                "seen": report.embedded_images,
+                "distinct": report.embedded_distinct,
+                "written": report.embedded_written,
+            },
             **table_links(tables, "raw_dataset", context.partition_key),
         },
         data_version=dg.DataVersion(report.written.content_hash),
@@ -54,7 +61,7 @@ class ImageAvailabilityConfig(dg.Config):
 
 @dataset_asset(
     "ingest",
-    code_version="1",
+    code_version="2",
     deps=[raw_dataset],
     check_specs=[
         dg.AssetCheckSpec(
@@ -72,12 +79,16 @@ def coco_image_availability(
     context: dg.AssetExecutionContext, config: ImageAvailabilityConfig, storage: StorageResource
 ) -> dg.MaterializeResult:
     """One row per referenced image: resolved path under the dataset's image root
-    (default `$COCO_DIR`), status, width, height, format, bytes and content hash. Reads
-    headers only and refuses anything resolving outside the root without opening it."""
+    (default `$COCO_DIR`) — or, for an image that was inside the rows (`sha256:<hex>`),
+    its file under the storage root's `images/sha256/` — status, width, height, format,
+    bytes and content hash. Reads headers only and refuses anything resolving outside the
+    root without opening it."""
     from mm_assets.services.ingest import probe_dataset_images
 
     spec, tables = dataset_spec(context), storage.tables()
-    report = probe_dataset_images(spec, tables, config.max_image_pixels)
+    report = probe_dataset_images(
+        spec, tables, config.max_image_pixels, storage.embedded_images_dir()
+    )
     return dg.MaterializeResult(
         metadata=rounded(
             {
@@ -86,6 +97,7 @@ def coco_image_availability(
                 "availability_ratio": report.ratio,
                 "images_by_status": counts_table(report.by_status, "status", "images"),
                 "image_root": dg.MetadataValue.path(str(report.image_root)),
+                "embedded_images_dir": dg.MetadataValue.path(str(report.embedded_dir)),
                 **table_links(tables, "coco_image_availability", spec.name),
             }
         ),
@@ -107,7 +119,8 @@ def availability_check(report: "ImageAvailabilityReport", minimum: float) -> dg.
         description += (
             f" First unavailable: {first}. Check that COCO_DIR (now {root}) holds the images "
             f"the dataset references (e.g. {root}/train2017/…), or lower "
-            "min_image_availability for this dataset in the registry."
+            "min_image_availability for this dataset in the registry. Images that were "
+            f"inside the rows (sha256:…) are under {report.embedded_dir}."
         )
     return dg.AssetCheckResult(
         check_name=AVAILABILITY_CHECK,

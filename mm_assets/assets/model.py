@@ -7,6 +7,7 @@ import dagster as dg
 from pydantic import Field
 
 from mm_assets.assets.config import config_class, stage_settings
+from mm_assets.assets.media import media_root
 from mm_assets.assets.metadata import (
     acceptance_plot,
     fetch_metadata,
@@ -81,7 +82,7 @@ def hidden_states(
     settings = stage_settings(context, spec, "hidden_states", ExtractionSettings)
     extraction = PartitionExtraction(
         spec.name, tables, storage.blobs(), target_model.model(), vllm.engine(), settings,
-        spec.resolved_image_root(), storage.log_path(f"vllm_{context.run.run_id}"),
+        media_root(spec, tables, storage.root), storage.log_path(f"vllm_{context.run.run_id}"),
     )  # fmt: skip
     online = stage_settings(context, spec, "trained_speculator", OnlineSettings)
     if online.hidden_states == "online":
@@ -235,7 +236,7 @@ def trained_speculator(
     measured = None
     if measure.measure_in_vllm and outcome.result.held_out_replies:
         measured = measure_drafts(
-            job, outcome, tables, vllm.engine(), spec.resolved_image_root(),
+            job, outcome, tables, vllm.engine(), media_root(spec, tables, storage.root),
             storage.log_path(f"vllm_spec_{context.run.run_id}"), measure.vllm_prompts,
             measure.vllm_max_tokens, not config.retrain, measure.measure_untrained_in_vllm,
         )  # fmt: skip
@@ -277,7 +278,8 @@ def online_states(
     return OnlineStates(
         hidden_states_layout(target, engine, extraction), extraction, online,
         engine.for_target(target.facts), str(target.local_dir), target.facts.image_token_id,
-        spec.resolved_image_root(), storage.log_path(f"vllm_online_{context.run.run_id}"),
+        media_root(spec, storage.tables(), storage.root),
+        storage.log_path(f"vllm_online_{context.run.run_id}"),
         storage.blobs(),
     )  # fmt: skip
 

@@ -13,6 +13,7 @@ from pydantic import Field
 from mm_assets.assets.config import resource_base
 from mm_assets.clients.vllm_server import EngineOptions
 from mm_assets.common import paths
+from mm_assets.domain.ingest.embedded_images import embedded_images_dir
 from mm_assets.services.engine import VllmEngine
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import ObjectStore, TableStore, open_tables
@@ -46,6 +47,10 @@ class StorageResource(dg.ConfigurableResource):
         """Hidden-state files (safetensors) or target responses (JSON)."""
         suffix = ".json" if kind == "responses" else ".safetensors"
         return BlobStore(Path(self.root), kind, suffix)
+
+    def embedded_images_dir(self) -> Path:
+        """Where images taken out of dataset rows are written, by content hash."""
+        return embedded_images_dir(Path(self.root))
 
     def log_path(self, name: str) -> Path:
         return Path(self.root) / "logs" / f"{name}.log"

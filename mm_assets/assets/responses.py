@@ -7,6 +7,7 @@ import dagster as dg
 
 from mm_assets.assets.checks import quarantine_ratio, quarantine_ratio_spec
 from mm_assets.assets.config import config_class, stage_settings
+from mm_assets.assets.media import media_root
 from mm_assets.assets.metadata import (
     length_histogram,
     quarantine_metadata,
@@ -52,7 +53,7 @@ def target_responses(
     settings = stage_settings(context, spec, "target_responses", ResponseSettings)
     report = TargetRegeneration(
         spec.name, tables, storage.blobs("responses"), target_model.model(),
-        vllm.engine("responses"), settings, spec.resolved_image_root(),
+        vllm.engine("responses"), settings, media_root(spec, tables, storage.root),
         storage.log_path(f"vllm_responses_{context.run.run_id}"),
     ).run(spec.responses)  # fmt: skip
     assert report.kept is not None and report.quarantine is not None

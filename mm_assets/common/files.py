@@ -188,14 +188,19 @@ def _replacing(final: Path, tmp: Path | None, expected_bytes: int | None) -> Ite
 
 
 @contextmanager
-def atomic_path(final: Path, expected_bytes: int | None = None) -> Iterator[Path]:
+def atomic_path(
+    final: Path, expected_bytes: int | None = None, sweep: bool = True
+) -> Iterator[Path]:
     """A temporary path beside `final` to write to; on success it replaces `final`
     (fsync'd, renamed, directory fsync'd), on error it is removed. `expected_bytes`, when
-    the caller knows it, goes into the message of a `DiskFullError`."""
+    the caller knows it, goes into the message of a `DiskFullError`. `sweep=False` skips
+    removing dead writers' temporaries from the directory, for a writer putting many
+    files into one directory that swept it once already."""
     tmp = _temporary_sibling(final)
     with _replacing(final, tmp, expected_bytes):
         make_dirs(final.parent)
-        remove_stale_temporaries(final.parent)
+        if sweep:
+            remove_stale_temporaries(final.parent)
         yield tmp
         fsync_path(tmp)
         crash_point("before_rename")

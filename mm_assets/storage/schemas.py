@@ -9,6 +9,7 @@ RAW_DATASET = pa.schema(
         ("source_index", pa.int64()),
         ("record", pa.string()),  # the record's JSON text (or the raw line when unparseable)
         ("parse_error", pa.string()),
+        ("source_file", pa.string()),  # the file the row came from (None: not known)
     ]
 )
 

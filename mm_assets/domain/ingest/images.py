@@ -5,6 +5,11 @@ the file's bytes are streamed once for a content hash and a cheap end-of-file ch
 (truncated JPEG/PNG/GIF files lack their trailer). A reference that resolves outside
 the root — `..`, an absolute path elsewhere, a symlink pointing out — is refused before
 the file is opened.
+
+Images taken out of the rows (`embedded_images.py`) are referenced as `sha256:<hex>` and
+resolve to their file in the embedded-image directory, not under the image root; from
+there they are probed exactly like a referenced file. `invalid-image:<reason>` (a data
+URL whose base64 did not decode) is refused with that reason.
 """
 
 from __future__ import annotations
@@ -12,12 +17,19 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from PIL import Image, UnidentifiedImageError
+
+from mm_assets.domain.ingest.embedded_images import (
+    INVALID_PREFIX,
+    embedded_digest,
+    embedded_image_path,
+    is_embedded_reference,
+)
 
 # Pillow's own default warning threshold (~89.5 MP); above it decoding is a bomb risk.
 DEFAULT_MAX_PIXELS = 89_478_485
@@ -58,11 +70,21 @@ class ImageProbe:
         return row
 
 
-def resolve_reference(root: Path, reference: object, strip_prefix: str = "") -> Path | ImageProbe:
-    """The real path a reference names under `root`, or a probe saying why it is refused."""
+def resolve_reference(
+    root: Path, reference: object, strip_prefix: str = "", embedded_dir: Path | None = None
+) -> Path | ImageProbe:
+    """The real path a reference names under `root` (a `sha256:` one: in `embedded_dir`),
+    or a probe saying why it is refused."""
     ref = str(reference)
     if not isinstance(reference, str) or not reference.strip():
         return ImageProbe(ref, None, ImageStatus.INVALID_REFERENCE, "not a non-empty string")
+    if is_embedded_reference(reference) or reference.startswith(INVALID_PREFIX):
+        return _resolve_embedded(reference, embedded_dir)
+    if reference[:5].lower() == "data:":
+        return ImageProbe(
+            ref, None, ImageStatus.INVALID_REFERENCE,
+            "a data: URL that is not data:image/…; only images are read from data URLs",
+        )  # fmt: skip
     if reference.startswith("file://"):
         reference = reference[len("file://") :]
     elif "://" in reference:
@@ -78,6 +100,25 @@ def resolve_reference(root: Path, reference: object, strip_prefix: str = "") -> 
             ref, None, ImageStatus.OUTSIDE_ROOT, f"resolves to {real}, outside {real_root}"
         )
     return real
+
+
+def _resolve_embedded(reference: str, embedded_dir: Path | None) -> Path | ImageProbe:
+    """The stored file of an image taken out of a row, or why there is none."""
+    if reference.startswith(INVALID_PREFIX):
+        reason = reference[len(INVALID_PREFIX) :] or "an embedded image that could not be read"
+        return ImageProbe(reference, None, ImageStatus.INVALID_REFERENCE, reason)
+    digest = embedded_digest(reference)
+    if digest is None:
+        return ImageProbe(
+            reference, None, ImageStatus.INVALID_REFERENCE,
+            "a sha256: reference must be 'sha256:' followed by 64 lowercase hex digits",
+        )  # fmt: skip
+    if embedded_dir is None:
+        return ImageProbe(
+            reference, None, ImageStatus.INVALID_REFERENCE,
+            "an embedded image, but no embedded-image directory was given to resolve it in",
+        )  # fmt: skip
+    return embedded_image_path(embedded_dir, digest)
 
 
 def probe_image(reference: str, path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageProbe:
@@ -144,9 +185,20 @@ def trailer_present(fmt: str | None, tail: bytes) -> bool:
 
 
 def probe_reference(
-    root: Path, reference: object, strip_prefix: str = "", max_pixels: int = DEFAULT_MAX_PIXELS
+    root: Path,
+    reference: object,
+    strip_prefix: str = "",
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    embedded_dir: Path | None = None,
 ) -> ImageProbe:
-    resolved = resolve_reference(root, reference, strip_prefix)
+    """The probe of one reference: a file under `root`, or an embedded image's file in
+    `embedded_dir` (`sha256:<hex>`)."""
+    resolved = resolve_reference(root, reference, strip_prefix, embedded_dir)
     if isinstance(resolved, ImageProbe):
         return resolved
-    return probe_image(str(reference), resolved, max_pixels)
+    probe = probe_image(str(reference), resolved, max_pixels)
+    if probe.status is ImageStatus.MISSING and is_embedded_reference(reference):
+        return replace(
+            probe, detail="not in the embedded-image directory: materialize raw_dataset again"
+        )
+    return probe

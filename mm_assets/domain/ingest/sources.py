@@ -29,6 +29,9 @@ class RawRow:
     source_index: int
     record: Any  # the decoded record, or the raw text when it was not valid JSON
     parse_error: str | None = None
+    # the file the row came from: its name under a local directory (or the file's own
+    # name), or the `data_files` entry of a hub dataset; a benchmark's category may be it
+    source_file: str | None = None
 
     def record_json(self) -> str:
         if self.parse_error is not None:

@@ -104,8 +104,16 @@ def parse_record(record_json: str, parse_error: str | None = None) -> dict[str, 
     return record
 
 
-def image_references(record: Mapping[str, Any], fmt: str) -> list[str]:
-    """The image references a record names, in order (for the availability stage)."""
+def image_references(
+    record: Mapping[str, Any], fmt: str, image_column: str | None = None
+) -> list[str]:
+    """The image references a record names, in order (for the availability stage);
+    `image_column` is the `prompts` format's column of images (`columns.image`)."""
+    if fmt == "prompts":
+        image = record.get(image_column) if image_column else None
+        if image is None:
+            return []
+        return list(image) if isinstance(image, list) else [image]
     if fmt == "sharegpt4v":
         image = record.get("image")
         if image is None:

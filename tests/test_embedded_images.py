@@ -1,0 +1,361 @@
+"""Images kept inside dataset rows: taken out, written once by content hash, probed as files."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from mm_assets.domain.ingest.embedded_images import (
+    EMBEDDED_PREFIX,
+    INVALID_PREFIX,
+    embedded_image_path,
+    embedded_references,
+    extract_embedded_images,
+)
+from mm_assets.domain.ingest.images import ImageStatus, probe_reference
+from tests.bad_inputs import png_declaring
+
+
+def _png(size: tuple[int, int] = (20, 10), color: str = "red") -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _jpeg(size: tuple[int, int] = (64, 48)) -> bytes:
+    out = io.BytesIO()
+    Image.effect_noise(size, 60).convert("RGB").save(out, format="JPEG", quality=95)
+    return out.getvalue()
+
+
+def _ref(data: bytes) -> str:
+    return EMBEDDED_PREFIX + hashlib.sha256(data).hexdigest()
+
+
+def _data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64," + base64.b64encode(data).decode()
+
+
+PNG = _png()
+
+
+# -- the walk ------------------------------------------------------------------------
+
+
+def test_an_image_struct_becomes_its_content_reference() -> None:
+    found = extract_embedded_images({"question": "Which?", "image": {"bytes": PNG, "path": None}})
+    assert found.record == {"question": "Which?", "image": _ref(PNG)}
+    assert found.images == {hashlib.sha256(PNG).hexdigest(): PNG}
+    json.dumps(found.record)  # no bytes left
+
+
+def test_a_plain_bytes_dict_and_raw_bytes_are_images() -> None:
+    other = _png(color="blue")
+    found = extract_embedded_images({"a": {"bytes": PNG}, "b": bytearray(other)})
+    assert found.record == {"a": _ref(PNG), "b": _ref(other)}
+    assert len(found.images) == 2
+
+
+def test_a_struct_without_bytes_names_its_file_and_an_empty_struct_no_image() -> None:
+    found = extract_embedded_images(
+        {
+            "image": {"bytes": None, "path": "train2017/a.jpg"},
+            "other": {"bytes": None, "path": None},
+        }
+    )
+    assert found.record == {"image": "train2017/a.jpg", "other": None}
+    assert found.images == {} and found.found == 0
+
+
+def test_data_urls_alone_and_in_image_url_parts_are_images() -> None:
+    record = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": _data_url(PNG)}},
+                    {"type": "text", "text": "data:image/png;base64, is how it starts"},
+                ],
+            }
+        ],
+        "thumb": "data:image/PNG;Base64," + base64.b64encode(PNG).decode(),
+    }
+    found = extract_embedded_images(record)
+    part = found.record["messages"][0]["content"]
+    assert part[0] == {"type": "image_url", "image_url": {"url": _ref(PNG)}}
+    assert part[1]["text"].startswith("data:image/png;base64, is")  # a text part's text stays text
+    assert found.record["thumb"] == _ref(PNG)
+    assert found.found == 2 and len(found.images) == 1  # the same bytes twice: one image
+
+
+def test_a_data_url_whose_base64_does_not_decode_becomes_an_invalid_reference() -> None:
+    found = extract_embedded_images({"image": "data:image/png;base64,@@not base64@@"})
+    assert found.record["image"].startswith(INVALID_PREFIX + "the data URL's base64")
+    assert found.images == {}
+    plain = extract_embedded_images({"image": "data:image/svg+xml,<svg/>"}).record["image"]
+    assert plain.startswith(INVALID_PREFIX) and "base64" in plain
+
+
+def test_lists_and_nesting_keep_their_order() -> None:
+    blue, green = _png(color="blue"), _png(color="green")
+    record = {"images": [{"bytes": PNG, "path": "a.png"}, [blue, {"x": {"bytes": green}}]]}
+    found = extract_embedded_images(record)
+    assert found.record == {"images": [_ref(PNG), [_ref(blue), {"x": _ref(green)}]]}
+    assert embedded_references(found.record) == [_ref(PNG), _ref(blue), _ref(green)]
+
+
+def test_empty_bytes_and_non_images_are_still_taken_out_for_the_probe_to_judge() -> None:
+    found = extract_embedded_images({"a": b"", "b": _data_url(b"not an image")})
+    assert found.record == {"a": _ref(b""), "b": _ref(b"not an image")}
+
+
+def test_a_decoded_pil_image_is_refused_with_the_fix() -> None:
+    with pytest.raises(TypeError, match=r"Image\(decode=False\)"):
+        extract_embedded_images({"image": Image.new("RGB", (2, 2))})
+
+
+# -- resolving and probing ---------------------------------------------------------
+
+
+def test_a_sha256_reference_is_probed_in_the_embedded_directory(tmp_path: Path) -> None:
+    embedded, root = tmp_path / "images", tmp_path / "coco"
+    path = embedded_image_path(embedded, hashlib.sha256(PNG).hexdigest())
+    path.parent.mkdir(parents=True)
+    path.write_bytes(PNG)
+    probe = probe_reference(root, _ref(PNG), embedded_dir=embedded)
+    assert probe.status is ImageStatus.OK and (probe.width, probe.height) == (20, 10)
+    assert probe.content_hash == hashlib.sha256(PNG).hexdigest() and probe.path == str(path)
+    absent = probe_reference(root, _ref(b"never written"), embedded_dir=embedded)
+    assert absent.status is ImageStatus.MISSING
+
+
+@pytest.mark.parametrize(
+    ("reference", "says"),
+    [
+        (INVALID_PREFIX + "the data URL's base64 does not decode", "does not decode"),
+        ("sha256:1234", "64 lowercase hex"),
+        ("data:text/plain;base64,aGk=", "not data:image"),
+    ],
+)
+def test_references_that_name_no_embedded_image_are_invalid(
+    tmp_path: Path, reference: str, says: str
+) -> None:
+    probe = probe_reference(tmp_path, reference, embedded_dir=tmp_path)
+    assert probe.status is ImageStatus.INVALID_REFERENCE and says in probe.detail
+    assert probe.path is None
+
+
+def test_a_sha256_reference_without_an_embedded_directory_is_invalid(tmp_path: Path) -> None:
+    probe = probe_reference(tmp_path, _ref(PNG))
+    assert probe.status is ImageStatus.INVALID_REFERENCE
+
+
+# -- reading sources ---------------------------------------------------------------
+
+
+def _mmstar_parquet(path: Path, images: list[bytes | None]) -> None:
+    """A Parquet file shaped like Lin-Chen/MMStar, written by `datasets` itself."""
+    from datasets import Dataset, Features, Value
+    from datasets import Image as ImageFeature
+
+    features = Features(
+        {
+            "index": Value("int64"),
+            "question": Value("string"),
+            "image": ImageFeature(),
+            "answer": Value("string"),
+            "category": Value("string"),
+            "l2_category": Value("string"),
+            "meta_info": {"source": Value("string"), "split": Value("string")},
+        }
+    )
+    n = len(images)
+    Dataset.from_dict(
+        {
+            "index": list(range(n)),
+            "question": [f"Question {i}? Options: A, B" for i in range(n)],
+            "image": [None if b is None else {"bytes": b, "path": None} for b in images],
+            "answer": ["A"] * n,
+            "category": ["coarse perception", "math"] * (n // 2) + ["math"] * (n % 2),
+            "l2_category": ["image scene"] * n,
+            "meta_info": [{"source": "MMBench", "split": "val"}] * n,
+        },
+        features=features,
+    ).to_parquet(str(path))
+
+
+def test_the_hub_path_reads_image_columns_undecoded_and_names_each_file(tmp_path: Path) -> None:
+    from datasets import Dataset, Features, List, Value
+    from datasets import Image as ImageFeature
+
+    from mm_assets.services.ingest import hub_source
+
+    blue = _png(color="blue")
+    features = Features({"q": Value("string"), "images": List(ImageFeature())})
+    for name, images in (("b.parquet", [blue]), ("a.parquet", [PNG, blue])):
+        Dataset.from_dict(
+            {"q": [name], "images": [[{"bytes": b, "path": None} for b in images]]},
+            features=features,
+        ).to_parquet(str(tmp_path / name))
+    rows = list(hub_source(str(tmp_path), None, "test", ["b.parquet", "a.parquet"])())
+    assert [(r.source_index, r.source_file) for r in rows] == [(0, "b.parquet"), (1, "a.parquet")]
+    assert [i["bytes"] for i in rows[1].record["images"]] == [PNG, blue]  # bytes, not pixels
+
+
+def test_a_local_directory_reads_only_its_data_files_in_their_order(tmp_path: Path) -> None:
+    from mm_assets.services.ingest import read_local
+
+    for name in ("a", "b", "c"):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps({"q": name}) + "\n")
+    rows = list(read_local(tmp_path, ["c.jsonl", "a.jsonl"]))
+    assert [(r.source_index, r.record["q"], r.source_file) for r in rows] == [
+        (0, "c", "c.jsonl"),
+        (1, "a", "a.jsonl"),
+    ]
+    with pytest.raises(FileNotFoundError, match=r"data_files entry 'd\.jsonl'"):
+        list(read_local(tmp_path, ["d.jsonl"]))
+
+
+# -- through the assets ------------------------------------------------------------
+
+
+def _statuses(tables, partition: str) -> dict[str, str]:
+    return {
+        r["reference"]: r["status"] for r in tables.iter_rows("coco_image_availability", partition)
+    }
+
+
+def _stored_images(home: Path) -> list[Path]:
+    return sorted(p for p in (home / "images" / "sha256").rglob("*") if p.is_file())
+
+
+def test_an_mmstar_shaped_parquet_loads_with_every_image_written_once() -> None:
+    from mm_assets.assets.resources import StorageResource
+    from tests.conftest import SESSION_HOME, materialize
+
+    images = [_jpeg((64 + i, 48)) for i in range(5)]
+    images.append(images[0])  # the same bytes in two rows: one file
+    source = SESSION_HOME / "embedded" / "mmstar.parquet"
+    source.parent.mkdir(parents=True, exist_ok=True)
+    _mmstar_parquet(source, images)
+
+    result = materialize("embedded_mmstar", ["raw_dataset", "coco_image_availability"])
+
+    assert result.success
+    tables = StorageResource().tables()
+    rows = list(tables.iter_rows("raw_dataset", "embedded_mmstar"))
+    records = [json.loads(r["record"]) for r in rows]
+    assert [r["image"] for r in records] == [_ref(b) for b in images]
+    assert {r["source_file"] for r in rows} == {"mmstar.parquet"}
+    assert records[0]["meta_info"] == {"source": "MMBench", "split": "val"}
+    stored = {p.name: p.read_bytes() for p in _stored_images(SESSION_HOME)}
+    assert all(stored[_ref(b)[len(EMBEDDED_PREFIX) :]] == b for b in images)
+    (raw,) = result.asset_materializations_for_node("raw_dataset")
+    counts = raw.metadata["embedded_images"].value
+    assert (counts["seen"], counts["distinct"]) == (6, 5)
+    assert _statuses(tables, "embedded_mmstar") == {_ref(b): "ok" for b in images}
+    sizes = {
+        r["reference"]: (r["width"], r["height"], r["format"])
+        for r in tables.iter_rows("coco_image_availability", "embedded_mmstar")
+    }
+    assert sizes[_ref(images[2])] == (66, 48, "JPEG")
+
+    again = materialize("embedded_mmstar", ["raw_dataset"])
+    (raw,) = again.asset_materializations_for_node("raw_dataset")
+    assert raw.metadata["embedded_images"].value["written"] == 0  # all there already
+
+
+def test_broken_embedded_images_get_a_status_each_and_good_ones_stay_ok(tmp_path: Path) -> None:
+    from mm_assets.assets.resources import StorageResource
+    from tests.conftest import SESSION_HOME, materialize
+
+    good, other = _jpeg(), _png((30, 30), "green")
+    png_declaring(tmp_path / "bomb.png", 20_000, 20_000)  # 400 Mpx declared, never decoded
+    bomb = (tmp_path / "bomb.png").read_bytes()
+    cut = good[: len(good) // 2]
+    directory = SESSION_HOME / "embedded" / "adversarial"
+    directory.mkdir(parents=True, exist_ok=True)
+    _mmstar_parquet(directory / "images.parquet", [good, cut, bomb, b"", None])
+    urls = [
+        _data_url(other),
+        _data_url(b"this is text, not a picture"),
+        "data:image/jpeg;base64,%%%not-base64%%%",
+        [_data_url(good), _data_url(other)],  # a list of images in one row
+    ]
+    (directory / "data_urls.jsonl").write_text(
+        "".join(json.dumps({"question": f"q{i}", "image": u}) + "\n" for i, u in enumerate(urls))
+    )
+    (directory / "unlisted.jsonl").write_text(json.dumps({"question": "never read"}) + "\n")
+
+    result = materialize("embedded_adversarial", ["raw_dataset", "coco_image_availability"])
+
+    assert result.success
+    tables = StorageResource().tables()
+    rows = list(tables.iter_rows("raw_dataset", "embedded_adversarial"))
+    assert [r["source_file"] for r in rows] == ["images.parquet"] * 5 + ["data_urls.jsonl"] * 4
+    statuses = _statuses(tables, "embedded_adversarial")
+    (invalid,) = [ref for ref in statuses if ref.startswith(INVALID_PREFIX)]
+    assert statuses == {
+        _ref(good): "ok",
+        _ref(other): "ok",
+        _ref(cut): "unreadable",
+        _ref(bomb): "too_large",
+        _ref(b""): "empty",
+        _ref(b"this is text, not a picture"): "unreadable",
+        invalid: "invalid_reference",
+    }
+    details = {
+        r["reference"]: r["detail"]
+        for r in tables.iter_rows("coco_image_availability", "embedded_adversarial")
+    }
+    assert "truncated JPEG" in details[_ref(cut)]
+    assert "base64" in details[invalid]
+    bomb_file = embedded_image_path(
+        SESSION_HOME / "images" / "sha256", _ref(bomb)[len(EMBEDDED_PREFIX) :]
+    )
+    assert bomb_file.read_bytes() == bomb  # written as given; only its header was read
+
+
+# -- what vLLM may read ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("probed", "expected"),
+    [
+        ([("coco/a.jpg", "ok")], "image_root"),
+        ([(_ref(PNG), "ok")], "embedded"),
+        ([("coco/a.jpg", "ok"), (_ref(PNG), "ok")], "common"),
+        ([("coco/a.jpg", "missing"), (_ref(PNG), "ok")], "embedded"),
+        ([(_ref(PNG), "unreadable")], None),
+        ([], None),
+    ],
+)
+def test_vllm_may_read_the_directories_holding_the_partitions_usable_images(
+    tmp_path: Path, probed: list[tuple[str, str]], expected: str | None
+) -> None:
+    from mm_assets.assets.media import media_root
+    from mm_assets.registry import DatasetSpec
+    from mm_assets.storage import TableStore, schemas
+
+    storage_root, image_root = tmp_path / "store", tmp_path / "data" / "coco"
+    spec = DatasetSpec(name="d", path="d.jsonl", format="prompts", image_root=str(image_root))
+    tables = TableStore(storage_root)
+    assert media_root(spec, tables, storage_root) is None  # nothing probed yet
+    rows = [
+        {"reference": ref, "status": status, "referenced_by": 1, "path": None}
+        for ref, status in probed
+    ]
+    tables.write("coco_image_availability", "d", rows, schemas.IMAGE_AVAILABILITY)
+    roots = {
+        "image_root": image_root.resolve(),
+        "embedded": (storage_root / "images" / "sha256").resolve(),
+        "common": tmp_path.resolve(),
+        None: None,
+    }
+    assert media_root(spec, tables, storage_root) == roots[expected]
