@@ -11,9 +11,10 @@ import dagster as dg
 from pydantic import Field
 
 from mm_assets.assets.config import config_class, stage_settings
+from mm_assets.assets.media import media_root
 from mm_assets.assets.metadata import benchmark_plot, rounded, table_links
 from mm_assets.assets.model import trained_speculator
-from mm_assets.assets.partitions import REGISTRY, accelerator_asset, dataset_spec, media_root
+from mm_assets.assets.partitions import REGISTRY, accelerator_asset, dataset_spec
 from mm_assets.assets.prep import normalized_conversations
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.domain.model.benchmark import BENCHMARK_VERSION, OVERALL, BenchmarkSettings

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -30,15 +29,6 @@ dataset_partitions = dg.StaticPartitionsDefinition(sorted(REGISTRY))
 # chain (`*trained_speculator`) stays one run.
 DRAFTS = {n: d for n, d in load_drafts(REGISTRY, STAGE_SETTINGS).items() if not d.is_dataset}
 draft_partitions = dg.StaticPartitionsDefinition(sorted(DRAFTS))
-
-
-def media_root(spec: DatasetSpec, tables: Any, storage_root: Path) -> Path | None:
-    """The directory vLLM may read the partition's images under (placeholder)."""
-    return (
-        spec.resolved_image_root()
-        if tables.num_rows("coco_image_availability", spec.name)
-        else None
-    )
 
 
 def dataset_spec(context: dg.AssetExecutionContext) -> DatasetSpec:
