@@ -203,7 +203,9 @@ def probe_dataset_images(
             record = parse_record(row["record"], row["parse_error"])
         except Rejected:
             continue  # normalization quarantines it with the reason
-        referenced_by.update(str(ref) for ref in image_references(record, spec.format))
+        referenced_by.update(
+            str(ref) for ref in image_references(record, spec.format, spec.columns)
+        )
     root = spec.resolved_image_root()
     probes = [
         probe_reference(root, ref, spec.image_path_strip_prefix, max_pixels)

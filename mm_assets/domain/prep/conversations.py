@@ -11,7 +11,15 @@ never serves, and the row stays visible with its reason for someone to map the r
 Replies are the assistant turns after the first user turn (`reply_indices`). A
 conversation scraped mid-way can open with assistant turns: they answer no question in
 the row, so they are kept as context (the target reads them, as it would a system turn)
-but never supervised nor regenerated. A row with no reply is quarantined.
+but never supervised nor regenerated. A row of a training entry with no reply is
+quarantined; a benchmark entry's row needs only a user turn to ask (the target writes
+the replies when a draft is measured on it).
+
+Images come either inline in a part (a reference in `image`/`path`/`url`, or an
+`image_url`) or, in TRL's layout, as `{"type": "image"}` parts matched in order to the
+record's `images` column. Every column image must meet a part and every such part an
+image: a row that does not pair up is quarantined, never paired by guess, since an image
+shown next to the wrong turn trains the draft on a conversation nobody had.
 """
 
 from __future__ import annotations
@@ -27,8 +35,11 @@ from typing import Any
 from mm_assets.common.hashing import json_sha256
 from mm_assets.domain.ingest.images import ImageProbe
 from mm_assets.domain.rejection import RowRejected
+from mm_assets.registry.specs import PromptColumns
 
 IMAGE_PLACEHOLDER = "<image>"
+IMAGES_COLUMN = "images"  # TRL's layout: the images its `{"type": "image"}` parts show
+_INLINE_KEYS = ("image", "path", "url")
 
 ROLE_ALIASES: dict[str, str] = {
     "system": "system",
@@ -42,6 +53,7 @@ class DropReason(StrEnum):
     MALFORMED_ROW = "malformed_row"
     EMPTY_CONVERSATION = "empty_conversation"
     NO_ASSISTANT_TURN = "no_assistant_turn"
+    NO_USER_TURN = "no_user_turn"
     EMPTY_ASSISTANT_TURN = "empty_assistant_turn"
     UNKNOWN_ROLE = "unknown_role"
     IMAGE_PLACEHOLDER_MISMATCH = "image_placeholder_mismatch"
@@ -104,21 +116,57 @@ def parse_record(record_json: str, parse_error: str | None = None) -> dict[str, 
     return record
 
 
-def image_references(record: Mapping[str, Any], fmt: str) -> list[str]:
-    """The image references a record names, in order (for the availability stage)."""
+def image_references(
+    record: Mapping[str, Any], fmt: str, columns: PromptColumns | None = None
+) -> list[str]:
+    """The image references a record names, in the order its image parts show them (for
+    the availability stage); `columns` says where a `prompts` record keeps its image.
+    Unusable entries are skipped here: normalization quarantines their row."""
     if fmt == "sharegpt4v":
         image = record.get("image")
         if image is None:
             return []
         return list(image) if isinstance(image, list) else [image]
     if fmt == "messages":
-        refs = []
-        for message in _messages_list(record, strict=False):
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, list):
-                refs.extend(r for p in content if (r := _part_image_ref(p)) is not None)
-        return refs
+        return _messages_image_refs(record, strict=False)
+    if fmt == "prompts":
+        column = (columns or PromptColumns()).image
+        if column is None:
+            return []
+        return _references(record.get(column), column, strict=False)
     return []
+
+
+def _references(value: Any, column: str, strict: bool = True) -> list[str]:
+    """A column's image references: one reference or a list of them (None: no image).
+    A reference is a string, or a dict naming one (`{"path": ...}`, as the hub's image
+    feature stores a file)."""
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    refs = []
+    for index, item in enumerate(values):
+        ref = _as_reference(item)
+        if ref is None:
+            if strict:
+                raise Rejected(
+                    DropReason.MALFORMED_ROW,
+                    f"'{column}' entry {index} is {_shown(item)}, not an image reference",
+                )
+            continue
+        refs.append(ref)
+    return refs
+
+
+def _as_reference(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value or None
+    if isinstance(value, dict):
+        return next((v for k in ("path", "url") if isinstance(v := value.get(k), str) and v), None)
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _messages_list(record: Mapping[str, Any], strict: bool = True) -> list[Any]:
@@ -133,15 +181,40 @@ def _messages_list(record: Mapping[str, Any], strict: bool = True) -> list[Any]:
     return turns
 
 
+def _messages_image_refs(record: Mapping[str, Any], strict: bool) -> list[str]:
+    """Inline references and `images` column entries in the order the parts show them;
+    column entries no part shows come last (normalization quarantines such a row)."""
+    column = iter(_references(record.get(IMAGES_COLUMN), IMAGES_COLUMN, strict))
+    refs = []
+    for message in _messages_list(record, strict):
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else []:
+            ref = _part_image_ref(part)
+            if ref is None and _is_image_slot(part):
+                ref = next(column, None)
+            if ref is not None:
+                refs.append(ref)
+    return refs + list(column)
+
+
 def _part_image_ref(part: Any) -> str | None:
+    """An image part's inline reference. Hub datasets store parts as one struct, so every
+    part holds every key and the absent ones are None: the first key set is the one."""
     if not isinstance(part, dict):
         return None
     if part.get("type") == "image":
-        return part.get("image", part.get("path", part.get("url")))
+        return next((_as_reference(part[k]) for k in _INLINE_KEYS if part.get(k) is not None),
+                    None)  # fmt: skip
     if part.get("type") == "image_url":
         url = part.get("image_url")
         return url.get("url") if isinstance(url, dict) else url
     return None
+
+
+def _is_image_slot(part: Any) -> bool:
+    """TRL's `{"type": "image"}`: an image part with no reference of its own, showing the
+    next image of the `images` column."""
+    return isinstance(part, dict) and part.get("type") == "image" and _part_image_ref(part) is None
 
 
 # -- normalizers, selected by the registry entry's `format` ------------------------
@@ -214,8 +287,13 @@ def _from_value_turns(
     return turns
 
 
-def _messages(record: Mapping[str, Any], images: list[ImageProbe]) -> list[Turn]:
+def _messages(
+    record: Mapping[str, Any], images: list[ImageProbe], columns: PromptColumns
+) -> list[Turn]:
+    """OpenAI/TRL messages; `images` in the order `_messages_image_refs` lists them."""
     pending = iter(images)
+    column = _references(record.get(IMAGES_COLUMN), IMAGES_COLUMN)
+    slots = 0
     turns: list[Turn] = []
     for index, message in enumerate(_messages_list(record)):
         if not isinstance(message, dict):
@@ -229,30 +307,134 @@ def _messages(record: Mapping[str, Any], images: list[ImageProbe]) -> list[Turn]
             raise Rejected(DropReason.MALFORMED_ROW, f"turn {index} content is not text or parts")
         parts = []
         for part in content:
-            if _part_image_ref(part) is not None:
+            if _is_image_slot(part):
+                slots += 1
+                if slots > len(column):
+                    raise Rejected(
+                        DropReason.IMAGE_PLACEHOLDER_MISMATCH,
+                        f"more {{'type': 'image'}} parts than the {len(column)} image(s) in "
+                        f"the '{IMAGES_COLUMN}' column (turn {index})",
+                    )
+                parts.append({"type": "image", "path": next(pending).path})
+            elif _part_image_ref(part) is not None:
                 parts.append({"type": "image", "path": next(pending).path})
             elif isinstance(part, dict) and isinstance(part.get("text"), str):
                 parts.append({"type": "text", "text": part["text"]})
             else:
                 raise Rejected(DropReason.MALFORMED_ROW, f"turn {index} has an unknown part")
         turns.append({"role": role, "content": parts})
+    if slots < len(column):
+        raise Rejected(
+            DropReason.IMAGE_PLACEHOLDER_MISMATCH,
+            f"{len(column)} image(s) in the '{IMAGES_COLUMN}' column but {slots} "
+            f"{{'type': 'image'}} part(s): {len(column) - slots} left unused",
+        )
     return turns
 
 
-NORMALIZERS: dict[str, Callable[[Mapping[str, Any], list[ImageProbe]], list[Turn]]] = {
-    "sharegpt4v": partial(_from_value_turns, with_placeholders=True),
-    "sharegpt": partial(_from_value_turns, with_placeholders=False),
+def _prompts(
+    record: Mapping[str, Any], images: list[ImageProbe], columns: PromptColumns
+) -> list[Turn]:
+    """A prompt (or turns asked one after another) with its image(s) before the first
+    turn's text, and the reference answers, when the entry names a column for them, as
+    assistant turns."""
+    prompts = _prompt_texts(record, columns.prompt)
+    answers = _answer_texts(record, columns.answer, len(prompts))
+    turns: list[Turn] = []
+    for index, text in enumerate(prompts):
+        content: str | list[dict[str, Any]] = text
+        if index == 0 and images:
+            content = [*({"type": "image", "path": p.path} for p in images),
+                       {"type": "text", "text": text}]  # fmt: skip
+        turns.append({"role": "user", "content": content})
+        if answers:
+            turns.append({"role": "assistant", "content": answers[index]})
+    return turns
+
+
+def _prompt_texts(record: Mapping[str, Any], column: str) -> list[str]:
+    value = record.get(column)
+    if value is None:
+        keys = ", ".join(sorted(map(str, record))) or "none"
+        raise Rejected(
+            DropReason.MALFORMED_ROW,
+            f"no prompt in column {column!r} (the record's columns: {keys}; set the "
+            f"entry's columns.prompt)",
+        )
+    texts = value if isinstance(value, list) else [value]
+    if not texts:
+        raise Rejected(DropReason.MALFORMED_ROW, f"{column!r} is an empty list of turns")
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise Rejected(
+                DropReason.MALFORMED_ROW,
+                f"{column!r} turn {index} is {_shown(text)}, expected a string",
+            )
+        if not text.strip():
+            raise Rejected(DropReason.MALFORMED_ROW, f"{column!r} turn {index} is empty")
+    return texts
+
+
+def _answer_texts(record: Mapping[str, Any], column: str | None, turns: int) -> list[str]:
+    """One answer per prompt turn, or none (no column, or the row holds no answer)."""
+    value = None if column is None else record.get(column)
+    if value is None or value == []:
+        return []
+    if isinstance(value, str):
+        if turns != 1:
+            raise Rejected(
+                DropReason.MALFORMED_ROW,
+                f"{column!r} is one string for {turns} prompt turns: expected a list, "
+                f"one answer per turn",
+            )
+        return [value]
+    if not isinstance(value, list) or len(value) != turns:
+        got = f"{len(value)} answers" if isinstance(value, list) else _shown(value)
+        raise Rejected(
+            DropReason.MALFORMED_ROW,
+            f"{column!r}: expected one answer per prompt turn ({turns}), got {got}",
+        )
+    for index, text in enumerate(value):
+        if not isinstance(text, str):
+            raise Rejected(
+                DropReason.MALFORMED_ROW,
+                f"{column!r} answer {index} is {_shown(text)}, expected a string",
+            )
+    return value
+
+
+def _ignoring_columns(
+    normalizer: Callable[[Mapping[str, Any], list[ImageProbe]], list[Turn]],
+) -> Normalizer:
+    return lambda record, images, _columns: normalizer(record, images)
+
+
+Normalizer = Callable[[Mapping[str, Any], list[ImageProbe], PromptColumns], list[Turn]]
+NORMALIZERS: dict[str, Normalizer] = {
+    "sharegpt4v": _ignoring_columns(partial(_from_value_turns, with_placeholders=True)),
+    "sharegpt": _ignoring_columns(partial(_from_value_turns, with_placeholders=False)),
     "messages": _messages,
+    "prompts": _prompts,
 }
 
 
 def normalize(
-    record: Mapping[str, Any], fmt: str, probes: Mapping[str, ImageProbe]
+    record: Mapping[str, Any],
+    fmt: str,
+    probes: Mapping[str, ImageProbe],
+    columns: PromptColumns | None = None,
+    *,
+    benchmark: bool = False,
 ) -> Conversation:
-    """The normalized conversation of one record, or `Rejected` with the reason."""
+    """The normalized conversation of one record, or `Rejected` with the reason.
+
+    `columns` says where a `prompts` record keeps its parts. A `benchmark` row needs a
+    user turn but no reply: its replies are the target's, written when a draft is
+    measured on it; a training row without a reply has nothing to train on."""
     if fmt not in NORMALIZERS:
         raise ValueError(f"unknown format {fmt!r}; known: {sorted(NORMALIZERS)}")
-    refs = image_references(record, fmt)
+    columns = columns or PromptColumns()
+    refs = image_references(record, fmt, columns)
     images = []
     for ref in refs:
         probe = probes.get(str(ref))
@@ -260,10 +442,13 @@ def normalize(
             status = probe.status.value if probe else "not probed"
             raise Rejected(DropReason.IMAGE_UNAVAILABLE, f"{ref}: {status}")
         images.append(probe)
-    turns = NORMALIZERS[fmt](record, images)
+    turns = NORMALIZERS[fmt](record, images, columns)
     if not turns:
         raise Rejected(DropReason.EMPTY_CONVERSATION, "no turns")
-    if not reply_indices(turns):
+    if benchmark:
+        if not any(t["role"] == "user" for t in turns):
+            raise Rejected(DropReason.NO_USER_TURN, "a benchmark row needs a user turn to ask")
+    elif not reply_indices(turns):
         where = "after a user turn" if any(t["role"] == "assistant" for t in turns) else ""
         raise Rejected(DropReason.NO_ASSISTANT_TURN, f"no assistant turn {where}".strip())
     for index, turn in enumerate(turns):
