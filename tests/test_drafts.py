@@ -59,13 +59,15 @@ def test_bad_drafts_are_refused_naming_file_draft_and_field() -> None:
     assert "draft 'shape': expected a mapping with 'sources'" in text
 
 
-def test_every_dataset_is_its_own_draft_and_the_demo_mix_is_built_in(
+def test_every_training_dataset_is_its_own_draft_and_the_demo_mix_is_built_in(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("MM_ASSETS_DATASETS", str(tmp_path / "absent.yaml"))
     datasets = load_registry(STAGE_SETTINGS)
     drafts = load_drafts(datasets, STAGE_SETTINGS)
-    assert all(drafts[name].is_dataset for name in datasets)
+    training = [name for name, spec in datasets.items() if not spec.is_benchmark]
+    assert all(drafts[name].is_dataset for name in training)
+    assert not any(spec.is_benchmark and name in drafts for name, spec in datasets.items())
     mix = drafts["demo_mix"]
     assert list(mix.sources) == ["demo_sharegpt4v_coco", "demo_sharegpt"] and not mix.is_dataset
     assert "drafts" not in datasets

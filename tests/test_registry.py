@@ -16,6 +16,9 @@ PRESETS = {
     "ultrachat": "messages",
     "demo_sharegpt4v_coco": "sharegpt4v",
     "demo_sharegpt": "sharegpt",
+    "mt_bench": "prompts",
+    "speculator_benchmarks": "prompts",
+    "mmstar": "prompts",
 }
 
 
