@@ -259,6 +259,8 @@ def _prompts(
     turn's text, and the reference answers, when the entry names a column for them, as
     assistant turns."""
     prompts = _prompt_texts(record, columns.prompt)
+    if columns.image is not None:  # `images` holds its usable entries: refuse the others
+        column_references(record.get(columns.image), columns.image)
     answers = _answer_texts(record, columns.answer, len(prompts))
     turns: list[Turn] = []
     for index, text in enumerate(prompts):
