@@ -18,6 +18,7 @@ from mm_assets.domain.prep.conversations import (
     to_vllm_messages,
 )
 from mm_assets.domain.row_ids import make_row_id, turn_index_of
+from mm_assets.registry.specs import DatasetSpec, PromptColumns
 
 
 def _ok(ref: str, digest: str = "h1") -> ImageProbe:
@@ -222,3 +223,190 @@ def test_an_empty_assistant_turn_in_parts_is_rejected_too() -> None:
     with pytest.raises(Rejected, match="turn 1 has no text") as info:
         normalize(record, "messages", {})
     assert info.value.reason is DropReason.EMPTY_ASSISTANT_TURN
+
+
+# -- TRL's layout: `{"type": "image"}` parts and an `images` column ---------------
+
+
+def _trl(images, *content_of_turns):
+    """A hub-style TRL record: every part holds every key of the dataset's struct."""
+    roles = ["user", "assistant"] * len(content_of_turns)
+    messages = []
+    for role, content in zip(roles, content_of_turns, strict=False):
+        if isinstance(content, list):
+            content = [{"index": None, "text": None, "image": None, **part} for part in content]
+        messages.append({"role": role, "content": content})
+    return {"messages": messages, "images": images}
+
+
+IMAGE_SLOT = {"type": "image", "index": 0}
+
+
+def test_trl_image_parts_take_the_images_column_in_order() -> None:
+    record = _trl(
+        ["coco/a.jpg", "coco/b.jpg"],
+        [IMAGE_SLOT, {"type": "text", "text": "Compare with"}, {**IMAGE_SLOT, "index": 1}],
+        [{"type": "text", "text": "Same cat."}],
+    )
+    assert image_references(record, "messages") == ["coco/a.jpg", "coco/b.jpg"]
+    conv = normalize(record, "messages", PROBES)
+    assert conv.turns[0]["content"] == [
+        {"type": "image", "path": "/data/coco/coco/a.jpg"},
+        {"type": "text", "text": "Compare with"},
+        {"type": "image", "path": "/data/coco/coco/b.jpg"},
+    ]
+    assert conv.turns[1] == {
+        "role": "assistant",
+        "content": [{"type": "text", "text": "Same cat."}],
+    }
+    assert [p.content_hash for p in conv.images] == ["h1", "h2"]
+
+
+def test_trl_inline_references_and_column_images_mix_in_part_order() -> None:
+    """A part with its own reference keeps it (a None `image` key does not hide a
+    `path`); the parts without one take the column's images."""
+    record = _trl(
+        ["coco/b.jpg"],
+        [{"type": "image", "path": "coco/a.jpg"}, IMAGE_SLOT, {"type": "text", "text": "?"}],
+        "Two cats.",
+    )
+    assert image_references(record, "messages") == ["coco/a.jpg", "coco/b.jpg"]
+    conv = normalize(record, "messages", PROBES)
+    paths = [p["path"] for p in conv.turns[0]["content"] if p["type"] == "image"]
+    assert paths == ["/data/coco/coco/a.jpg", "/data/coco/coco/b.jpg"]
+
+
+@pytest.mark.parametrize(
+    ("images", "content", "says"),
+    [
+        (["coco/a.jpg"], [IMAGE_SLOT, IMAGE_SLOT, {"type": "text", "text": "?"}], "more"),
+        ([], [IMAGE_SLOT, {"type": "text", "text": "?"}], "more"),
+        (None, [IMAGE_SLOT, {"type": "text", "text": "?"}], "more"),
+        (["coco/a.jpg", "coco/b.jpg"], [IMAGE_SLOT, {"type": "text", "text": "?"}], "1 left"),
+        (["coco/a.jpg"], [{"type": "text", "text": "no image part"}], "1 left unused"),
+    ],
+)
+def test_trl_parts_and_images_that_do_not_pair_up_are_quarantined(images, content, says) -> None:
+    record = _trl(images, content, "A cat.")
+    with pytest.raises(Rejected, match=says) as info:
+        normalize(record, "messages", PROBES)
+    assert info.value.reason is DropReason.IMAGE_PLACEHOLDER_MISMATCH
+
+
+def test_an_unusable_entry_of_the_images_column_is_a_malformed_row() -> None:
+    record = _trl([{"bytes": None, "path": None}], [IMAGE_SLOT, {"type": "text", "text": "?"}], "x")
+    assert image_references(record, "messages") == []
+    with pytest.raises(Rejected, match="'images' entry 0") as info:
+        normalize(record, "messages", PROBES)
+    assert info.value.reason is DropReason.MALFORMED_ROW
+
+
+def test_an_unavailable_column_image_quarantines_the_row() -> None:
+    record = _trl(["coco/gone.jpg"], [IMAGE_SLOT, {"type": "text", "text": "?"}], "x")
+    with pytest.raises(Rejected) as info:
+        normalize(record, "messages", PROBES)
+    assert info.value.reason is DropReason.IMAGE_UNAVAILABLE
+
+
+# -- the prompts format -------------------------------------------------------------
+
+
+def test_a_prompt_string_is_one_user_turn() -> None:
+    conv = normalize({"prompt": "Write a haiku."}, "prompts", {}, benchmark=True)
+    assert conv.turns == [{"role": "user", "content": "Write a haiku."}]
+
+
+def test_a_list_of_prompts_is_asked_turn_after_turn() -> None:
+    record = {"prompt": ["Write a haiku.", "Now in French."], "category": "writing"}
+    conv = normalize(record, "prompts", {}, benchmark=True)
+    assert conv.turns == [
+        {"role": "user", "content": "Write a haiku."},
+        {"role": "user", "content": "Now in French."},
+    ]
+
+
+def test_prompt_images_come_before_the_first_turns_text() -> None:
+    columns = PromptColumns(prompt="question", image="image", answer="answer")
+    record = {"question": "Which?", "image": ["coco/a.jpg", "coco/b.jpg"], "answer": "B"}
+    assert image_references(record, "prompts", columns) == ["coco/a.jpg", "coco/b.jpg"]
+    assert image_references(record, "prompts") == []  # the default columns name no image
+    conv = normalize(record, "prompts", PROBES, columns)
+    assert conv.turns == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "path": "/data/coco/coco/a.jpg"},
+                {"type": "image", "path": "/data/coco/coco/b.jpg"},
+                {"type": "text", "text": "Which?"},
+            ],
+        },
+        {"role": "assistant", "content": "B"},
+    ]
+    single = normalize({**record, "image": "coco/a.jpg"}, "prompts", PROBES, columns)
+    assert len(single.images) == 1 and single.turns[0]["content"][0]["type"] == "image"
+
+
+def test_prompt_answers_one_per_turn_become_assistant_turns() -> None:
+    columns = PromptColumns(answer="reference")
+    record = {"prompt": ["q1", "q2"], "reference": ["a1", "a2"]}
+    conv = normalize(record, "prompts", {}, columns)
+    assert [(t["role"], t["content"]) for t in conv.turns] == [
+        ("user", "q1"), ("assistant", "a1"), ("user", "q2"), ("assistant", "a2"),
+    ]  # fmt: skip
+    assert reply_indices(conv.turns) == [1, 3]
+    no_reference = normalize({**record, "reference": []}, "prompts", {}, columns, benchmark=True)
+    assert [t["role"] for t in no_reference.turns] == ["user", "user"]
+
+
+@pytest.mark.parametrize(
+    ("record", "says"),
+    [
+        ({"question": "?"}, "no prompt in column 'prompt' \\(the record's columns: question"),
+        ({"prompt": ""}, "'prompt' turn 0 is empty"),
+        ({"prompt": "  "}, "'prompt' turn 0 is empty"),
+        ({"prompt": []}, "'prompt' is an empty list of turns"),
+        ({"prompt": ["q1", None]}, "'prompt' turn 1 is None, expected a string"),
+        ({"prompt": ["q1", "q2"], "answer": "a"}, "one string for 2 prompt turns"),
+        ({"prompt": ["q1", "q2"], "answer": ["a1"]}, "one answer per prompt turn \\(2\\)"),
+        ({"prompt": "q", "image": 7}, "'image' entry 0 is 7"),
+    ],
+)
+def test_a_prompt_row_without_a_usable_prompt_is_malformed(record, says) -> None:
+    columns = PromptColumns(image="image", answer="answer")
+    with pytest.raises(Rejected, match=says) as info:
+        normalize(record, "prompts", {}, columns, benchmark=True)
+    assert info.value.reason is DropReason.MALFORMED_ROW
+
+
+# -- benchmark rows -----------------------------------------------------------------
+
+
+def test_rows_without_a_reply_are_accepted_only_for_benchmarks() -> None:
+    question = {"messages": [{"role": "user", "content": "Why is the sky blue?"}]}
+    with pytest.raises(Rejected) as info:
+        normalize(question, "messages", {})
+    assert info.value.reason is DropReason.NO_ASSISTANT_TURN
+    with pytest.raises(Rejected) as info:
+        normalize({"prompt": "q"}, "prompts", {})
+    assert info.value.reason is DropReason.NO_ASSISTANT_TURN
+    assert normalize(question, "messages", {}, benchmark=True).turns == question["messages"]
+    only_system = {"messages": [{"role": "system", "content": "Be brief."}]}
+    with pytest.raises(Rejected) as info:
+        normalize(only_system, "messages", {}, benchmark=True)
+    assert info.value.reason is DropReason.NO_USER_TURN
+
+
+def _bench(**fields) -> DatasetSpec:
+    return DatasetSpec(name="b", path="/b", format="prompts", role="benchmark", **fields)
+
+
+def test_a_benchmark_rows_category_comes_from_its_value_column_or_file() -> None:
+    record = {"prompt": "q", "category": "math"}
+    assert _bench(category="chat").category_of(record, "/b/qa.jsonl") == "chat"
+    assert _bench(category_column="category").category_of(record, None) == "math"
+    assert _bench(category_column="category").category_of({"prompt": "q"}, None) == "all"
+    by_file = _bench(category_from_file=True)
+    assert by_file.category_of(record, "/b/tool_call.jsonl") == "tool_call"
+    assert by_file.category_of(record, "HumanEval.jsonl") == "HumanEval"
+    assert by_file.category_of(record, None) == "all"  # a raw table without source files
+    assert _bench().category_of(record, "/b/qa.jsonl") == "all"

@@ -59,7 +59,7 @@ def test_bad_drafts_are_refused_naming_file_draft_and_field() -> None:
     assert "draft 'shape': expected a mapping with 'sources'" in text
 
 
-def test_every_dataset_is_its_own_draft_and_the_demo_mix_is_built_in(
+def test_every_training_dataset_is_its_own_draft_and_the_demo_mix_is_built_in(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("MM_ASSETS_DATASETS", str(tmp_path / "absent.yaml"))

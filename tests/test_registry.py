@@ -17,6 +17,9 @@ PRESETS = {
     "demo_sharegpt4v_coco": "sharegpt4v",
     "demo_sharegpt": "sharegpt",
     "demo_benchmark": "messages",
+    "mt_bench": "prompts",
+    "speculator_benchmarks": "prompts",
+    "mmstar": "prompts",
 }
 
 

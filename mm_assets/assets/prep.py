@@ -8,6 +8,7 @@ from mm_assets.assets.checks import has_rows, has_rows_spec, quarantine_ratio, q
 from mm_assets.assets.config import config_class, stage_settings
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
 from mm_assets.assets.metadata import (
+    counts_table,
     length_histogram,
     length_stats,
     quarantine_metadata,
@@ -30,7 +31,7 @@ ALL_QUARANTINED = (
 
 @dataset_asset(
     "prep",
-    code_version="3",  # 3: an empty assistant turn quarantines the row
+    code_version="4",  # 4: TRL's images column, prompts, benchmark rows and their category
     deps=[raw_dataset, coco_image_availability],
     check_specs=[has_rows_spec("normalized_conversations", ALL_QUARANTINED)],
 )
@@ -39,15 +40,22 @@ def normalized_conversations(
 ) -> dg.MaterializeResult:
     """One row per usable sample in the normalized conversation form, with a stable
     `sample_id` and its images; every dropped row goes to the quarantine table
-    (`normalized_conversations_quarantine`) with its reason and original record."""
+    (`normalized_conversations_quarantine`) with its reason and original record. A
+    benchmark's rows need no reply and carry their category (`rows_by_category`)."""
     from mm_assets.services.prep import normalize_partition
 
     spec, tables = dataset_spec(context), storage.tables()
-    report = normalize_partition(spec.name, spec.format, tables)
+    report = normalize_partition(spec, tables)
     assert report.kept is not None
+    by_category = (
+        {"rows_by_category": counts_table(report.categories, "category")}
+        if spec.is_benchmark
+        else {}
+    )
     return dg.MaterializeResult(
         metadata={
             **quarantine_metadata(report.kept, report.quarantine, report.reasons),
+            **by_category,
             **table_links(tables, "normalized_conversations", spec.name),
         },
         data_version=dg.DataVersion(report.kept.content_hash),

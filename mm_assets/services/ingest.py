@@ -346,7 +346,7 @@ def probe_dataset_images(
         except Rejected:
             continue  # normalization quarantines it with the reason
         referenced_by.update(
-            str(ref) for ref in image_references(record, spec.format, spec.columns.image)
+            str(ref) for ref in image_references(record, spec.format, spec.columns)
         )
     root = spec.resolved_image_root()
     probes = [

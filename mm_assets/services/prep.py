@@ -29,6 +29,7 @@ from mm_assets.domain.prep.supervision import (
 from mm_assets.domain.prep.tokenization import ChatTokenizer
 from mm_assets.domain.rejection import RowFailureWatch, failed_on
 from mm_assets.domain.row_ids import make_row_id
+from mm_assets.registry import DatasetSpec
 from mm_assets.services.quarantine import StageReport, quarantine_row
 from mm_assets.storage import TableStore, schemas
 
@@ -45,11 +46,20 @@ def load_probes(tables: TableStore, partition: str) -> dict[str, ImageProbe]:
     return probes
 
 
-def normalize_partition(partition: str, fmt: str, tables: TableStore) -> StageReport:
-    """One row per usable, distinct sample; every dropped row quarantined with its reason."""
+@dataclass
+class NormalizeReport(StageReport):
+    categories: Counter[str] = field(default_factory=Counter)
+    """A benchmark's kept rows by category (empty for a training dataset)."""
+
+
+def normalize_partition(spec: DatasetSpec, tables: TableStore) -> NormalizeReport:
+    """One row per usable, distinct sample; every dropped row quarantined with its reason.
+    A benchmark's rows carry their category (`DatasetSpec.category_of`, from the row's
+    `source_file` when the raw table has one)."""
+    partition = spec.name
     probes = load_probes(tables, partition)
     seen: set[str] = set()
-    report = StageReport()
+    report = NormalizeReport()
     with (
         tables.writer("normalized_conversations", partition, schemas.NORMALIZED) as kept,
         tables.writer(
@@ -61,7 +71,10 @@ def normalize_partition(partition: str, fmt: str, tables: TableStore) -> StageRe
             progress.update(done)
             sample_id = None
             try:
-                conv = normalize(parse_record(row["record"], row["parse_error"]), fmt, probes)
+                record = parse_record(row["record"], row["parse_error"])
+                conv = normalize(
+                    record, spec.format, probes, spec.columns, benchmark=spec.is_benchmark
+                )
                 sample_id = conv.sample_id()
                 if sample_id in seen:
                     raise Rejected(DropReason.DUPLICATE_SAMPLE, "same conversation seen earlier")
@@ -73,6 +86,10 @@ def normalize_partition(partition: str, fmt: str, tables: TableStore) -> StageRe
             except Exception as exc:
                 raise failed_on(f"normalizing source row {row['source_index']}", exc) from exc
             seen.add(sample_id)
+            category = None
+            if spec.is_benchmark:
+                category = spec.category_of(record, row.get("source_file"))
+                report.categories[category] += 1
             kept.write(
                 {
                     "sample_id": sample_id,
@@ -83,6 +100,7 @@ def normalize_partition(partition: str, fmt: str, tables: TableStore) -> StageRe
                     "image_hashes": [p.content_hash for p in conv.images],
                     "image_heights": [p.height for p in conv.images],
                     "image_widths": [p.width for p in conv.images],
+                    "category": category,
                 }
             )
     report.kept, report.quarantine = kept.result, quarantine.result

@@ -38,6 +38,7 @@ NORMALIZED = pa.schema(
         ("image_hashes", pa.list_(pa.string())),
         ("image_heights", pa.list_(pa.int32())),
         ("image_widths", pa.list_(pa.int32())),
+        ("category", pa.string()),  # a benchmark row's category; null for training rows
     ]
 )
 

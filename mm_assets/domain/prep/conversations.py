@@ -11,49 +11,33 @@ never serves, and the row stays visible with its reason for someone to map the r
 Replies are the assistant turns after the first user turn (`reply_indices`). A
 conversation scraped mid-way can open with assistant turns: they answer no question in
 the row, so they are kept as context (the target reads them, as it would a system turn)
-but never supervised nor regenerated. A row with no reply is quarantined.
+but never supervised nor regenerated. A row of a training entry with no reply is
+quarantined; a benchmark entry's row needs only a user turn to ask (the target writes
+the replies when a draft is measured on it).
+
+Where each `format` keeps its turns and images: `formats.py`.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
-from functools import partial
 from typing import Any
 
 from mm_assets.common.hashing import json_sha256
 from mm_assets.domain.ingest.images import ImageProbe
-from mm_assets.domain.rejection import RowRejected
+from mm_assets.domain.prep.formats import (
+    NORMALIZERS,
+    DropReason,
+    Rejected,
+    Turn,
+    column_references,
+    messages_image_refs,
+)
+from mm_assets.registry.specs import PromptColumns
 
-IMAGE_PLACEHOLDER = "<image>"
-
-ROLE_ALIASES: dict[str, str] = {
-    "system": "system",
-    **dict.fromkeys(("human", "user"), "user"),
-    **dict.fromkeys(("gpt", "assistant", "chatgpt", "bard", "bing", "model"), "assistant"),
-    **dict.fromkeys(("tool", "function", "observation", "ipython"), "tool"),
-}
-
-
-class DropReason(StrEnum):
-    MALFORMED_ROW = "malformed_row"
-    EMPTY_CONVERSATION = "empty_conversation"
-    NO_ASSISTANT_TURN = "no_assistant_turn"
-    EMPTY_ASSISTANT_TURN = "empty_assistant_turn"
-    UNKNOWN_ROLE = "unknown_role"
-    IMAGE_PLACEHOLDER_MISMATCH = "image_placeholder_mismatch"
-    IMAGE_UNAVAILABLE = "image_unavailable"
-    DUPLICATE_SAMPLE = "duplicate_sample"
-
-
-class Rejected(RowRejected):
-    """A row that cannot be used, with the reason recorded in the quarantine."""
-
-
-Turn = dict[str, Any]
+__all__ = ["NORMALIZERS", "DropReason", "Rejected", "Turn"]
 
 
 @dataclass(frozen=True)
@@ -105,162 +89,43 @@ def parse_record(record_json: str, parse_error: str | None = None) -> dict[str, 
 
 
 def image_references(
-    record: Mapping[str, Any], fmt: str, image_column: str | None = None
+    record: Mapping[str, Any], fmt: str, columns: PromptColumns | None = None
 ) -> list[str]:
-    """The image references a record names, in order (for the availability stage);
-    `image_column` is the `prompts` format's column of images (`columns.image`)."""
-    if fmt == "prompts":
-        image = record.get(image_column) if image_column else None
-        if image is None:
-            return []
-        return list(image) if isinstance(image, list) else [image]
+    """The image references a record names, in the order its image parts show them (for
+    the availability stage); `columns` says where a `prompts` record keeps its image.
+    Unusable entries are skipped here: normalization quarantines their row."""
     if fmt == "sharegpt4v":
         image = record.get("image")
         if image is None:
             return []
         return list(image) if isinstance(image, list) else [image]
     if fmt == "messages":
-        refs = []
-        for message in _messages_list(record, strict=False):
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, list):
-                refs.extend(r for p in content if (r := _part_image_ref(p)) is not None)
-        return refs
+        return messages_image_refs(record, strict=False)
+    if fmt == "prompts":
+        column = (columns or PromptColumns()).image
+        if column is None:
+            return []
+        return column_references(record.get(column), column, strict=False)
     return []
 
 
-def _messages_list(record: Mapping[str, Any], strict: bool = True) -> list[Any]:
-    turns = record.get("messages", record.get("conversations"))
-    if not isinstance(turns, list):
-        if strict:
-            raise Rejected(
-                DropReason.MALFORMED_ROW,
-                f"'messages' is a {type(turns).__name__}, expected a list of turns",
-            )
-        return []
-    return turns
-
-
-def _part_image_ref(part: Any) -> str | None:
-    if not isinstance(part, dict):
-        return None
-    if part.get("type") == "image":
-        return part.get("image", part.get("path", part.get("url")))
-    if part.get("type") == "image_url":
-        url = part.get("image_url")
-        return url.get("url") if isinstance(url, dict) else url
-    return None
-
-
-# -- normalizers, selected by the registry entry's `format` ------------------------
-
-
-def _role(raw: Any) -> str:
-    role = ROLE_ALIASES.get(str(raw).strip().lower()) if isinstance(raw, str) else None
-    if role is None:
-        raise Rejected(
-            DropReason.UNKNOWN_ROLE,
-            f"role {raw!r}; known: {sorted(ROLE_ALIASES)} (map it in ROLE_ALIASES)",
-        )
-    return role
-
-
-def _split_placeholders(text: str, images: list[ImageProbe], cursor: list[int]) -> list[dict]:
-    """Text with `<image>` placeholders as parts; the newline that separates a
-    placeholder from its text belongs to the placeholder."""
-    parts: list[dict] = []
-    segments = re.split(f"({re.escape(IMAGE_PLACEHOLDER)})", text)
-    for i, segment in enumerate(segments):
-        if segment == IMAGE_PLACEHOLDER:
-            if cursor[0] >= len(images):
-                raise Rejected(
-                    DropReason.IMAGE_PLACEHOLDER_MISMATCH,
-                    f"more {IMAGE_PLACEHOLDER} placeholders than the {len(images)} image(s)",
-                )
-            parts.append({"type": "image", "path": images[cursor[0]].path})
-            cursor[0] += 1
-            continue
-        if i > 0 and segments[i - 1] == IMAGE_PLACEHOLDER and segment.startswith("\n"):
-            segment = segment[1:]
-        if i + 1 < len(segments) and segments[i + 1] == IMAGE_PLACEHOLDER:
-            segment = segment.removesuffix("\n")
-        if segment:
-            parts.append({"type": "text", "text": segment})
-    return parts
-
-
-def _from_value_turns(
-    record: Mapping[str, Any], images: list[ImageProbe], with_placeholders: bool
-) -> list[Turn]:
-    turns_raw = record.get("conversations")
-    if not isinstance(turns_raw, list):
-        raise Rejected(
-            DropReason.MALFORMED_ROW,
-            f"'conversations' is a {type(turns_raw).__name__}, expected a list of turns",
-        )
-    cursor = [0]
-    turns: list[Turn] = []
-    for index, turn in enumerate(turns_raw):
-        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
-            raise Rejected(DropReason.MALFORMED_ROW, f"turn {index} has no string 'value'")
-        role = _role(turn.get("from"))
-        value = turn["value"]
-        if with_placeholders and IMAGE_PLACEHOLDER in value:
-            if role != "user":
-                raise Rejected(
-                    DropReason.IMAGE_PLACEHOLDER_MISMATCH,
-                    f"{IMAGE_PLACEHOLDER} in a {role} turn (turn {index})",
-                )
-            turns.append({"role": role, "content": _split_placeholders(value, images, cursor)})
-        else:
-            turns.append({"role": role, "content": value})
-    if cursor[0] != len(images):
-        raise Rejected(
-            DropReason.IMAGE_PLACEHOLDER_MISMATCH,
-            f"{len(images)} image(s) but {cursor[0]} {IMAGE_PLACEHOLDER} placeholder(s)",
-        )
-    return turns
-
-
-def _messages(record: Mapping[str, Any], images: list[ImageProbe]) -> list[Turn]:
-    pending = iter(images)
-    turns: list[Turn] = []
-    for index, message in enumerate(_messages_list(record)):
-        if not isinstance(message, dict):
-            raise Rejected(DropReason.MALFORMED_ROW, f"turn {index} is not an object")
-        role = _role(message.get("role"))
-        content = message.get("content")
-        if isinstance(content, str):
-            turns.append({"role": role, "content": content})
-            continue
-        if not isinstance(content, list):
-            raise Rejected(DropReason.MALFORMED_ROW, f"turn {index} content is not text or parts")
-        parts = []
-        for part in content:
-            if _part_image_ref(part) is not None:
-                parts.append({"type": "image", "path": next(pending).path})
-            elif isinstance(part, dict) and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": part["text"]})
-            else:
-                raise Rejected(DropReason.MALFORMED_ROW, f"turn {index} has an unknown part")
-        turns.append({"role": role, "content": parts})
-    return turns
-
-
-NORMALIZERS: dict[str, Callable[[Mapping[str, Any], list[ImageProbe]], list[Turn]]] = {
-    "sharegpt4v": partial(_from_value_turns, with_placeholders=True),
-    "sharegpt": partial(_from_value_turns, with_placeholders=False),
-    "messages": _messages,
-}
-
-
 def normalize(
-    record: Mapping[str, Any], fmt: str, probes: Mapping[str, ImageProbe]
+    record: Mapping[str, Any],
+    fmt: str,
+    probes: Mapping[str, ImageProbe],
+    columns: PromptColumns | None = None,
+    *,
+    benchmark: bool = False,
 ) -> Conversation:
-    """The normalized conversation of one record, or `Rejected` with the reason."""
+    """The normalized conversation of one record, or `Rejected` with the reason.
+
+    `columns` says where a `prompts` record keeps its parts. A `benchmark` row needs a
+    user turn but no reply: its replies are the target's, written when a draft is
+    measured on it; a training row without a reply has nothing to train on."""
     if fmt not in NORMALIZERS:
         raise ValueError(f"unknown format {fmt!r}; known: {sorted(NORMALIZERS)}")
-    refs = image_references(record, fmt)
+    columns = columns or PromptColumns()
+    refs = image_references(record, fmt, columns)
     images = []
     for ref in refs:
         probe = probes.get(str(ref))
@@ -268,10 +133,13 @@ def normalize(
             status = probe.status.value if probe else "not probed"
             raise Rejected(DropReason.IMAGE_UNAVAILABLE, f"{ref}: {status}")
         images.append(probe)
-    turns = NORMALIZERS[fmt](record, images)
+    turns = NORMALIZERS[fmt](record, images, columns)
     if not turns:
         raise Rejected(DropReason.EMPTY_CONVERSATION, "no turns")
-    if not reply_indices(turns):
+    if benchmark:
+        if not any(t["role"] == "user" for t in turns):
+            raise Rejected(DropReason.NO_USER_TURN, "a benchmark row needs a user turn to ask")
+    elif not reply_indices(turns):
         where = "after a user turn" if any(t["role"] == "assistant" for t in turns) else ""
         raise Rejected(DropReason.NO_ASSISTANT_TURN, f"no assistant turn {where}".strip())
     for index, turn in enumerate(turns):
