@@ -137,3 +137,28 @@ def test_the_mmstar_preset_reads_a_question_its_image_and_answer() -> None:
         "image": "image",
         "answer": "answer",
     }
+
+
+def test_a_row_from_a_file_takes_the_files_name_as_its_category(tmp_path: Path) -> None:
+    """Prep reads the file a raw row came from (`source_file`) when ingest records it; a
+    raw table without that column gives the default category."""
+    from mm_assets.services.prep import normalize_partition
+    from mm_assets.storage import TableStore
+
+    spec = _local_preset("speculator_benchmarks", tmp_path)
+    tables = TableStore(tmp_path / "store")
+    raw = pa.schema([*schemas.RAW_DATASET, ("source_file", pa.string())])
+    rows = [
+        {"source_index": i, "record": json.dumps({"prompt": f"p{i}"}), "parse_error": None,
+         "source_file": f"{subset}.jsonl"}
+        for i, subset in enumerate(SPECULATOR_SUBSETS)
+    ]  # fmt: skip
+    tables.write("raw_dataset", spec.name, rows, raw)
+    tables.write("coco_image_availability", spec.name, [], schemas.IMAGE_AVAILABILITY)
+    report = normalize_partition(spec, tables)
+    assert report.categories == dict.fromkeys(SPECULATOR_SUBSETS, 1)
+    kept = tables.iter_rows("normalized_conversations", spec.name)
+    assert [r["category"] for r in kept] == SPECULATOR_SUBSETS
+
+    tables.write("raw_dataset", spec.name, rows, schemas.RAW_DATASET)
+    assert normalize_partition(spec, tables).categories == {"all": len(rows)}
