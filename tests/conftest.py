@@ -128,6 +128,13 @@ embedded_adversarial:
   columns: {{prompt: question, image: image}}
   min_image_availability: 0.0
 
+trl_adversarial:
+  path: {SESSION_HOME}/trl_adversarial/data.parquet
+  format: messages
+  role: benchmark
+  category_column: category
+  min_image_availability: 0.0
+
 demo_wrong_root:
   path: {SESSION_HOME}/demo/data/sharegpt4v_coco.json
   format: sharegpt4v

@@ -18,7 +18,7 @@ import pytest
 
 from mm_assets.registry import DatasetSpec, load_registry
 from mm_assets.storage import schemas
-from tests.conftest import materialize
+from tests.conftest import SESSION_HOME, materialize
 
 STAGES = ["raw_dataset", "coco_image_availability", "normalized_conversations"]
 MT_BENCH_CATEGORIES = [
@@ -112,11 +112,6 @@ def test_the_speculator_benchmarks_preset_keeps_every_prompt(tmp_path: Path, reg
     assert all([t["role"] for t in json.loads(r["turns"])] == ["user"] for r in kept)
 
 
-@pytest.mark.xfail(
-    "source_file" not in schemas.RAW_DATASET.names,
-    reason="a row's file reaches prep through raw_dataset's `source_file` column (ingest)",
-    strict=True,
-)
 def test_the_speculator_benchmarks_categories_are_its_file_names(
     tmp_path: Path, registered
 ) -> None:
@@ -127,27 +122,101 @@ def test_the_speculator_benchmarks_categories_are_its_file_names(
     assert "| tool_call | 3 |" in metadata["rows_by_category"]
 
 
-def test_the_mmstar_preset_reads_a_question_its_image_and_answer() -> None:
-    """Its images are in the rows (ingest writes them to files): the shape is checked
-    here on the entry itself."""
-    mmstar = load_registry()["mmstar"]
-    assert (mmstar.format, mmstar.split, mmstar.category_column) == ("prompts", "val", "category")
-    assert mmstar.columns.model_dump() == {
-        "prompt": "question",
-        "image": "image",
-        "answer": "answer",
+def test_the_mmstar_preset_reads_each_question_with_the_image_inside_its_row(
+    tmp_path: Path, registered
+) -> None:
+    """MMStar keeps its images in the rows (the `datasets.Image` feature): ingest writes
+    them to files, and every row is a user turn holding its image, then its question."""
+    from tests.test_embedded_images import _jpeg, _mmstar_parquet
+
+    images = [_jpeg((40 + i, 30)) for i in range(6)]
+    (tmp_path / "mmstar").mkdir()
+    _mmstar_parquet(tmp_path / "mmstar" / "val.parquet", images)
+    registered(_local_preset("mmstar", tmp_path / "mmstar"))
+    kept, quarantined, metadata = _prepared("mmstar")
+    assert quarantined == [] and len(kept) == len(images)
+    assert Counter(r["category"] for r in kept) == {"coarse perception": 3, "math": 3}
+    for row in kept:
+        (user, answer) = json.loads(row["turns"])
+        assert [p["type"] for p in user["content"]] == ["image", "text"]
+        assert answer == {"role": "assistant", "content": "A"}
+        assert row["multimodal"] and Path(row["image_paths"][0]).is_file()
+    assert "| math | 3 |" in metadata["rows_by_category"]
+
+
+def _trl_row(parts: list[str], images: list[bytes]) -> dict:
+    content = [{"type": p, "text": "What is shown?" if p == "text" else None} for p in parts]
+    return {
+        "messages": [{"role": "user", "content": content}],
+        "images": [{"bytes": b, "path": None} for b in images],
+        "category": "vqa",
     }
 
 
+def test_a_trl_benchmark_quarantines_each_bad_row_with_its_reason_and_keeps_the_rest(
+    tmp_path: Path,
+) -> None:
+    """TRL's layout with the images inside: an image part with no image left, an image
+    left over, a truncated image and a decompression bomb are each quarantined with their
+    reason; every good row is kept."""
+    import datasets
+
+    from mm_assets.assets.resources import StorageResource
+    from tests.bad_inputs import png_declaring
+    from tests.test_embedded_images import _jpeg, _png
+
+    good, other = _jpeg(), _png((30, 30), "green")
+    png_declaring(tmp_path / "bomb.png", 20_000, 20_000)
+    rows = [
+        _trl_row(["image", "text"], [good]),
+        _trl_row(["text"], []),
+        _trl_row(["image", "image", "text"], [good, other]),
+        _trl_row(["image", "image", "text"], [other]),  # a part with no image left
+        _trl_row(["image", "text"], [good, other]),  # an image left over
+        _trl_row(["image", "text"], [good[: len(good) // 2]]),  # truncated
+        _trl_row(["image", "text"], [(tmp_path / "bomb.png").read_bytes()]),
+    ]
+    rows[1]["messages"][0]["content"][0]["text"] = "A question without a picture."
+    part = {"type": datasets.Value("string"), "text": datasets.Value("string")}
+    features = datasets.Features(
+        {
+            "messages": datasets.List(
+                {"role": datasets.Value("string"), "content": datasets.List(part)}
+            ),
+            "images": datasets.List(datasets.Image()),
+            "category": datasets.Value("string"),
+        }
+    )
+    path = SESSION_HOME / "trl_adversarial" / "data.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    datasets.Dataset.from_list(rows, features=features).to_parquet(str(path))
+    materialize("trl_adversarial", STAGES)
+    tables = StorageResource().tables()
+    kept = sorted(
+        r["source_index"] for r in tables.iter_rows("normalized_conversations", "trl_adversarial")
+    )
+    reasons = {
+        r["source_index"]: (r["reason"], r["detail"])
+        for r in tables.iter_rows("normalized_conversations_quarantine", "trl_adversarial")
+    }
+    assert kept == [0, 1, 2]
+    assert {i: reason for i, (reason, _) in reasons.items()} == {
+        3: "image_placeholder_mismatch",
+        4: "image_placeholder_mismatch",
+        5: "image_unavailable",
+        6: "image_unavailable",
+    }
+    assert "unreadable" in reasons[5][1] and "too_large" in reasons[6][1]
+
+
 def test_a_row_from_a_file_takes_the_files_name_as_its_category(tmp_path: Path) -> None:
-    """Prep reads the file a raw row came from (`source_file`) when ingest records it; a
-    raw table without that column gives the default category."""
+    """Prep reads the file a raw row came from (`source_file`) for its category."""
     from mm_assets.services.prep import normalize_partition
     from mm_assets.storage import TableStore
 
     spec = _local_preset("speculator_benchmarks", tmp_path)
     tables = TableStore(tmp_path / "store")
-    raw = pa.schema([*schemas.RAW_DATASET, ("source_file", pa.string())])
+    raw = schemas.RAW_DATASET
     rows = [
         {"source_index": i, "record": json.dumps({"prompt": f"p{i}"}), "parse_error": None,
          "source_file": f"{subset}.jsonl"}
@@ -159,6 +228,3 @@ def test_a_row_from_a_file_takes_the_files_name_as_its_category(tmp_path: Path) 
     assert report.categories == dict.fromkeys(SPECULATOR_SUBSETS, 1)
     kept = tables.iter_rows("normalized_conversations", spec.name)
     assert [r["category"] for r in kept] == SPECULATOR_SUBSETS
-
-    tables.write("raw_dataset", spec.name, rows, schemas.RAW_DATASET)
-    assert normalize_partition(spec, tables).categories == {"all": len(rows)}
