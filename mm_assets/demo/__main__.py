@@ -69,7 +69,7 @@ def run(
         print(_acceptance_table(meta))
     for draft, meta in mixes.items():
         print(f"demo: {draft}: EAGLE-3 draft on {', '.join(partitions)} at {meta['checkpoint']}")
-        print(_draft_table(draft, meta, partitions))
+        print(_draft_table(draft, meta, partitions, speculators))
     print(_benchmark_table(partitions, DEMO_BENCHMARK))
 
 
@@ -89,15 +89,26 @@ def _materialize(defs: Any, instance: Any, job: str, partition: str) -> dict[str
     return {k: v.value for k, v in mat.metadata.items()}
 
 
-def _draft_table(draft: str, meta: dict[str, Any], sources: tuple[str, ...]) -> str:
+def _draft_table(
+    draft: str, meta: dict[str, Any], sources: tuple[str, ...], own: dict[str, dict[str, Any]]
+) -> str:
     """Acceptance vLLM measured on each source's held-out prompts: the draft of both,
-    and each source's own draft on the same prompts (off its domain too)."""
+    and each source's own draft — on the same prompts, off its domain too, when the mix
+    was measured with `compare_with_sources`; else on its own held-out prompts, read
+    from its own measurement (the same rows: a mix holds out each source's rows by its
+    own draft's rule)."""
     nan = float("nan")
-    lines = [f"      {'draft':<24}" + "".join(f"{s:>24}" for s in sources)]
-    rows = [(draft, "")] + [(f"{s} (own)", f"_by_{s}") for s in sources]
-    for name, suffix in rows:
-        cells = [meta.get(f"vllm_acceptance_length_{s}{suffix}", nan) for s in sources]
-        lines.append(f"      {name:<24}" + "".join(f"{c:>24.3f}" for c in cells))
+    lines = [f"      {'draft':<28}" + "".join(f"{s:>24}" for s in sources)]
+    cells = [meta.get(f"vllm_acceptance_length_{s}", nan) for s in sources]
+    lines.append(f"      {draft:<28}" + "".join(f"{c:>24.3f}" for c in cells))
+    if any(f"vllm_acceptance_length_{s}_by_{s}" in meta for s in sources):
+        for mine in sources:
+            cells = [meta.get(f"vllm_acceptance_length_{s}_by_{mine}", nan) for s in sources]
+            lines.append(f"      {mine + ' (own)':<28}" + "".join(f"{c:>24.3f}" for c in cells))
+    else:
+        cells = [own.get(s, {}).get("vllm_acceptance_length", nan) for s in sources]
+        label = "each dataset's own draft"
+        lines.append(f"      {label:<28}" + "".join(f"{c:>24.3f}" for c in cells))
     prompts = ", ".join(f"{meta.get(f'vllm_prompts_{s}', 0)} {s}" for s in sources)
     lines.append(f"      (greedy, held-out prompts: {prompts})")
     return "\n".join(lines)
