@@ -228,3 +228,32 @@ def test_a_row_from_a_file_takes_the_files_name_as_its_category(tmp_path: Path) 
     assert report.categories == dict.fromkeys(SPECULATOR_SUBSETS, 1)
     kept = tables.iter_rows("normalized_conversations", spec.name)
     assert [r["category"] for r in kept] == SPECULATOR_SUBSETS
+
+
+def test_a_drafts_benchmark_step_reads_exactly_the_benchmarks_its_entry_lists() -> None:
+    """`speculator_benchmark` of a dataset depends on its own draft and on the prepared
+    conversations of the benchmarks its entry lists, nothing else."""
+    from mm_assets.assets.partitions import REGISTRY, benchmarks_of_datasets, dataset_partitions
+
+    mapping = benchmarks_of_datasets()
+    for name, spec in REGISTRY.items():
+        upstream = mapping.get_upstream_mapped_partitions_result_for_partitions(
+            dataset_partitions.subset_with_partition_keys([name]), dataset_partitions,
+            dataset_partitions,
+        ).partitions_subset.get_partition_keys()  # fmt: skip
+        assert set(upstream) == set(spec.benchmarks)
+    assert REGISTRY["demo_onpolicy"].benchmarks == ["demo_benchmark"]  # the tests' registry
+    assert REGISTRY["demo_benchmark"].is_benchmark
+
+
+def test_a_training_entry_may_list_only_benchmark_entries() -> None:
+    from mm_assets.registry.specs import benchmark_problems
+
+    registry = load_registry()
+    chat = registry["sharegpt"].model_copy(update={"benchmarks": ["mt_bnch", "ultrachat"]})
+    problems = benchmark_problems({**registry, "sharegpt": chat})
+    assert len(problems) == 2
+    assert "'mt_bnch' is not an entry (did you mean 'mt_bench'?" in problems[0]
+    assert "'ultrachat' is a training dataset" in problems[1]
+    with pytest.raises(ValueError, match="categories are for benchmarks"):
+        DatasetSpec(name="x", path="x.json", format="sharegpt", category="qa")

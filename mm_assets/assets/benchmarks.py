@@ -14,7 +14,12 @@ from mm_assets.assets.config import config_class, stage_settings
 from mm_assets.assets.media import media_root
 from mm_assets.assets.metadata import benchmark_plot, rounded, table_links
 from mm_assets.assets.model import trained_speculator
-from mm_assets.assets.partitions import REGISTRY, accelerator_asset, dataset_spec
+from mm_assets.assets.partitions import (
+    REGISTRY,
+    accelerator_asset,
+    benchmarks_of_datasets,
+    dataset_spec,
+)
 from mm_assets.assets.prep import normalized_conversations
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.domain.model.benchmark import BENCHMARK_VERSION, OVERALL, BenchmarkSettings
@@ -33,15 +38,6 @@ BenchmarkConfig = config_class(
     ),
 )
 METHOD_NAMES = {"eagle3": "draft (EAGLE-3)", "ngram": "n-gram", "none": "no speculation"}
-
-
-def benchmarks_of_datasets() -> dg.StaticPartitionMapping:
-    """Each benchmark partition to the datasets whose drafts are measured on it."""
-    mapping: dict[str, list[str]] = {}
-    for name, spec in sorted(REGISTRY.items()):
-        for bench in spec.benchmarks:
-            mapping.setdefault(bench, []).append(name)
-    return dg.StaticPartitionMapping(mapping)
 
 
 @accelerator_asset(

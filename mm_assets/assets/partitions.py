@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import dagster as dg
@@ -39,13 +39,22 @@ def draft_spec(context: dg.AssetExecutionContext) -> DraftSpec:
     return DRAFTS[context.partition_key]
 
 
+def _mapping(pairs: Iterable[tuple[str, str]]) -> dg.StaticPartitionMapping:
+    """A static mapping from (upstream partition, downstream partition) pairs."""
+    mapping: dict[str, list[str]] = {}
+    for upstream, downstream in pairs:
+        mapping.setdefault(upstream, []).append(downstream)
+    return dg.StaticPartitionMapping(mapping)
+
+
 def sources_of_drafts() -> dg.StaticPartitionMapping:
     """Each dataset partition to the drafts it is a source of."""
-    mapping: dict[str, list[str]] = {}
-    for name, draft in sorted(DRAFTS.items()):
-        for source in draft.sources:
-            mapping.setdefault(source, []).append(name)
-    return dg.StaticPartitionMapping(mapping)
+    return _mapping((s, name) for name, draft in sorted(DRAFTS.items()) for s in draft.sources)
+
+
+def benchmarks_of_datasets() -> dg.StaticPartitionMapping:
+    """Each benchmark partition to the datasets whose drafts are measured on it."""
+    return _mapping((b, name) for name, spec in sorted(REGISTRY.items()) for b in spec.benchmarks)
 
 
 def skipping_benchmarks(fn: Callable[..., Any]) -> Callable[..., Any]:
