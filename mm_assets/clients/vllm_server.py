@@ -229,7 +229,7 @@ class ManagedVllmServer:
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)  # a start takes ~20 s on CPU; each poll is a cheap GET
         raise ServerStartupError(
             f"vLLM did not become healthy within {self.startup_timeout_s:.0f}s; "
             f"log {self.log_path}:\n" + self.log_tail()
