@@ -1,6 +1,7 @@
 """A draft benchmarked per category in vLLM, beside no speculation and vLLM's n-gram method.
 
-Each method runs on a server of its own, one after the other: `none` first, because its
+Each method runs on a server of its own (`services/method_servers.py`: started together on
+CPU, one at a time on a GPU), and is measured one after the other: `none` first, because its
 answers are the target's, and every method's later rounds are built from them (so all
 three are sent the same prompts) and its token ids are what losslessness is checked
 against; then `ngram` (prompt lookup, the free baseline); then `eagle3` with the draft.
@@ -53,6 +54,7 @@ from mm_assets.domain.model.benchmark import (
 from mm_assets.domain.model.hidden_states import text_config_facts
 from mm_assets.domain.prep.conversations import to_vllm_messages
 from mm_assets.services.engine import VllmEngine
+from mm_assets.services.method_servers import MethodServers
 from mm_assets.services.target import target_fingerprint
 from mm_assets.storage.records import load_record, save_record
 
@@ -176,21 +178,15 @@ def _category_answers(
 
 def run_method(
     method: str,
-    serve_args: list[str],
-    target: str,
+    servers: MethodServers,
     categories: dict[str, list[BenchmarkConversation]],
     reference: dict[str, list[list[Answer]]] | None,
     settings: BenchmarkSettings,
-    engine: VllmEngine,
-    image_root: Path | None,
-    log_path: Path,
 ) -> MethodRun:
-    """One method on a server of its own: a warm-up request, then each category between
-    two scrapes of the counters (see the module's docstring)."""
-    log_path = log_path.with_name(f"{log_path.stem}.{method}{log_path.suffix}")
-    server = engine.server(target, serve_args, image_root, log_path)
+    """One method on its server: a warm-up request, then each category between two
+    scrapes of the counters (see the module's docstring)."""
     try:
-        url = server.start()
+        url = servers.url(method)
     except ServerStartupError as exc:
         if method == "none":
             raise
@@ -210,7 +206,7 @@ def run_method(
             answers[name] = own
         whole = server_counters(url).minus(start)
     finally:
-        server.stop()
+        servers.done(method)
     total = _figures(
         OVERALL, method, sum(f.prompts for f in figures), sum(f.requests for f in figures), whole
     )
@@ -287,19 +283,21 @@ def benchmark(
         BENCHMARK_VERSION, target_fingerprint(target_dir), categories, settings.model_dump(),
         engine.options.model_dump(), ngram_tokens,
     ])  # fmt: skip
+    plan = _plan(cache_dir, base_key, draft, ngram_args(settings, ngram_tokens), reuse)
     target = str(target_dir)
+    with MethodServers(
+        engine, target, image_root, log_path, settings.start_servers_together
+    ) as servers:
+        servers.start(plan.to_run)
 
-    def run(method: str, args: list[str], reference: MethodRun | None) -> MethodRun:
-        answers = reference.answers if reference else None
-        return run_method(
-            method, args, target, conversations, answers, settings, engine, image_root, log_path
-        )
+        def run(method: str, reference: MethodRun | None) -> MethodRun:
+            answers = reference.answers if reference else None
+            return run_method(method, servers, conversations, answers, settings)
 
-    record = cache_dir / f"benchmark_baselines_{base_key[:20]}.json"
-    none, ngram = _baselines(run, ngram_args(settings, ngram_tokens), record, base_key, reuse)
-    runs = {"none": none, "ngram": ngram}
-    if draft is not None:
-        runs["eagle3"] = _draft_run(run, none, draft, cache_dir, base_key, reuse)
+        none, ngram = _baselines(run, plan)
+        runs = {"none": none, "ngram": ngram}
+        if draft is not None:
+            runs["eagle3"] = _draft_run(run, none, plan)
     rows = with_overall([f for r in runs.values() for f in r.figures])
     prompts = {
         name: all_prompts(convs, none.answers[name]) for name, convs in conversations.items()
@@ -307,36 +305,65 @@ def benchmark(
     return BenchmarkReport(rows, runs, prompts)
 
 
-Runner = Callable[[str, list[str], MethodRun | None], MethodRun]
+Runner = Callable[[str, MethodRun | None], MethodRun]
 
 
-def _baselines(
-    run: Runner, ngram: list[str], record: Path, key: str, reuse: bool
-) -> tuple[MethodRun, MethodRun]:
-    """`none` and `ngram`, from their record when it is there; a method vLLM did not
-    start is not reused: the next run tries it again."""
-    cached = (load_record(record, key) if reuse else None) or {}
-    none = _from_record(cached["none"]) if "none" in cached else run("none", [], None)
-    if "ngram" in cached and cached["ngram"]["not_run"] is None:
+@dataclass(frozen=True)
+class _Plan:
+    """What is recorded already, and the methods (with their serve arguments) to run."""
+
+    base_record: Path
+    base_key: str
+    base: dict[str, Any]
+    draft_record: Path | None
+    draft_key: str | None
+    draft: dict[str, Any] | None
+    to_run: dict[str, list[str]]
+
+
+def _plan(
+    cache_dir: Path, base_key: str, draft: DraftUnderTest | None, ngram: list[str], reuse: bool
+) -> _Plan:
+    """The records of this benchmark (a method vLLM did not start is not reused: the
+    next run tries it again), and so the methods that must run."""
+    base_record = cache_dir / f"benchmark_baselines_{base_key[:20]}.json"
+    base = (load_record(base_record, base_key) if reuse else None) or {}
+    to_run: dict[str, list[str]] = {}
+    if "none" not in base:
+        to_run["none"] = []
+    if "ngram" not in base or base["ngram"]["not_run"] is not None:
+        base.pop("ngram", None)
+        to_run["ngram"] = ngram
+    if draft is None:
+        return _Plan(base_record, base_key, base, None, None, None, to_run)
+    draft_key = json_sha256([base_key, draft.weights_sha256, draft.speculative_tokens])
+    draft_record = cache_dir / f"benchmark_draft_{draft_key[:20]}.json"
+    cached = load_record(draft_record, draft_key) if reuse else None
+    if not cached:
+        to_run["eagle3"] = speculative_decoding_args(draft.dir, draft.speculative_tokens)
+    return _Plan(base_record, base_key, base, draft_record, draft_key, cached, to_run)
+
+
+def _baselines(run: Runner, plan: _Plan) -> tuple[MethodRun, MethodRun]:
+    """`none` and `ngram`, from their record when it is there, else measured."""
+    cached = plan.base
+    none = _from_record(cached["none"]) if "none" in cached else run("none", None)
+    if "ngram" in cached:
         n_gram = _from_record(cached["ngram"])
     else:
-        n_gram = _checked(run("ngram", ngram, none), none)
+        n_gram = _checked(run("ngram", none), none)
     if not (none.reused and n_gram.reused):
-        save_record(record, key, {"none": _to_record(none), "ngram": _to_record(n_gram)})
+        record = {"none": _to_record(none), "ngram": _to_record(n_gram)}
+        save_record(plan.base_record, plan.base_key, record)
     return none, n_gram
 
 
-def _draft_run(
-    run: Runner, none: MethodRun, draft: DraftUnderTest, cache_dir: Path, base_key: str, reuse: bool
-) -> MethodRun:
+def _draft_run(run: Runner, none: MethodRun, plan: _Plan) -> MethodRun:
     """The draft's run, from its record (keyed by its weights too) when it is there."""
-    key = json_sha256([base_key, draft.weights_sha256, draft.speculative_tokens])
-    record = cache_dir / f"benchmark_draft_{key[:20]}.json"
-    cached = load_record(record, key) if reuse else None
-    if cached:
-        return _from_record(cached)
-    args = speculative_decoding_args(draft.dir, draft.speculative_tokens)
-    measured = _checked(run("eagle3", args, none), none)
+    assert plan.draft_record is not None and plan.draft_key is not None
+    if plan.draft:
+        return _from_record(plan.draft)
+    measured = _checked(run("eagle3", none), none)
     if measured.not_run is None:
-        save_record(record, key, _to_record(measured))
+        save_record(plan.draft_record, plan.draft_key, _to_record(measured))
     return measured

@@ -52,6 +52,12 @@ class BenchmarkSettings(BaseModel):
     warmup_max_tokens: int = Field(
         default=8, ge=1, description="Tokens of the warm-up request sent to each server."
     )
+    start_servers_together: bool | None = Field(
+        default=None,
+        description="Start the methods' servers at once (their start-ups overlap), then "
+        "measure each in turn while the others idle; else one at a time. None: together "
+        "on CPU, one at a time on a GPU (each server would claim most of its memory).",
+    )
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,84 @@
+"""The servers of a benchmark's methods (no speculation, n-gram, the draft): one each.
+
+On CPU, starting a vLLM server is mostly single-threaded Python imports, twice (the API
+server, then the engine core it spawns): ~19 s of which generation is a small part on a
+demo benchmark (BENCHMARKS.md, "Drafts on the demo benchmark"). Started together, the
+start-ups share the cores; each method is then measured in turn while the other servers
+sit idle (an idle server takes ~0.02 CPU-seconds per second), and all stop at the end, so
+every method is measured beside the same idle neighbours. On a GPU each server would
+claim most of the device's memory, so there they start one at a time, each stopped after
+its method.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from mm_assets.clients.vllm_server import ManagedVllmServer, ServerStartupError, cuda_available
+from mm_assets.services.engine import VllmEngine
+
+logger = logging.getLogger(__name__)
+
+
+class MethodServers:
+    """`with MethodServers(...) as servers: servers.start(methods); url = servers.url(m)`."""
+
+    def __init__(
+        self,
+        engine: VllmEngine,
+        target: str,
+        image_root: Path | None,
+        log_path: Path,
+        together: bool | None = None,
+    ) -> None:
+        self.engine, self.target, self.image_root, self.log_path = (
+            engine, target, image_root, log_path,
+        )  # fmt: skip
+        self.together = not cuda_available() if together is None else together
+        self.servers: dict[str, ManagedVllmServer] = {}
+        self.failed: dict[str, ServerStartupError] = {}
+        self.urls: dict[str, str] = {}
+
+    def _server(self, method: str, serve_args: list[str]) -> ManagedVllmServer:
+        log = self.log_path.with_name(f"{self.log_path.stem}.{method}{self.log_path.suffix}")
+        server = self.engine.server(self.target, serve_args, self.image_root, log)
+        self.servers[method] = server
+        return server
+
+    def start(self, methods: Mapping[str, list[str]]) -> None:
+        """Declares the methods to run (method -> serve arguments); together, starts them
+        all now, in parallel, and waits until each is up or has failed."""
+        servers = {m: self._server(m, args) for m, args in methods.items()}
+        if not self.together:
+            return
+        with ThreadPoolExecutor(max_workers=max(len(servers), 1)) as pool:
+            futures = {m: pool.submit(s.start) for m, s in servers.items()}
+        for method, future in futures.items():
+            try:
+                self.urls[method] = future.result()
+            except ServerStartupError as exc:
+                self.failed[method] = exc
+
+    def url(self, method: str) -> str:
+        """The method's server, started now when one at a time; raises `ServerStartupError`
+        when vLLM did not start it."""
+        if method in self.failed:
+            raise self.failed[method]
+        if method not in self.urls:
+            self.urls[method] = self.servers[method].start()
+        return self.urls[method]
+
+    def done(self, method: str) -> None:
+        """The method is measured: one at a time, its server stops now."""
+        if not self.together and method in self.servers:
+            self.servers[method].stop()
+
+    def __enter__(self) -> MethodServers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for server in self.servers.values():
+            server.stop()
