@@ -85,9 +85,10 @@ def test_every_category_and_method_is_measured_from_vllms_counters(benchmarked: 
 def test_a_rerun_sends_nothing_and_keeps_one_set_of_rows(benchmarked: dict) -> None:
     before = _rows()
     again = _benchmark()
-    assert again[f"benchmark_{BENCHMARK}_reused"] is True
+    assert again[f"benchmark_{BENCHMARK}_reused"] is True and again["rows_written"] == 0
     after = _rows()
     assert len(after) == len(before)
+    assert {r["measured_at"] for r in after} == {r["measured_at"] for r in before}
     key = lambda r: (r["category"], r["method"])  # noqa: E731
     assert {key(r): r["acceptance_length"] for r in after} == {
         key(r): r["acceptance_length"] for r in before

@@ -94,11 +94,12 @@ def speculator_benchmark(
         )  # fmt: skip
         rows = table_rows(spec.name, name, report, settings, fingerprint, draft.weights_sha256)
         key = results_key(draft.weights_sha256, name, settings.model_dump())
-        rows_written += write_results(tables, spec.name, key, rows)
+        reused = all(report.reused.values())
+        rows_written += write_results(tables, spec.name, key, rows, reused)
         metadata |= benchmark_metadata(name, report)
     tables.add_to_catalog(["speculator_benchmarks"])
     metadata |= table_links(tables, "speculator_benchmarks", spec.name)
-    metadata["rows"] = rows_written
+    metadata["rows_written"] = rows_written
     return dg.MaterializeResult(metadata=rounded(metadata))
 
 

@@ -61,13 +61,18 @@ def results_key(draft_sha256: str | None, benchmark: str, settings: Mapping[str,
 
 
 def write_results(
-    tables: TableStore, draft: str, key: str, rows: Iterable[Mapping[str, Any]]
+    tables: TableStore, draft: str, key: str, rows: Iterable[Mapping[str, Any]], reused: bool
 ) -> int:
     """The draft's partition of the table: its earlier measurements (other keys) kept,
-    this one's rows (`key`) written in place of any it had. Returns the rows written."""
+    this one's rows (`key`) written in place of any it had — unless the figures were
+    `reused` from a record and the table holds them already (their `measured_at` stays
+    the time they were measured). Returns the rows written."""
     earlier = []
     if tables.exists(TABLE, draft):
-        earlier = [r for r in tables.iter_rows(TABLE, draft) if r["measurement"] != key]
+        earlier = list(tables.iter_rows(TABLE, draft))
+    if reused and any(r["measurement"] == key for r in earlier):
+        return 0
+    earlier = [r for r in earlier if r["measurement"] != key]
     new = [{**row, "measurement": key} for row in rows]
     tables.write(TABLE, draft, [*earlier, *new], schemas.SPECULATOR_BENCHMARKS)
     return len(new)
