@@ -346,7 +346,8 @@ def test_vllm_may_read_the_directories_holding_the_partitions_usable_images(
     storage_root, image_root = tmp_path / "store", tmp_path / "data" / "coco"
     spec = DatasetSpec(name="d", path="d.jsonl", format="prompts", image_root=str(image_root))
     tables = TableStore(storage_root)
-    assert media_root(spec, tables, storage_root) is None  # nothing probed yet
+    # nothing probed in this store yet: the entry's own image root
+    assert media_root(spec, tables, storage_root) == spec.resolved_image_root()
     rows = [
         {"reference": ref, "status": status, "referenced_by": 1, "path": None}
         for ref, status in probed

@@ -28,7 +28,7 @@ def _benchmark(**overrides) -> dict:
 
 @pytest.fixture(scope="module")
 def benchmarked(onpolicy_hidden_states) -> dict:
-    _train(measure_in_vllm=False)
+    _train(epochs=1, measure_in_vllm=False)  # the checkpoint test_speculator ends with
     prepared = materialize(
         BENCHMARK, ["raw_dataset", "coco_image_availability", "normalized_conversations"]
     )

@@ -21,9 +21,10 @@ from mm_assets.storage import TableStore
 def media_root(spec: DatasetSpec, tables: TableStore, storage_root: Path | str) -> Path | None:
     """The image root when the partition's usable images are referenced files, the
     embedded-image directory when they were inside the rows, their common parent when
-    both, None when it has no usable image (or no availability table yet)."""
+    both, None when it has no usable image. Before its images are probed (no
+    availability table in this store), the entry's image root, as for any dataset."""
     if not tables.exists("coco_image_availability", spec.name):
-        return None
+        return spec.resolved_image_root()
     embedded = files = False
     rows = tables.iter_rows("coco_image_availability", spec.name, columns=["reference", "status"])
     for row in rows:
