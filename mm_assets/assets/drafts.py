@@ -132,22 +132,26 @@ def by_source_metadata(name: str, measured: DraftBySource) -> dict[str, Any]:
         "| draft | " + " | ".join(sources) + " |",
         "|---|" + "---:|" * len(sources),
         f"| **{name}** | "
-        + " | ".join(f"{measured.trained[s].acceptance_length:.3f}" for s in sources)
+        + " | ".join(f"{measured.trained[s].measured.acceptance_length:.3f}" for s in sources)
         + " |",
     ]
     for other, figures in measured.others.items():
-        cells = [f"{figures[s].acceptance_length:.3f}" if s in figures else "" for s in sources]
+        cells = [
+            f"{figures[s].measured.acceptance_length:.3f}" if s in figures else "" for s in sources
+        ]
         lines.append(f"| {other} (its own draft) | " + " | ".join(cells) + " |")
     out: dict[str, Any] = {"vllm_acceptance_by_source": dg.MetadataValue.md("\n".join(lines))}
     for source, f in measured.trained.items():
-        out[f"vllm_acceptance_length_{source}"] = f.acceptance_length
-        out[f"vllm_per_position_acceptance_{source}"] = [round(r, 4) for r in f.per_position]
-        out[f"vllm_prompts_{source}"] = f.prompts
+        out[f"vllm_acceptance_length_{source}"] = f.measured.acceptance_length
+        out[f"vllm_per_position_acceptance_{source}"] = [
+            round(r, 4) for r in f.measured.per_position
+        ]
+        out[f"vllm_prompts_{source}"] = len(f.measured.prompts)
         if f.estimate is not None:
             out[f"vllm_acceptance_length_estimate_{source}"] = f.estimate
         if f.same_as_target is not None:
             out[f"vllm_generations_same_as_target_{source}"] = f.same_as_target
     for other, figures in measured.others.items():
         for source, f in figures.items():
-            out[f"vllm_acceptance_length_{source}_by_{other}"] = f.acceptance_length
+            out[f"vllm_acceptance_length_{source}_by_{other}"] = f.measured.acceptance_length
     return out

@@ -31,30 +31,30 @@ OVERALL = "overall"
 
 @dataclass(frozen=True)
 class SourceFigures:
-    """One draft on one source's held-out prompts (or all of them: `OVERALL`)."""
+    """One draft on one source's held-out prompts (or all of them: `OVERALL`): what vLLM
+    measured, beside the offline estimate and the lossless count for those prompts."""
 
-    acceptance_length: float
-    per_position: list[float]
-    drafts: int
-    prompts: int
+    measured: Measurement
     estimate: float | None = None
     same_as_target: int | None = None
-    reused: bool = False
 
 
-def combined(figures: list[SourceFigures]) -> SourceFigures:
-    """Several sources' figures as one: counts summed (acceptance weighted by drafts)."""
-    drafts = sum(f.drafts for f in figures)
-    accepted = sum((f.acceptance_length - 1) * f.drafts for f in figures)
-    width = max((len(f.per_position) for f in figures), default=0)
+def combined(measurements: list[Measurement]) -> Measurement:
+    """Several sources' measurements as one: counts summed (acceptance weighted by
+    drafts), prompts and generations in source order."""
+    drafts = sum(m.drafts for m in measurements)
+    accepted = sum((m.acceptance_length - 1) * m.drafts for m in measurements)
+    width = max((len(m.per_position) for m in measurements), default=0)
     per_position = [
-        sum(f.per_position[k] * f.drafts for f in figures if k < len(f.per_position))
+        sum(m.per_position[k] * m.drafts for m in measurements if k < len(m.per_position))
         / max(drafts, 1)
         for k in range(width)
     ]
-    return SourceFigures(
-        1 + accepted / max(drafts, 1), per_position, drafts, sum(f.prompts for f in figures),
-        reused=all(f.reused for f in figures),
+    return Measurement(
+        1 + accepted / max(drafts, 1), per_position, drafts,
+        [p for m in measurements for p in m.prompts],
+        [g for m in measurements for g in m.generations],
+        reused=all(m.reused for m in measurements),
     )  # fmt: skip
 
 
@@ -114,23 +114,16 @@ def measure_by_source(
     assert outcome.weights_sha256 is not None
     measured = measure(outcome.checkpoint, outcome.weights_sha256, "mm_assets_vllm_by_source.json")
     trained = {
-        s: _figures(m, estimate(s).acceptance_length, same_as_target(replies[s], m.generations))
+        s: SourceFigures(
+            m, estimate(s).acceptance_length, same_as_target(replies[s], m.generations)
+        )
         for s, m in measured.items()
     }
-    trained[OVERALL] = combined(list(trained.values()))
+    trained[OVERALL] = SourceFigures(combined(list(measured.values())))
     compared = {}
     for name, directory in (others or {}).items():
         record = f"mm_assets_vllm_on_{job.partition}.json"  # its own record stays its own
         theirs = measure(directory, file_sha256(directory / "model.safetensors"), record)
-        compared[name] = {s: _figures(m) for s, m in theirs.items()}
-        compared[name][OVERALL] = combined(list(compared[name].values()))
+        compared[name] = {s: SourceFigures(m) for s, m in theirs.items()}
+        compared[name][OVERALL] = SourceFigures(combined(list(theirs.values())))
     return DraftBySource(trained, compared)
-
-
-def _figures(
-    measured: Measurement, estimate: float | None = None, same: int | None = None
-) -> SourceFigures:
-    return SourceFigures(
-        measured.acceptance_length, measured.per_position, measured.drafts,
-        len(measured.prompts), estimate, same, measured.reused,
-    )  # fmt: skip
