@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export MM_ASSETS_HOME ?= $(CURDIR)/.mm_assets
 export DAGSTER_HOME ?= $(MM_ASSETS_HOME)/dagster_home
+# Trained demo targets, keyed by the code and settings that built them: `make test` and
+# `make demo` (any home) train it once per clone. Empty: every home trains its own.
+export MM_ASSETS_DEMO_CACHE ?= $(CURDIR)/.cache/demo_targets
 
 .PHONY: setup instance demo test test-fast test-long lint format bench chaos dev clean
 
@@ -55,4 +58,4 @@ chaos: setup
 	$(PY) -m bench.chaos --points 20 --seed 0
 
 clean:
-	rm -rf .mm_assets .pytest_cache
+	rm -rf .mm_assets .pytest_cache .cache

@@ -9,6 +9,7 @@ twice more: with a wrong image root, and as a partition whose tokens a test tamp
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,6 +33,9 @@ def pytest_configure(config: pytest.Config) -> None:
     env.setenv("MM_ASSETS_DATASETS", str(SESSION_HOME / "datasets.yaml"))
     env.delenv("MM_ASSETS_TARGET_MODEL", raising=False)
     env.delenv("COCO_DIR", raising=False)
+    # the trained demo target: built once per clone, whatever the session's home
+    cache = Path(__file__).resolve().parent.parent / ".cache" / "demo_targets"
+    env.setenv("MM_ASSETS_DEMO_CACHE", os.environ.get("MM_ASSETS_DEMO_CACHE") or str(cache))
     (SESSION_HOME / "dagster_home").mkdir(parents=True)
     (SESSION_HOME / "datasets.yaml").write_text(_user_registry())
 
@@ -230,7 +234,7 @@ def plain_vllm_server(demo_dir: Path):
         yield server
 
 
-ON_POLICY = {"max_tokens": 48, "max_response_quarantine_ratio": 0.5}  # a random target: some empty
+ON_POLICY = {"max_tokens": 48, "max_response_quarantine_ratio": 0.5}
 
 
 @pytest.fixture(scope="session")

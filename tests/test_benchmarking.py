@@ -1,11 +1,11 @@
 """A draft benchmarked per category on the real CPU vLLM, beside no speculation and vLLM's
 n-gram method: one benchmark run (three servers) shared by the tests of this module.
 
-The demo target has random weights, so its greedy output is a loop of a few tokens after
-some prompts and a varied run after others; n-gram lookup, which proposes what followed
-the last few tokens earlier in the context, is accepted far more often on the loops. The
-two single-turn categories are picked that way (measured on the seeded demo target);
-a third category has two rounds, the second quoting the target's own first answer.
+n-gram lookup proposes what followed the last few tokens earlier in the context, so it is
+accepted far more often when the answer is already in the prompt: the demo target, asked
+a question again after its own answer to it, answers the same again (`asked_again`),
+while a first question's answer has words the prompt lacks (`first_ask`). A third
+category has two rounds, the second quoting the target's own first answer.
 The draft is the untrained EAGLE-3 checkpoint the trainer starts from (no training needed
 to check that vLLM serves it and that decoding with it stays lossless).
 """
@@ -38,16 +38,24 @@ def _user(text: str) -> dict:
     return {"role": "user", "content": text}
 
 
+def _asked_again(question: str, answer: str) -> list[dict]:
+    return [_user(question), {"role": "assistant", "content": answer}, _user(question)]
+
+
 CATEGORIES = {
-    "loops": [
-        [_user("I have 7 red balls and 4 blue balls. How many balls do I have?")],
-        [_user("You are a helpful assistant.")],
-        [_user("What is 56 - 85?")],
+    "asked_again": [
+        _asked_again("How many sides does a hexagon have?", "A hexagon has six sides."),
+        _asked_again(
+            "What colour do you get when you mix red and blue?", "Mixing red and blue gives purple."
+        ),
+        _asked_again(
+            "How many letters are in the word 'circle'?", "The word 'circle' has 6 letters."
+        ),
     ],
-    "varied": [
-        [_user("What colour do you get when you mix red and blue?")],
+    "first_ask": [
+        [_user("How many sides does a pentagon have?")],
         [_user("What colour do you get when you mix blue and yellow?")],
-        [_user("What colour do you get when you mix red and white?")],
+        [_user("How many letters are in the word 'orange'?")],
     ],
     "two_rounds": [
         [
@@ -107,8 +115,8 @@ def _row(report: BenchmarkReport, category: str, method: str):
 def test_ngram_acceptance_differs_per_category_and_combines_as_one_difference(
     report: BenchmarkReport,
 ) -> None:
-    loops, varied = _row(report, "loops", "ngram"), _row(report, "varied", "ngram")
-    assert loops.acceptance_length > varied.acceptance_length + 0.8, (loops, varied)
+    again, first = _row(report, "asked_again", "ngram"), _row(report, "first_ask", "ngram")
+    assert again.acceptance_length > first.acceptance_length + 0.8, (again, first)
     overall = _row(report, OVERALL, "ngram")
     whole = report.runs["ngram"].whole_run  # one difference around every category
     assert (overall.drafts, overall.accepted, overall.accepted_per_position) == (

@@ -24,6 +24,17 @@ def demo_dir() -> Path:
     return home() / "demo"
 
 
+def demo_cache() -> Path | None:
+    """Where trained demo targets are kept across homes (`MM_ASSETS_DEMO_CACHE`), keyed
+    by the code and settings that built them; None: each home trains its own."""
+    cache = os.environ.get("MM_ASSETS_DEMO_CACHE")
+    if not cache:
+        return None
+    path = Path(cache).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def default_target_model() -> str:
     """The target model when `MM_ASSETS_TARGET_MODEL` is unset: the locally built demo."""
     return os.environ.get("MM_ASSETS_TARGET_MODEL", str(demo_dir() / "target"))

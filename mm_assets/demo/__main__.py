@@ -1,9 +1,12 @@
 """`python -m mm_assets.demo build|run`: the offline demo model and datasets, end to end.
 
-build: writes a tiny random Qwen2.5-VL-style target (real processor classes and chat
-       template, locally trained tokenizer), two demo datasets and a demo benchmark
-       (images inside, TRL's layout) under $MM_ASSETS_HOME/demo. Skipped when already
-       built with the same builder version.
+build: writes two demo datasets and a demo benchmark (images inside, TRL's layout) and
+       a tiny Qwen2.5-VL-style target (real processor classes and chat template, locally
+       trained tokenizer) trained on the generator's own lessons to answer questions
+       about its pictures, under $MM_ASSETS_HOME/demo, and prints how often its answers
+       are right. Skipped when already built with the same builder version; the trained
+       target is copied from $MM_ASSETS_DEMO_CACHE when built there before by the same
+       code and settings.
 run:   build, then materialize the whole pipeline — down to the trained speculator, measured
        in vLLM — for both demo partitions through Dagster (run history in $DAGSTER_HOME),
        then the draft trained on both (`demo_mix`), and print what landed in storage and
@@ -22,7 +25,7 @@ from typing import Any
 
 from mm_assets.common import paths
 
-BUILD_VERSION = "2"  # 2: the demo benchmark
+BUILD_VERSION = "3"  # 2: the demo benchmark; 3: a trained target
 DEMO_PARTITIONS = ("demo_sharegpt4v_coco", "demo_sharegpt")
 DEMO_DRAFTS = ("demo_mix",)  # trained on both, after them
 DEMO_BENCHMARK = "demo_benchmark"  # prepared first; each dataset's draft is measured on it
@@ -31,8 +34,8 @@ DEMO_BENCHMARK = "demo_benchmark"  # prepared first; each dataset's draft is mea
 def build(demo_dir: Path | None = None, force: bool = False) -> Path:
     """Build the demo target and datasets once; return the demo directory."""
     from mm_assets.demo.benchmark import build_demo_benchmark
-    from mm_assets.demo.data import build_demo_datasets, demo_corpus
-    from mm_assets.demo.target import build_demo_target
+    from mm_assets.demo.data import build_demo_datasets
+    from mm_assets.demo.target_training import build_trained_target, format_report
 
     demo_dir = demo_dir or paths.demo_dir()
     stamp = demo_dir / "BUILD"
@@ -42,9 +45,16 @@ def build(demo_dir: Path | None = None, force: bool = False) -> Path:
         shutil.rmtree(demo_dir)
     build_demo_datasets(demo_dir)
     build_demo_benchmark(demo_dir)
-    build_demo_target(demo_dir / "target", demo_corpus(demo_dir))
+    print("demo: training the demo target on its lessons (once per home)", flush=True)
+    report = build_trained_target(demo_dir / "target", demo_dir, cache=paths.demo_cache(), say=_say)
+    print("demo: the target's greedy answers to held-out questions")
+    print(format_report(report), flush=True)
     stamp.write_text(BUILD_VERSION)
     return demo_dir
+
+
+def _say(line: str) -> None:
+    print(f"demo: {line}", flush=True)
 
 
 def run(

@@ -10,7 +10,6 @@ as MT-Bench does.
 
 from __future__ import annotations
 
-import io
 import json
 import random
 from pathlib import Path
@@ -32,13 +31,6 @@ _FOLLOW_UP = (
     ("How many shapes are drawn here?", "Describe the smallest one."),
     ("What is the background colour?", "Would a white shape stand out against it?"),
 )
-
-
-def _image_bytes(spec: ImageSpec) -> bytes:
-    out = io.BytesIO()
-    options = {"quality": 90} if spec.fmt == "JPEG" else {}
-    images._draw(spec).save(out, format=spec.fmt, **options)
-    return out.getvalue()
 
 
 def _text_prompt(rng: random.Random, category: str) -> str:
@@ -84,7 +76,7 @@ def benchmark_rows(per_category: int, seed: int, training_prompts: set[str]) -> 
         rows.append(
             {
                 "messages": [_user(IMAGE_PART, _text(rng.choice(_DESCRIBE)))],
-                "images": [{"bytes": _image_bytes(spec), "path": None}],
+                "images": [{"bytes": images.encode(spec), "path": None}],
                 "category": "describe_image",
             }
         )
@@ -92,7 +84,7 @@ def benchmark_rows(per_category: int, seed: int, training_prompts: set[str]) -> 
         rows.append(
             {
                 "messages": [_user(IMAGE_PART, _text(first)), _user(_text(second))],
-                "images": [{"bytes": _image_bytes(spec), "path": None}],
+                "images": [{"bytes": images.encode(spec), "path": None}],
                 "category": "image_follow_up",
             }
         )
@@ -105,6 +97,11 @@ def benchmark_rows(per_category: int, seed: int, training_prompts: set[str]) -> 
             asked.add(prompt)
             rows.append({"messages": [_user(_text(prompt))], "images": [], "category": category})
     return rows
+
+
+def benchmark_pictures(per_category: int = 3, seed: int = 7) -> list[ImageSpec]:
+    """The pictures `benchmark_rows` shows with the same arguments."""
+    return images.image_specs(random.Random(seed), 2 * per_category)
 
 
 def build_demo_benchmark(demo_dir: Path, per_category: int = 3, seed: int = 7) -> Path:

@@ -13,6 +13,7 @@ import json
 import random
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from mm_assets.demo import images
@@ -203,40 +204,83 @@ _SYSTEM_PROMPTS: tuple[str, ...] = (
 )
 
 
-def _text_exchange(rng: random.Random) -> tuple[str, str]:
-    """One templated question with its correct answer."""
+@dataclass(frozen=True)
+class TextTask:
+    """A templated question, its correct answer and what a right answer must name:
+    `truth`, the last of the words `answers` matches in it (answers restate operands)."""
+
+    question: str
+    answer: str
+    truth: str
+    answers: str  # a regular expression of the words that may answer it
+    chance: float  # a uniform guess among those answers
+
+
+_NUMBER = r"-?\d+"
+
+
+def _words(words: Sequence[str]) -> str:
+    return "|".join(sorted(set(words)))
+
+
+def text_task(rng: random.Random) -> TextTask:
+    """One templated question with its correct answer (the `demo_sharegpt` tasks)."""
     topic = rng.randrange(5)
     if topic == 0:
         a, b, mixed = rng.choice(_MIXES)
-        return (
+        mixes = [m for _, _, m in _MIXES]
+        return TextTask(
             f"What colour do you get when you mix {a} and {b}?",
             f"Mixing {a} and {b} gives {mixed}.",
+            mixed,
+            _words(mixes),
+            1 / len(set(mixes)),
         )
     if topic == 1:
         shape = rng.choice(sorted(_SIDES))
-        return (
+        words = [NUMBER_WORDS[n] for n in _SIDES.values()]
+        return TextTask(
             f"How many sides does a {shape} have?",
             f"A {shape} has {_plural(_SIDES[shape], 'side')}.",
+            NUMBER_WORDS[_SIDES[shape]],
+            _words(words),
+            1 / len(set(words)),
         )
     if topic == 2:
         word = rng.choice(_WORDS)
-        return (
+        return TextTask(
             f"How many letters are in the word '{word}'?",
             f"The word '{word}' has {len(word)} letters.",
+            str(len(word)),
+            _NUMBER,
+            1 / len({len(w) for w in _WORDS}),
         )
     if topic == 3:
         red, blue = rng.randint(1, 9), rng.randint(1, 9)
-        return (
+        return TextTask(
             f"I have {red} red balls and {blue} blue balls. How many balls do I have?",
             f"You have {red} + {blue} = {red + blue} balls in total.",
+            str(red + blue),
+            _NUMBER,
+            1 / 17,  # sums 2..18
         )
     a, b = rng.randint(2, 99), rng.randint(2, 99)
     op = rng.choice("+-*")
     value, shown = {"+": (a + b, "plus"), "-": (a - b, "minus"), "*": (a * b, "times")}[op]
-    return (
+    spread = {"+": 195, "-": 195, "*": 9797}[op]  # how many values the operation can give
+    return TextTask(
         rng.choice((f"What is {a} {op} {b}?", f"Compute {a} {shown} {b}.")),
         rng.choice((f"{a} {op} {b} = {value}.", f"The answer is {value}.")),
+        str(value),
+        _NUMBER,
+        1 / spread,
     )
+
+
+def _text_exchange(rng: random.Random) -> tuple[str, str]:
+    """One templated question with its correct answer."""
+    task = text_task(rng)
+    return task.question, task.answer
 
 
 def _text_records(rng: random.Random, n_text: int) -> list[dict[str, object]]:
@@ -251,6 +295,12 @@ def _text_records(rng: random.Random, n_text: int) -> list[dict[str, object]]:
             turns += [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
         records.append({"id": f"sharegpt_{i:05d}", "conversations": turns})
     return records
+
+
+def dataset_pictures(n_multimodal: int = 200, seed: int = 0) -> list[ImageSpec]:
+    """The pictures `build_demo_datasets` draws with the same arguments (missing ones
+    included): what the demo target's lessons must never show."""
+    return images.image_specs(random.Random(seed), n_multimodal)
 
 
 def build_demo_datasets(

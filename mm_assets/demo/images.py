@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,14 @@ def _draw(spec: ImageSpec) -> Image.Image:
     return image
 
 
+def encode(spec: ImageSpec) -> bytes:
+    """The picture's file bytes, in its format (JPEG at quality 90)."""
+    out = io.BytesIO()
+    options = {"quality": 90} if spec.fmt == "JPEG" else {}
+    _draw(spec).save(out, format=spec.fmt, **options)
+    return out.getvalue()
+
+
 def write_images(specs: list[ImageSpec], images_dir: Path) -> None:
     """Draw `specs` into `images_dir`, removing any other picture a previous build left
     there (one the records now reference as missing)."""
@@ -123,5 +132,4 @@ def write_images(specs: list[ImageSpec], images_dir: Path) -> None:
         if stale.suffix in (".jpg", ".png") and stale.name not in keep:
             stale.unlink()
     for spec in specs:
-        options = {"quality": 90} if spec.fmt == "JPEG" else {}
-        _draw(spec).save(images_dir / spec.filename, format=spec.fmt, **options)
+        (images_dir / spec.filename).write_bytes(encode(spec))

@@ -1,10 +1,12 @@
-"""Tiny random-weight multimodal targets, built locally because the Hub is unreachable.
+"""Tiny multimodal targets with seeded random weights, built locally (the Hub is unreachable).
 
 The demo needs a target model that transformers and vLLM load exactly like a real checkpoint:
 a Qwen2.5-VL-shaped one (the main path, with assistant-mask markers in its chat template) and a
 LLaVA-shaped one (fixed image token count, template without generation markers). Both share a
 byte-level BPE tokenizer trained on the demo corpus, so sequences stay short and every demo
-word is in the vocabulary. Everything is seeded, small and fast to write.
+word is in the vocabulary. Everything is seeded, small and fast to write. The demo trains the
+Qwen2.5-VL-shaped one from here (`target_training.py`); tests that only need shapes (ids,
+masks, template quirks) use these random weights as they are.
 """
 
 from __future__ import annotations
