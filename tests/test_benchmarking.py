@@ -3,7 +3,7 @@ n-gram method: one benchmark run (three servers) shared by the tests of this mod
 
 n-gram lookup proposes what followed the last few tokens earlier in the context, so it is
 accepted far more often when the answer is already in the prompt: the demo target, asked
-a question again after its own answer to it, answers the same again (`asked_again`),
+a question a second time after its own answer to it, answers the same (`asked_again`),
 while a first question's answer has words the prompt lacks (`first_ask`). A third
 category has two rounds, the second quoting the target's own first answer.
 The draft is the untrained EAGLE-3 checkpoint the trainer starts from (no training needed
@@ -39,6 +39,8 @@ def _user(text: str) -> dict:
 
 
 def _asked_again(question: str, answer: str) -> list[dict]:
+    """Two rounds of one question: the second is asked after the target's own first
+    answer (the dataset's `answer` is dropped), so that answer is in the context."""
     return [_user(question), {"role": "assistant", "content": answer}, _user(question)]
 
 
@@ -127,7 +129,7 @@ def test_ngram_acceptance_differs_per_category_and_combines_as_one_difference(
     assert overall.acceptance_length == pytest.approx(whole.acceptance_length)
     per_category = [r for r in report.rows if r.method == "ngram" and r.category != OVERALL]
     assert overall == combined(per_category)
-    assert overall.requests == 3 + 3 + 2  # the two-round conversation asks twice
+    assert overall.requests == 3 * 2 + 3 + 2  # two-round conversations ask twice
 
 
 def test_every_method_is_timed_on_the_same_prompts_and_stays_lossless(
@@ -142,7 +144,7 @@ def test_every_method_is_timed_on_the_same_prompts_and_stays_lossless(
         if method != "none":
             overall = _row(report, OVERALL, method)
             assert overall.drafts > 0
-            assert overall.lossless == overall.compared == 8, (method, overall)
+            assert overall.lossless == overall.compared == 11, (method, overall)
     # round 2 quotes the target's own first answer (from `none`), not the dataset's
     first_answer = report.runs["none"].answers["two_rounds"][0][0]
     second_prompt = report.prompts["two_rounds"][0][1]

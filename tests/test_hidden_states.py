@@ -32,7 +32,10 @@ from tests.conftest import PREP_ASSETS, SESSION_HOME, materialize
 from tests.server_kills import doomed_server, kill_servers_at_store
 
 pytestmark = pytest.mark.slow
-PARITY_ATOL = 1e-5  # fp32, vLLM CPU kernels vs transformers eager; measured ≤ 2e-7
+# fp32, vLLM CPU kernels vs transformers eager, relative to the largest state (the trained
+# demo target's states reach the hundreds): measured 1.5e-5 absolute
+PARITY_RTOL = 1e-6
+PARITY_ATOL = 1e-5
 FP8_NEEDED = {"storage_dtype": "fp8_e4m3", "final_layer": "needed"}
 
 
@@ -135,7 +138,8 @@ def test_parity_with_transformers(extracted, demo_dir: Path, multimodal: bool) -
     served = load_file(tables.resolve(blob["path"]))["hidden_states"]
     assert served.shape == reference.shape
     error = (served - reference).abs().max().item()
-    assert error < PARITY_ATOL, f"max abs difference {error}"
+    scale = reference.abs().max().item()
+    assert error < PARITY_ATOL + PARITY_RTOL * scale, f"max abs difference {error} of {scale}"
     # id L is the last layer's output before the final norm, not HF's normed last state
     assert (served[:, 3] - post_norm).abs().max().item() > 100 * PARITY_ATOL
     print(f"parity {partition}: max abs diff {error:.2e}")

