@@ -21,8 +21,8 @@ from mm_assets.demo.lessons import Check, Exclusions, Lesson, last_named, pictur
 from mm_assets.demo.target_training import (
     REPORT_FILE,
     TeachingSettings,
-    _demo_conversations,
     build_trained_target,
+    curriculum,
     greedy_answers,
     score,
 )
@@ -57,16 +57,11 @@ def test_lessons_never_show_a_measured_picture_or_ask_a_measured_conversation(
     """The build's own lesson stream (same settings, same list) against everything the
     demo measures: the datasets' rows (a superset of their held-out rows), the
     benchmark's prompts and pictures, and the held-out checks."""
-    measured = lessons.demo_exclusions(
-        [*dataset_pictures(), *benchmark_pictures()], _demo_conversations(demo_dir)
-    )
-    asked = lessons.checks(
-        SETTINGS.check_pictures, SETTINGS.check_text, SETTINGS.seed + 1, measured
-    )
-    forbidden = Exclusions(set(measured.pictures), set(measured.prompts))
-    forbidden.update(lessons.check_exclusions(asked))
-    taught = lessons.lessons(SETTINGS.lessons, SETTINGS.seed, forbidden, SETTINGS.picture_share)
+    plan = curriculum(demo_dir, SETTINGS)
+    asked, forbidden, taught = plan.asked, plan.forbidden, plan.taught
     assert len(taught) == SETTINGS.lessons
+    assert forbidden.pictures > plan.measured.pictures  # the checks' pictures too
+    assert not {picture_key(c.picture) for c in asked if c.picture} & plan.measured.pictures
     shown = {picture_key(lesson.picture) for lesson in taught if lesson.picture}
     assert shown and not shown & forbidden.pictures
     text_prompts = {prompt_key(lesson.turns) for lesson in taught if lesson.picture is None}
@@ -104,12 +99,7 @@ def test_the_trained_target_answers_held_out_questions_well_above_chance(
 ) -> None:
     """Greedy answers recomputed from the weights (not read from the report) hold the
     floors, each far above a uniform guess; the build's report says the same."""
-    measured = lessons.demo_exclusions(
-        [*dataset_pictures(), *benchmark_pictures()], _demo_conversations(demo_dir)
-    )
-    asked = lessons.checks(
-        SETTINGS.check_pictures, SETTINGS.check_text, SETTINGS.seed + 1, measured
-    )
+    asked = curriculum(demo_dir, SETTINGS).asked
     answers = greedy_answers(demo_dir / "target", asked, SETTINGS.max_new_tokens)
     scores = {s.kind: s for s in score(asked, answers)}
     for kind, floor in FLOORS.items():

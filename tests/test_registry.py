@@ -314,9 +314,11 @@ def test_the_demo_entries_carry_the_demo_settings(
     registry = load_registry(STAGE_SETTINGS)
     for name in ("demo_sharegpt4v_coco", "demo_sharegpt"):
         settings = registry[name].settings
-        assert settings["target_responses"] == {"max_tokens": 64}
+        assert settings["target_responses"] == {"max_tokens": 96}
         assert settings["trained_speculator"] == {
             "learning_rate": 3e-3,
             "batch_tokens": 512,
             "measure_untrained_in_vllm": False,
+            "vllm_max_tokens": 96,
         }
+        assert settings["speculator_benchmark"] == {"max_tokens": 64}

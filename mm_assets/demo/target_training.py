@@ -27,7 +27,7 @@ from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
 from mm_assets.common.progress import Progress
 from mm_assets.demo import images
-from mm_assets.demo.lessons import Check, Lesson, as_messages
+from mm_assets.demo.lessons import Check, Exclusions, Lesson, as_messages
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +282,33 @@ def _demo_conversations(demo_dir: Path) -> list[list[tuple[str, str]]]:
     return out
 
 
+@dataclass(frozen=True)
+class Curriculum:
+    """What a build teaches and what it asks afterwards, and what neither may hold."""
+
+    measured: Exclusions  # the demo datasets' and the benchmark's pictures and prompts
+    asked: list[Check]  # the held-out checks: never in `measured`
+    forbidden: Exclusions  # `measured` and the checks: no lesson holds any of them
+    taught: list[Lesson]
+
+
+def curriculum(demo_dir: Path, settings: TeachingSettings) -> Curriculum:
+    """The build's lessons and checks for the demo built in `demo_dir`: the pictures are
+    excluded by drawing (`picture_key`), the text conversations by their user turns."""
+    from mm_assets.demo.benchmark import benchmark_pictures
+    from mm_assets.demo.data import dataset_pictures
+    from mm_assets.demo.lessons import check_exclusions, checks, demo_exclusions, lessons
+
+    measured = demo_exclusions(
+        [*dataset_pictures(), *benchmark_pictures()], _demo_conversations(demo_dir)
+    )
+    asked = checks(settings.check_pictures, settings.check_text, settings.seed + 1, measured)
+    forbidden = Exclusions(set(measured.pictures), set(measured.prompts))
+    forbidden.update(check_exclusions(asked))
+    taught = lessons(settings.lessons, settings.seed, forbidden, settings.picture_share)
+    return Curriculum(measured, asked, forbidden, taught)
+
+
 def build_code_key(settings: TeachingSettings) -> str:
     """What the trained target depends on: the demo package's code and data templates,
     the settings and the torch/transformers versions (a kernel change moves weights)."""
@@ -312,9 +339,7 @@ def build_trained_target(
     before by the same code and settings is copied from there instead of trained."""
     import shutil
 
-    from mm_assets.demo.benchmark import benchmark_pictures
-    from mm_assets.demo.data import dataset_pictures, demo_corpus
-    from mm_assets.demo.lessons import check_exclusions, checks, demo_exclusions, lessons
+    from mm_assets.demo.data import demo_corpus
     from mm_assets.demo.target import build_demo_target
 
     key = build_code_key(settings)
@@ -322,12 +347,8 @@ def build_trained_target(
         shutil.copytree(cache / key, out_dir, dirs_exist_ok=True)
         say(f"the trained target reused from {cache / key}")
         return json.loads((out_dir / REPORT_FILE).read_text())
-    exclusions = demo_exclusions(
-        [*dataset_pictures(), *benchmark_pictures()], _demo_conversations(demo_dir)
-    )
-    asked = checks(settings.check_pictures, settings.check_text, settings.seed + 1, exclusions)
-    exclusions.update(check_exclusions(asked))
-    taught = lessons(settings.lessons, settings.seed, exclusions, settings.picture_share)
+    plan = curriculum(demo_dir, settings)
+    asked, taught = plan.asked, plan.taught
     corpus = [*demo_corpus(demo_dir), *(text for lesson in taught for _, text in lesson.turns)]
     build_demo_target(out_dir, corpus, max_pixels=settings.max_pixels, seed=settings.seed)
     started = time.perf_counter()
