@@ -35,7 +35,7 @@ from mm_assets.assets.resources import vllm_resource
 from mm_assets.common import paths
 from mm_assets.domain.model.hidden_states import ExtractionSettings
 from mm_assets.domain.model.settings import OnlineSettings, SpeculatorSettings
-from mm_assets.registry import DatasetSpec
+from mm_assets.registry import DatasetSpec, DraftSpec
 from mm_assets.services.extraction import hidden_states_layout
 from mm_assets.services.online_states import OnlineStates
 from mm_assets.services.target import TargetModel
@@ -133,8 +133,9 @@ def main() -> None:
     root = paths.home()
     tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
     states = _online(spec, online, target, root, rank, world)
-    job = SpeculatorJob.for_target(partition, root, target, settings, tables, states)
-    outcome = train_speculator(job, tables, not retrain, device)
+    draft = DraftSpec.of_dataset(spec)
+    job = SpeculatorJob.for_draft(draft, root, target, settings, tables, states)
+    outcome = train_speculator(job, draft, tables, not retrain, device)
     if rank == 0:
         trained, untrained = outcome.result.held_out_acceptance, outcome.untrained_acceptance
         print(

@@ -245,34 +245,33 @@ def test_the_reuse_key_follows_every_source_table_and_cap(tmp_path: Path) -> Non
     """A draft retrains when any source's table changes (by content) or a cap changes,
     and not when a table is rewritten with the same rows or another dataset changes."""
     from mm_assets.registry import DraftSpec, SourceCap
-    from mm_assets.services.draft_training import SOURCE_TABLES, draft_key
-    from mm_assets.services.training import SpeculatorJob
+    from mm_assets.services.draft_sources import DUPLICATE_TABLES, TRAINING_TABLES
+    from mm_assets.services.training import SpeculatorJob, training_key
     from mm_assets.storage import open_tables, schemas
 
     tables = open_tables(tmp_path)
     shapes = {
-        "tokenized_samples": schemas.TOKENIZED, "token_frequencies": schemas.TOKEN_FREQUENCIES,
-        "hidden_states_manifest": schemas.MANIFEST, "normalized_conversations": schemas.NORMALIZED,
+        "tokenized_samples": schemas.TOKENIZED, "hidden_states_manifest": schemas.MANIFEST,
+        "normalized_conversations": schemas.NORMALIZED,
     }  # fmt: skip
-    assert set(shapes) == set(SOURCE_TABLES)
+    assert set(shapes) == {*TRAINING_TABLES, *DUPLICATE_TABLES}
 
     def write(partition: str, table: str, value: int) -> None:
-        row = {"token_id": value, "count": value} if table == "token_frequencies" else {
-            "row_id": f"r{value}", "sample_id": f"r{value}"}  # fmt: skip
+        row = {"row_id": f"r{value}", "sample_id": f"r{value}"}
         tables.write(table, partition, [row], shapes[table])
 
     for partition in ("a", "b", "other"):
-        for table in SOURCE_TABLES:
+        for table in shapes:
             write(partition, table, 1)
     draft = DraftSpec(name="mix", sources={"a": SourceCap(), "b": SourceCap(max_rows=5)})
     job = SpeculatorJob("mix", tmp_path, tmp_path, {}, "fp", [1, 2, 3, 4], SpeculatorSettings())
-    key = draft_key(job, draft, tables)
+    key = training_key(job, draft, tables)
     write("b", "tokenized_samples", 1)
     write("other", "tokenized_samples", 2)
-    assert draft_key(job, draft, tables) == key
+    assert training_key(job, draft, tables) == key
     write("b", "normalized_conversations", 2)
-    assert draft_key(job, draft, tables) != key
+    assert training_key(job, draft, tables) != key
     write("b", "normalized_conversations", 1)
-    assert draft_key(job, draft, tables) == key
+    assert training_key(job, draft, tables) == key
     capped = DraftSpec(name="mix", sources={"a": SourceCap(), "b": SourceCap(max_rows=6)})
-    assert draft_key(job, capped, tables) != key
+    assert training_key(job, capped, tables) != key

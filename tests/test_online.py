@@ -20,10 +20,11 @@ from safetensors.torch import load_file
 
 from mm_assets.assets.resources import StorageResource, VllmResource
 from mm_assets.domain.model import trainer
+from mm_assets.domain.model.draft_set import SourceRows, draft_set
 from mm_assets.domain.model.settings import SpeculatorSettings
 from mm_assets.domain.model.trainer import Ranks, batch_plan_sha256
-from mm_assets.domain.model.training_data import pack, split
-from mm_assets.services.training import sample_refs, stored_layer_ids
+from mm_assets.domain.model.training_data import pack
+from mm_assets.services.draft_sources import sample_refs, stored_layer_ids
 from mm_assets.storage import schemas
 from tests.conftest import PREP_ASSETS, SESSION_HOME, materialize
 from tests.server_kills import doomed_server
@@ -69,8 +70,8 @@ def _offline_plan() -> str:
     tables = StorageResource().tables()
     refs = sample_refs(tables, PARTITION, stored_layer_ids(tables, PARTITION))
     settings = SpeculatorSettings(epochs=TRAINING["epochs"], batch_tokens=TRAINING["batch_tokens"])
-    train, _ = split(refs, settings.held_out_fraction, settings.seed)
-    return batch_plan_sha256(pack(train, settings.batch_tokens), settings, Ranks())
+    rows = draft_set([SourceRows(PARTITION, refs, {})], settings.held_out_fraction, settings.seed)
+    return batch_plan_sha256(pack(rows.train, settings.batch_tokens), settings, Ranks())
 
 
 def _failure(result: dg.ExecuteInProcessResult) -> str:

@@ -29,9 +29,9 @@ from mm_assets.domain.model.settings import (
 from mm_assets.storage.object_store import publish_directory
 
 if TYPE_CHECKING:
-    from mm_assets.domain.model.draft_set import DraftSet
     from mm_assets.registry import DraftSpec
     from mm_assets.services.draft_measurement import DraftBySource
+    from mm_assets.services.training import SpeculatorOutcome
     from mm_assets.storage import TableStore
 
 DraftConfig = config_class(
@@ -65,7 +65,7 @@ def trained_draft(
     is measured per source — offline and in vLLM — beside each source's own draft on the
     same prompts (`compare_with_sources`). Written as `speculators/<draft>/`."""
     from mm_assets.services.draft_measurement import measure_by_source
-    from mm_assets.services.draft_training import train_draft
+    from mm_assets.services.training import SpeculatorJob, train_speculator
 
     draft, tables, root = draft_spec(context), storage.tables(), Path(storage.root)
     settings = stage_settings(
@@ -74,29 +74,26 @@ def trained_draft(
     measure = stage_settings(
         context, draft, "trained_speculator", MeasurementSettings, "trained_draft"
     )
-    job, trained = train_draft(
-        draft, root, target_model.model(), settings, tables, reuse=not config.retrain
-    )
-    metadata = training_metadata(trained.outcome, job.layer_ids) | sources_metadata(trained.rows)
+    job = SpeculatorJob.for_draft(draft, root, target_model.model(), settings, tables)
+    outcome = train_speculator(job, draft, tables, reuse=not config.retrain)
+    metadata = training_metadata(outcome, job.layer_ids) | sources_metadata(outcome)
     if measure.measure_in_vllm:
         own = {s: root / "speculators" / s for s in draft.sources}
         others = {s: d for s, d in own.items() if (d / "model.safetensors").is_file()}
         by_source = measure_by_source(
-            job, trained.outcome, list(draft.sources), tables, vllm.engine(),
+            job, outcome, list(draft.sources), tables, vllm.engine(),
             image_root(draft, tables, root), storage.log_path(f"vllm_draft_{context.run.run_id}"),
             measure.vllm_prompts, measure.vllm_max_tokens, not config.retrain,
             others if measure.compare_with_sources else {},
         )  # fmt: skip
         metadata |= by_source_metadata(draft.name, by_source)
     if (store := storage.checkpoint_store()) is not None:
-        url, uploaded = publish_directory(
-            store, trained.outcome.checkpoint, "speculators", draft.name
-        )
+        url, uploaded = publish_directory(store, outcome.checkpoint, "speculators", draft.name)
         metadata["checkpoint_url"] = dg.MetadataValue.path(url)
         metadata["checkpoint_files_uploaded"] = uploaded
-    assert trained.outcome.weights_sha256 is not None
+    assert outcome.weights_sha256 is not None
     return dg.MaterializeResult(
-        metadata=rounded(metadata), data_version=dg.DataVersion(trained.outcome.weights_sha256)
+        metadata=rounded(metadata), data_version=dg.DataVersion(outcome.weights_sha256)
     )
 
 
@@ -107,20 +104,20 @@ def image_root(draft: DraftSpec, tables: TableStore, storage_root: Path) -> Path
     return common_root([r for r in roots if r is not None])
 
 
-def sources_metadata(rows: DraftSet) -> dict[str, Any]:
+def sources_metadata(outcome: SpeculatorOutcome) -> dict[str, Any]:
     lines = [
         "| source | rows | held out | tokens | supervised | left out by the cap | duplicates |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, f in rows.figures.items():
+    for name, f in outcome.sources.items():
         lines.append(
             f"| {name} | {f.rows} | {f.held_out} | {f.tokens} | {f.supervised} | {f.capped} | "
             f"{f.duplicates} |"
         )
     return {
         "sources": dg.MetadataValue.md("\n".join(lines)),
-        "duplicates_by_source_pair": dict(rows.duplicates),
-        **{f"rows_{name}": f.rows for name, f in rows.figures.items()},
+        "duplicates_by_source_pair": dict(outcome.duplicates),
+        **{f"rows_{name}": f.rows for name, f in outcome.sources.items()},
     }
 
 

@@ -220,6 +220,7 @@ def trained_speculator(
     those replies' prompts, beside the estimate for the same ones. A rerun whose inputs
     and settings are unchanged reuses the checkpoint and its measurement instead of
     training again (`retrain` forces it)."""
+    from mm_assets.registry import DraftSpec
     from mm_assets.services.measurement import measure_drafts
     from mm_assets.services.training import SpeculatorJob, train_speculator
 
@@ -230,8 +231,9 @@ def trained_speculator(
     states = None
     if online.hidden_states == "online":
         states = online_states(context, spec, storage, target, vllm, online)
-    job = SpeculatorJob.for_target(spec.name, Path(storage.root), target, settings, tables, states)
-    outcome = train_speculator(job, tables, reuse=not config.retrain)
+    draft = DraftSpec.of_dataset(spec)
+    job = SpeculatorJob.for_draft(draft, Path(storage.root), target, settings, tables, states)
+    outcome = train_speculator(job, draft, tables, reuse=not config.retrain)
     metadata = training_metadata(outcome, job.layer_ids) | fetch_metadata(online, outcome.fetch)
     measured = None
     if measure.measure_in_vllm and outcome.result.held_out_replies:

@@ -7,21 +7,18 @@ the same prompts.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from mm_assets.common.hashing import file_sha256
 from mm_assets.domain.model.acceptance import AcceptanceSummary, summarize
-from mm_assets.domain.model.draft_set import SEPARATOR, source_of
 from mm_assets.domain.model.hidden_states import text_config_facts
 from mm_assets.services.engine import VllmEngine
 from mm_assets.services.measurement import (
-    HeldOutReply,
     Measurement,
-    held_out_replies,
     measured_groups,
     same_as_target,
+    source_replies,
 )
 from mm_assets.services.training import SpeculatorJob, SpeculatorOutcome
 from mm_assets.storage import TableStore
@@ -65,20 +62,6 @@ class DraftBySource:
 
     trained: dict[str, SourceFigures]
     others: dict[str, dict[str, SourceFigures]]
-
-
-def source_replies(
-    tables: TableStore, replayed: dict[str, list[list[int]]], sources: list[str], limit: int
-) -> dict[str, list[HeldOutReply]]:
-    """Each source's held-out replies (up to `limit`), with the draft's row ids."""
-    out = {}
-    for source in sources:
-        mine = {source_of(r)[1]: w for r, w in replayed.items() if source_of(r)[0] == source}
-        replies = held_out_replies(tables, source, mine, limit)
-        out[source] = [
-            dataclasses.replace(r, row_id=f"{source}{SEPARATOR}{r.row_id}") for r in replies
-        ]
-    return out
 
 
 def measure_by_source(

@@ -9,6 +9,7 @@ target's own greedy output without serving the draft again.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ from mm_assets.clients.vllm_server import speculative_decoding_args
 from mm_assets.common.crashpoints import crash_point
 from mm_assets.common.hashing import file_sha256, json_sha256
 from mm_assets.domain.model.acceptance import AcceptanceSummary, summarize
+from mm_assets.domain.model.draft_set import SEPARATOR, source_of
 from mm_assets.domain.model.hidden_states import text_config_facts
 from mm_assets.domain.prep.conversations import reply_prompts, to_vllm_messages
 from mm_assets.domain.row_ids import sample_id_of, turn_index_of
@@ -78,6 +80,20 @@ def held_out_replies(
                 messages = to_vllm_messages(prompt)
                 replies.append(HeldOutReply(row_id, reply, messages, generated.get(turn)))
     return replies
+
+
+def source_replies(
+    tables: TableStore, replayed: dict[str, list[list[int]]], sources: list[str], limit: int
+) -> dict[str, list[HeldOutReply]]:
+    """Each source's held-out replies (up to `limit`), with the draft's row ids."""
+    out = {}
+    for source in sources:
+        mine = {source_of(r)[1]: w for r, w in replayed.items() if source_of(r)[0] == source}
+        replies = held_out_replies(tables, source, mine, limit)
+        out[source] = [
+            dataclasses.replace(r, row_id=f"{source}{SEPARATOR}{r.row_id}") for r in replies
+        ]
+    return out
 
 
 def same_as_target(replies: list[HeldOutReply], generations: list[list[int]]) -> int | None:
@@ -162,7 +178,8 @@ def measure_drafts(
     replies' prompts and, with `untrained`, of the same draft before training
     (`SpeculatorJob.untrained_dir`) on the same prompts: the baseline that shows what
     training bought."""
-    replies = held_out_replies(tables, job.partition, outcome.result.held_out_replies, max_prompts)
+    replayed = outcome.result.held_out_replies
+    replies = source_replies(tables, replayed, [job.partition], max_prompts)[job.partition]
     prompts = [reply.prompt for reply in replies]
     engine = engine.for_target(text_config_facts(job.target_config))
 

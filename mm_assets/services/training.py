@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,13 @@ from mm_assets.clients.vllm_client import ExtractionRequest
 from mm_assets.common.hashing import file_sha256, json_sha256
 from mm_assets.domain.model.acceptance import summarize
 from mm_assets.domain.model.checkpoint import checkpoint_config, draft_from, draft_state
+from mm_assets.domain.model.draft_set import (
+    SEPARATOR,
+    DraftSet,
+    SourceFigures,
+    SourceRows,
+    draft_set,
+)
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION
@@ -34,7 +40,16 @@ from mm_assets.domain.model.trainer import (
     replies_of,
     train,
 )
-from mm_assets.domain.model.training_data import SampleRef, check_layer_ids, split
+from mm_assets.domain.model.training_data import SampleRef
+from mm_assets.registry import DraftSpec
+from mm_assets.services.draft_sources import (
+    DUPLICATE_TABLES,
+    ONLINE_TABLES,
+    TRAINING_TABLES,
+    draft_layer_ids,
+    row_keys,
+    sample_refs,
+)
 from mm_assets.services.online_batches import OnlineBatches
 from mm_assets.services.online_states import FetchReport, OnlineStates
 from mm_assets.services.target import TargetModel
@@ -44,14 +59,13 @@ from mm_assets.storage.checkpoints import TrainStateFile, read_checkpoint, write
 from mm_assets.storage.records import load_record, save_record
 
 OUTCOME_RECORD = "mm_assets_outcome.json"
-TRAINING_TABLES = ("tokenized_samples", "token_frequencies", "hidden_states_manifest")
-ONLINE_TABLES = ("tokenized_samples", "token_frequencies")
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SpeculatorJob:
-    """One training: a partition's stored data, the target, and the settings."""
+    """One training: a draft (`partition`: its name, a dataset's or a `drafts:` entry's),
+    the target, the layer ids its sources' states are made with, and the settings."""
 
     partition: str
     storage_root: Path
@@ -64,21 +78,21 @@ class SpeculatorJob:
     """How states are fetched while training; None: train on the stored ones."""
 
     @classmethod
-    def for_target(
+    def for_draft(
         cls,
-        partition: str,
+        draft: DraftSpec,
         storage_root: Path,
         target: TargetModel,
         settings: SpeculatorSettings,
         tables: TableStore,
         online: OnlineStates | None = None,
     ) -> SpeculatorJob:
-        """The job for the layer ids the partition's states are made with: those
+        """The job for the layer ids the sources' states are made with: those
         `hidden_states` stored them with, or online, those its settings name (checked
         against the target); decided there, once, and never chosen again here."""
-        layer_ids = online.layout.layer_ids if online else stored_layer_ids(tables, partition)
+        layer_ids = online.layout.layer_ids if online else draft_layer_ids(tables, draft)
         return cls(
-            partition, storage_root, target.local_dir, target.config, target.fingerprint,
+            draft.name, storage_root, target.local_dir, target.config, target.fingerprint,
             layer_ids, settings, online,
         )  # fmt: skip
 
@@ -115,104 +129,74 @@ class SpeculatorOutcome:
     """Hash of the untrained draft's `model.safetensors` (`SpeculatorJob.untrained_dir`)."""
     fetch: FetchReport | None = None
     """Online: what fetching the states took, pass by pass."""
-
-
-def stored_layer_ids(tables: TableStore, partition: str) -> list[int]:
-    """The layer ids of the partition's stored hidden states (one set for every row)."""
-    found = {
-        tuple(row["layer_ids"])
-        for row in tables.iter_rows("hidden_states_manifest", partition, ["layer_ids"])
-    }
-    if len(found) != 1:
-        state = "no stored row" if not found else f"rows of several layer ids {sorted(found)}"
-        raise ValueError(
-            f"hidden_states of {partition!r} has {state}: materialize hidden_states for "
-            "this partition (with one `layer_ids`) before training"
-        )
-    return list(found.pop())
-
-
-def sample_refs(tables: TableStore, partition: str, layer_ids: list[int]) -> list[SampleRef]:
-    """Rows with stored hidden states, refusing states of other layer ids."""
-    manifest = list(tables.iter_rows("hidden_states_manifest", partition))
-    check_layer_ids(manifest, layer_ids)
-    columns = ["row_id", "input_ids", "loss_mask"]
-    tokens = {r["row_id"]: r for r in tables.iter_rows("tokenized_samples", partition, columns)}
-    return [
-        SampleRef(
-            m["row_id"],
-            str(tables.resolve(m["path"])),
-            tokens[m["row_id"]]["input_ids"],
-            tokens[m["row_id"]]["loss_mask"],
-        )
-        for m in manifest
-        if m["row_id"] in tokens and len(tokens[m["row_id"]]["input_ids"]) > 1
-    ]
-
-
-def training_data(
-    job: SpeculatorJob, tables: TableStore
-) -> tuple[list[SampleRef], dict[str, str], dict[str, ExtractionRequest]]:
-    """The rows to train on: those with stored states, or online every tokenized row
-    (with each one's blob key and extraction request)."""
-    if job.online is None:
-        return sample_refs(tables, job.partition, job.layer_ids), {}, {}
-    columns = ["row_id", "sample_id", "input_ids", "image_hashes", "loss_mask", "messages"]
-    rows = [
-        r for r in tables.iter_rows(ONLINE_TABLES[0], job.partition, columns)
-        if len(r["input_ids"]) > 1
-    ]  # fmt: skip
-    return job.online.training_rows(rows)
-
-
-def training_key(job: SpeculatorJob, tables: TableStore) -> str:
-    """What the checkpoint depends on: the partition's tables (by content), the target,
-    the layer ids and every setting (the device is not one: it changes nothing learned);
-    online, what the states are instead of the manifest of stored ones."""
-    online = job.online
-    states = None if online is None else ["online", online.layout.dtype, online.layout.storage.name]
-    return json_sha256(
-        [
-            TRAINING_VERSION,
-            [
-                tables.content_hash(table, job.partition)
-                for table in (TRAINING_TABLES if online is None else ONLINE_TABLES)
-            ],
-            str(job.target_dir),
-            job.target_fingerprint,
-            job.layer_ids,
-            job.settings.model_dump(),
-            *([states] if states else []),
-        ]
-    )
+    sources: dict[str, SourceFigures] = field(default_factory=dict)
+    """Each source's rows: trained, held out, capped, duplicates (`draft_set`)."""
+    duplicates: dict[str, int] = field(default_factory=dict)
+    """`kept_by/dropped_from` -> rows of conversations both sources hold, trained once."""
 
 
 @dataclass(frozen=True)
 class TrainingSet:
-    """What one training reads: its rows, the held-out ones, and the supervised-token
-    counts the draft vocabulary is chosen from."""
+    """What one training reads: the draft's rows (`draft_set`: trained, held out, the
+    supervised-token counts the draft vocabulary is chosen from, figures per source)."""
 
-    train: list[SampleRef]
-    held_out: list[SampleRef]
-    frequencies: dict[int, int]
+    rows: DraftSet
     keys: dict[str, str] = field(default_factory=dict)
-    """Online: each row's blob key (`training_data`)."""
+    """Online: each row's blob key (`OnlineStates.training_rows`)."""
     requests: dict[str, ExtractionRequest] = field(default_factory=dict)
     """Online: each row's extraction request."""
 
 
-def dataset_training_set(job: SpeculatorJob, tables: TableStore) -> TrainingSet:
-    """A dataset's rows (`training_data`) split by the held-out rule, and its counts."""
-    refs, keys, requests = training_data(job, tables)
-    train_refs, held_out = split(refs, job.settings.held_out_fraction, job.settings.seed)
-    counts = tables.iter_rows("token_frequencies", job.partition)
-    frequencies = {r["token_id"]: r["count"] for r in counts}
-    return TrainingSet(train_refs, held_out, frequencies, keys, requests)
+def training_set(job: SpeculatorJob, draft: DraftSpec, tables: TableStore) -> TrainingSet:
+    """Each source's rows with stored states, or online every tokenized row (with its
+    blob key and extraction request), as the draft's one training set."""
+    several = len(draft.sources) > 1
+    if several and job.online is not None:
+        raise ValueError(
+            f"draft {draft.name!r}: a draft of several datasets trains on their stored "
+            "states; set hidden_states: stored for it"
+        )
+    sources, keys, requests = [], {}, {}
+    for name, cap in draft.sources.items():
+        if job.online is None:
+            refs = sample_refs(tables, name, job.layer_ids)
+        else:
+            columns = ["row_id", "sample_id", "input_ids", "image_hashes", "loss_mask", "messages"]
+            rows = [r for r in tables.iter_rows("tokenized_samples", name, columns)
+                    if len(r["input_ids"]) > 1]  # fmt: skip
+            refs, blob_keys, asked = job.online.training_rows(rows)
+            keys |= {f"{name}{SEPARATOR}{k}": v for k, v in blob_keys.items()}
+            requests |= {f"{name}{SEPARATOR}{k}": v for k, v in asked.items()}
+        prompts = row_keys(tables, name) if several else {}
+        sources.append(SourceRows(name, refs, prompts, cap.max_rows, cap.fraction))
+    rows = draft_set(sources, job.settings.held_out_fraction, job.settings.seed)
+    if not rows.train:
+        raise ValueError(
+            f"draft {draft.name!r}: no training rows left after the held-out split; lower "
+            "held_out_fraction or add rows"
+        )
+    return TrainingSet(rows, keys, requests)
 
 
-def _reused_outcome(
-    job: SpeculatorJob, key: str, held_out: Callable[[], list[SampleRef]]
-) -> SpeculatorOutcome | None:
+def training_key(job: SpeculatorJob, draft: DraftSpec, tables: TableStore) -> str:
+    """What the checkpoint depends on: every source's tables it reads (by content) and
+    cap, the target, the layer ids and every setting (the device is not one: it changes
+    nothing learned); online, what the states are instead of the stored ones."""
+    online = job.online
+    read = TRAINING_TABLES if online is None else ONLINE_TABLES
+    read += DUPLICATE_TABLES if len(draft.sources) > 1 else ()
+    sources = {
+        name: [cap.model_dump(), [tables.content_hash(t, name) for t in read]]
+        for name, cap in draft.sources.items()
+    }
+    states = None if online is None else ["online", online.layout.dtype, online.layout.storage.name]
+    return json_sha256(
+        [TRAINING_VERSION, sources, str(job.target_dir), job.target_fingerprint, job.layer_ids,
+         job.settings.model_dump(), states]
+    )  # fmt: skip
+
+
+def _reused_outcome(job: SpeculatorJob, key: str, data: TrainingSet) -> SpeculatorOutcome | None:
     record = load_record(job.checkpoint_dir / OUTCOME_RECORD, key)
     weights = job.checkpoint_dir / "model.safetensors"
     if record is None or not weights.is_file():
@@ -229,36 +213,39 @@ def _reused_outcome(
         TrainResult(**record["result"]),
         record["untrained_acceptance"],
         record["train_rows"],
-        held_out(),
+        data.rows.held_out,
         record["untrained_replies"],
         reused=True,
         weights_sha256=weights_sha256,
         untrained_sha256=record["untrained_sha256"],
+        sources=data.rows.figures,
+        duplicates=data.rows.duplicates,
     )
 
 
 def train_speculator(
     job: SpeculatorJob,
+    draft: DraftSpec,
     tables: TableStore,
     reuse: bool = True,
     device: str = "auto",
-    draft: tuple[str, Callable[[], TrainingSet]] | None = None,
 ) -> SpeculatorOutcome:
-    """Train and save the draft, or, with `reuse`, return the checkpoint an identical
-    earlier job left (its weights verified by hash) without training. Without `reuse`,
-    training starts from the first epoch, not from a saved training state. `draft`: the
-    reuse key and the training set of a draft trained on several datasets; by default
-    the partition's own (`dataset_training_set`)."""
-    key, data = draft or (training_key(job, tables), lambda: dataset_training_set(job, tables))
-    if reuse and (outcome := _reused_outcome(job, key, lambda: data().held_out)):
+    """Train and save the draft on its sources' rows (`training_set`), or, with `reuse`,
+    return the checkpoint an identical earlier job left (its weights verified by hash)
+    without training. Without `reuse`, training starts from the first epoch, not from a
+    saved training state."""
+    data = training_set(job, draft, tables)
+    for name, figures in data.rows.figures.items():
+        logger.info("%s: %s", name, figures)
+    key = training_key(job, draft, tables)
+    if reuse and (outcome := _reused_outcome(job, key, data)):
         logger.info("reusing %s: trained from identical inputs and settings", job.checkpoint_dir)
         return outcome
-    rows = data()
     with contextlib.ExitStack() as stack:
         source: BatchSource = StoredBatches()
         if job.online is not None:
-            source = stack.enter_context(OnlineBatches(job.online, rows.keys, rows.requests))
-        outcome, model = _train(job, rows, source, device, resume=reuse)
+            source = stack.enter_context(OnlineBatches(job.online, data.keys, data.requests))
+        outcome, model = _train(job, data.rows, source, device, resume=reuse)
     if isinstance(source, OnlineBatches):
         outcome.fetch = source.report
     if _ranks().rank == 0:
@@ -267,7 +254,7 @@ def train_speculator(
 
 
 def _train(
-    job: SpeculatorJob, data: TrainingSet, source: BatchSource, device: str, resume: bool
+    job: SpeculatorJob, data: DraftSet, source: BatchSource, device: str, resume: bool
 ) -> tuple[SpeculatorOutcome, Eagle3Draft]:
     settings = job.settings
     torch.manual_seed(settings.seed)
@@ -298,6 +285,7 @@ def _train(
     outcome = SpeculatorOutcome(
         job.checkpoint_dir, cfg, result, untrained.acceptance_length, len(train_refs),
         held_out, untrained_replies, untrained_sha256=untrained_sha256,
+        sources=data.figures, duplicates=data.duplicates,
     )  # fmt: skip
     return outcome, model
 

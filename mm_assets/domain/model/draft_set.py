@@ -6,9 +6,11 @@ added to the source changes it by at most one row: it is kept or not, and with
 `max_rows` it may take one other's place), then one copy of each conversation
 that several sources hold (by its prompt side: the turns without the replies' text,
 images by content; the first source listed keeps it), then each source's held-out rows
-by the same rule a one-dataset draft uses, with at least `min_held_out` per source so
-every source is measured. The draft's vocabulary counts the supervised tokens of the
-union. Row ids are prefixed with their source (`source:row_id`), unique across sources.
+by the same rule on the row ids within the source, with at least `min_held_out` per
+source when there are several, so each is measured. The draft's vocabulary counts the
+supervised tokens of the union. Row ids are prefixed with their source
+(`source:row_id`), unique across sources. A dataset's own draft is the one-source case:
+no cap, no duplicate, its held-out rule as is.
 """
 
 from __future__ import annotations
@@ -94,8 +96,11 @@ def capped(source: SourceRows, seed: int) -> list[SampleRef]:
 def draft_set(
     sources: Sequence[SourceRows], held_out_fraction: float, seed: int, min_held_out: int = 16
 ) -> DraftSet:
-    """The draft's rows: capped, one copy per conversation, held out per source."""
+    """The draft's rows: capped, one copy per conversation, held out per source.
+    Without `keys` (a source alone has no other to share a conversation with), nothing
+    is a duplicate."""
     out = DraftSet([], [], {})
+    minimum = min_held_out if len(sources) > 1 else 0
     owner: dict[str, str] = {}  # prompt key -> the source that keeps it
     for source in sources:
         figures = out.figures[source.name] = SourceFigures()
@@ -103,17 +108,19 @@ def draft_set(
         figures.capped = len(source.refs) - len(kept)
         mine = []
         for ref in kept:
-            key = source.keys[ref.row_id]
-            if key in owner and owner[key] != source.name:
+            key = source.keys.get(ref.row_id)
+            if key is not None and owner.get(key, source.name) != source.name:
                 figures.duplicates += 1
                 pair = f"{owner[key]}/{source.name}"
                 out.duplicates[pair] = out.duplicates.get(pair, 0) + 1
                 continue
-            owner[key] = source.name
-            mine.append(dataclasses.replace(ref, row_id=f"{source.name}{SEPARATOR}{ref.row_id}"))
-        held = _held_out(mine, held_out_fraction, seed, min_held_out)
-        out.train += [r for r in mine if r.row_id not in held]
-        out.held_out += [r for r in mine if r.row_id in held]
+            if key is not None:
+                owner[key] = source.name
+            mine.append(ref)
+        held = _held_out(mine, held_out_fraction, seed, minimum)
+        named = [dataclasses.replace(r, row_id=f"{source.name}{SEPARATOR}{r.row_id}") for r in mine]
+        out.train += [n for r, n in zip(mine, named, strict=True) if r.row_id not in held]
+        out.held_out += [n for r, n in zip(mine, named, strict=True) if r.row_id in held]
         _count(figures, mine, len(held))
     counts: Counter[int] = Counter()
     for ref in out.train + out.held_out:
@@ -123,15 +130,14 @@ def draft_set(
 
 
 def _held_out(refs: list[SampleRef], fraction: float, seed: int, minimum: int) -> set[str]:
-    """The one-dataset rule on the row ids within the source; topped up to `minimum`
-    (while a row is left to train on) by the same hash, so the choice stays stable."""
-    plain = {r.row_id: source_of(r.row_id)[1] for r in refs}
-    held = {r.row_id for r in refs if is_held_out(plain[r.row_id], fraction, seed)}
+    """The held-out rule on the row ids within the source; topped up to `minimum` (while
+    a row is left to train on) by the same hash, so the choice stays stable."""
+    held = {r.row_id for r in refs if is_held_out(r.row_id, fraction, seed)}
     want = min(minimum, max(len(refs) - 1, 0)) if fraction > 0 else 0
     if len(held) < want:
         order = sorted(
             (r.row_id for r in refs if r.row_id not in held),
-            key=lambda row: hashlib.sha256(f"{seed}:{plain[row]}".encode()).digest(),
+            key=lambda row: hashlib.sha256(f"{seed}:{row}".encode()).digest(),
         )
         held.update(order[: want - len(held)])
     return held
