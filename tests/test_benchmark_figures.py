@@ -114,8 +114,9 @@ def test_lossless_counts_identical_greedy_outputs() -> None:
 def test_benchmarking_refuses_external_servers_it_cannot_reconfigure(tmp_path) -> None:
     from mm_assets.domain.model.benchmark import BenchmarkSettings
     from mm_assets.services.benchmarking import benchmark
-    from mm_assets.services.engine import VllmEngine
+    from mm_assets.services.engine import Serving, VllmEngine
 
     engine = VllmEngine(base_urls=("http://fleet:8000/v1",))
+    serving = Serving(engine, tmp_path, None, tmp_path / "l")
     with pytest.raises(ValueError, match="managed vllm resource"):
-        benchmark(tmp_path, {}, None, BenchmarkSettings(), engine, None, tmp_path / "l", tmp_path)
+        benchmark(serving, {}, None, BenchmarkSettings(), tmp_path)

@@ -26,8 +26,8 @@ from mm_assets.domain.model.checkpoint import checkpoint_config
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 from mm_assets.domain.model.hidden_states import default_layer_ids, text_config_facts
-from mm_assets.services.benchmarking import BenchmarkReport, DraftUnderTest, benchmark
-from mm_assets.services.engine import VllmEngine
+from mm_assets.services.benchmarking import BenchmarkReport, benchmark
+from mm_assets.services.engine import DraftUnderTest, Serving, VllmEngine
 from mm_assets.services.target_weights import load_target_head
 from mm_assets.services.training import save_checkpoint
 
@@ -92,14 +92,11 @@ def untrained_draft(target_dir: Path, out_dir: Path) -> DraftUnderTest:
 @pytest.fixture(scope="module")
 def setup(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("benchmark")
-    return {
-        "args": (
-            demo_dir / "target", CATEGORIES,
-            untrained_draft(demo_dir / "target", root / "draft"), SETTINGS,
-            VllmEngine(options=EngineOptions(dtype="float32", kv_cache_gib=1.0)),
-            demo_dir / "coco", root / "logs" / "benchmark.log", root / "cache",
-        ),
-    }  # fmt: skip
+    engine = VllmEngine(options=EngineOptions(dtype="float32", kv_cache_gib=1.0))
+    target = demo_dir / "target"
+    serving = Serving.for_target(engine, target, demo_dir / "coco", root / "logs" / "bench.log")
+    draft = untrained_draft(target, root / "draft")
+    return {"args": (serving, CATEGORIES, draft, SETTINGS, root / "cache")}
 
 
 @pytest.fixture(scope="module")

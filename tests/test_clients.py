@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -43,6 +44,8 @@ from mm_assets.clients.vllm_server import (
     EngineOptions,
     ManagedVllmServer,
     ServerStartupError,
+    ServerUnavailable,
+    death_explained,
     extraction_args,
     speculative_decoding_args,
 )
@@ -692,6 +695,50 @@ def test_startup_failure_reports_the_server_log(tmp_path: Path) -> None:
     assert "error: unrecognized arguments: --no-such-flag" in message
     assert str(server.log_path) in message
     assert server.process is not None and server.process.returncode == 2
+
+
+ANSWERING_SERVER = """
+import http.server, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+print("INFO loading the model", flush=True)
+print("ERROR the KV cache is too small for one request", flush=True)
+print("INFO serving", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+class AnsweringServer(ScriptedServer):
+    """A stand-in that answers `/health` on its port until it is killed."""
+
+    def __init__(self, log_path: Path) -> None:
+        super().__init__(ANSWERING_SERVER, log_path, startup_timeout_s=60)
+
+    def command(self) -> list[str]:
+        return [*super().command(), str(self.port)]
+
+
+def test_a_managed_server_killed_mid_step_explains_itself(tmp_path: Path) -> None:
+    """While the server runs, a step's errors pass as they are; once it is dead, the
+    step's error quotes its exit status, the log's path and the log's error lines."""
+    server = AnsweringServer(tmp_path / "logs" / "vllm.log")
+    with server:
+        assert server.exit_report(wait_s=0) is None
+        with pytest.raises(ConnectionError), death_explained(server, "measuring d"):
+            raise ConnectionError("refused")
+        assert server.process is not None
+        os.killpg(os.getpgid(server.process.pid), signal.SIGKILL)
+        with pytest.raises(ServerUnavailable) as info, death_explained(server, "measuring d"):
+            raise ConnectionError("connection refused")
+    message = str(info.value)
+    assert "vLLM stopped answering while measuring d: connection refused" in message
+    assert "exited with code -9, killed by SIGKILL" in message
+    assert str(server.log_path) in message
+    assert "ERROR the KV cache is too small" in message and "INFO serving" not in message
 
 
 WORKER = (

@@ -232,9 +232,11 @@ def test_a_draft_of_both_demo_datasets_through_the_cli_serves_in_vllm_losslessly
     assert all(meta[f"rows_{s}"] > 0 and meta[f"vllm_prompts_{s}"] == 6 for s in sources)
     assert all(meta[f"vllm_acceptance_length_{s}"] >= 1.0 for s in sources)
     assert "| **demo_mix** |" in meta["vllm_acceptance_by_source"]
-    record = json.loads(
-        (SESSION_HOME / "speculators" / "demo_mix" / "mm_assets_vllm_by_source.json").read_text()
-    )["payload"]
+    from mm_assets.services.measurement import measurement_record
+
+    record = json.loads(measurement_record(SESSION_HOME, "demo_mix", "demo_mix").read_text())[
+        "payload"
+    ]
     for source in sources:
         prompts, generations = record[source]["prompts"], record[source]["generations"]
         plain = generate_greedy(plain_vllm_server.base_url, prompts, max_tokens=64)

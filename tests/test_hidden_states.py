@@ -269,7 +269,11 @@ def test_kill_mid_run_then_resume_matches_uninterrupted_run(
     )
     assert killed and not first.success
     failure = next(e for e in first.all_events if e.event_type_value == "STEP_FAILURE")
-    assert "rerun to resume" in str(failure.event_specific_data.error)
+    error = str(failure.event_specific_data.error)
+    assert "rerun to resume" in error
+    # the step quotes the dead server's exit and its log (printed only at start-up)
+    assert "The managed vLLM server exited with" in error and "killed by SIGKILL" in error
+    assert str(root / "logs") in error
     stored_before = {p.name for p in blob_dir.rglob("*.safetensors")}
     total = len(
         list(StorageResource(root=str(root)).tables().iter_rows("tokenized_samples", partition))

@@ -13,7 +13,7 @@ import dagster as dg
 import pytest
 
 from mm_assets.clients.vllm_generation import generate_greedy
-from mm_assets.services.measurement import MEASUREMENT_RECORD
+from mm_assets.services.measurement import measurement_record
 from tests.conftest import SESSION_HOME
 from tests.plots import PLOT_SIZE, decode_plot
 
@@ -72,12 +72,12 @@ def test_checkpoint_fields_and_held_out_acceptance(trained: dict) -> None:
 
 
 def _measurement(trained: dict, untrained: bool = False) -> dict:
-    """What the measurement recorded beside the checkpoint (or the untrained draft's):
-    prompts, generations, figures (one group of prompts: `measured_groups`)."""
+    """What the measurement recorded of the trained draft (or the untrained one):
+    prompts, generations, figures (one group of prompts, its one source's)."""
     draft = Path(trained["checkpoint"])
-    if untrained:
-        draft = draft.parent.parent / "untrained_speculators" / draft.name
-    return json.loads((draft / MEASUREMENT_RECORD).read_text())["payload"][""]
+    label = f"{draft.name}.untrained" if untrained else draft.name
+    record = measurement_record(draft.parent.parent, draft.name, label)
+    return json.loads(record.read_text())["payload"][draft.name]
 
 
 def test_the_trained_draft_beats_the_untrained_one_in_vllm(trained: dict) -> None:

@@ -64,7 +64,8 @@ def speculator_benchmark(
     retrainings. An unchanged draft and benchmark send nothing."""
     from mm_assets.common.hashing import file_sha256
     from mm_assets.services.benchmark_sets import load_benchmark, results_key, write_results
-    from mm_assets.services.benchmarking import DraftUnderTest, benchmark
+    from mm_assets.services.benchmarking import benchmark
+    from mm_assets.services.engine import DraftUnderTest
 
     spec, tables, root = dataset_spec(context), storage.tables(), Path(storage.root)
     settings = stage_settings(context, spec, "speculator_benchmark", BenchmarkSettings)
@@ -86,12 +87,12 @@ def speculator_benchmark(
     rows_written = 0
     for name in spec.benchmarks:
         prompts = load_benchmark(tables, name, settings.max_prompts_per_category)
+        log = storage.log_path(f"vllm_bench_{name}_{context.run.run_id}")
+        serving = vllm.serving(target.local_dir, media_root(REGISTRY[name], tables, root), log)
+        records = root / "benchmarks" / "records"
         report = benchmark(
-            target.local_dir, prompts.categories, draft, settings, vllm.engine(),
-            media_root(REGISTRY[name], tables, root), storage.log_path(
-                f"vllm_bench_{name}_{context.run.run_id}"
-            ), root / "benchmarks" / "records", reuse=not config.remeasure,
-        )  # fmt: skip
+            serving, prompts.categories, draft, settings, records, reuse=not config.remeasure
+        )
         rows = table_rows(spec.name, name, report, settings, fingerprint, draft.weights_sha256)
         key = results_key(draft.weights_sha256, name, settings.model_dump())
         reused = all(report.reused.values())

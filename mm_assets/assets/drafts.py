@@ -30,7 +30,7 @@ from mm_assets.storage.object_store import publish_directory
 
 if TYPE_CHECKING:
     from mm_assets.registry import DraftSpec
-    from mm_assets.services.draft_measurement import DraftBySource
+    from mm_assets.services.measurement import DraftMeasurements
     from mm_assets.services.training import SpeculatorOutcome
     from mm_assets.storage import TableStore
 
@@ -64,7 +64,7 @@ def trained_draft(
     once, every source keeps held-out rows by the rule its own draft uses, and the draft
     is measured per source — offline and in vLLM — beside each source's own draft on the
     same prompts (`compare_with_sources`). Written as `speculators/<draft>/`."""
-    from mm_assets.services.draft_measurement import measure_by_source
+    from mm_assets.services.measurement import measure_draft
     from mm_assets.services.training import SpeculatorJob, train_speculator
 
     draft, tables, root = draft_spec(context), storage.tables(), Path(storage.root)
@@ -74,19 +74,20 @@ def trained_draft(
     measure = stage_settings(
         context, draft, "trained_speculator", MeasurementSettings, "trained_draft"
     )
-    job = SpeculatorJob.for_draft(draft, root, target_model.model(), settings, tables)
+    target = target_model.model()
+    job = SpeculatorJob.for_draft(draft, root, target, settings, tables)
     outcome = train_speculator(job, draft, tables, reuse=not config.retrain)
     metadata = training_metadata(outcome, job.layer_ids) | sources_metadata(outcome)
     if measure.measure_in_vllm:
         own = {s: root / "speculators" / s for s in draft.sources}
         others = {s: d for s, d in own.items() if (d / "model.safetensors").is_file()}
-        by_source = measure_by_source(
-            job, outcome, list(draft.sources), tables, vllm.engine(),
-            image_root(draft, tables, root), storage.log_path(f"vllm_draft_{context.run.run_id}"),
-            measure.vllm_prompts, measure.vllm_max_tokens, not config.retrain,
-            others if measure.compare_with_sources else {},
-        )  # fmt: skip
-        metadata |= by_source_metadata(draft.name, by_source)
+        log = storage.log_path(f"vllm_draft_{context.run.run_id}")
+        serving = vllm.serving(target.local_dir, image_root(draft, tables, root), log)
+        compared = others if measure.compare_with_sources else {}
+        measured = measure_draft(
+            job, outcome, tables, serving, measure, not config.retrain, compared
+        )
+        metadata |= by_source_metadata(draft.name, measured)
     if (store := storage.checkpoint_store()) is not None:
         url, uploaded = publish_directory(store, outcome.checkpoint, "speculators", draft.name)
         metadata["checkpoint_url"] = dg.MetadataValue.path(url)
@@ -121,22 +122,20 @@ def sources_metadata(outcome: SpeculatorOutcome) -> dict[str, Any]:
     }
 
 
-def by_source_metadata(name: str, measured: DraftBySource) -> dict[str, Any]:
+def by_source_metadata(name: str, measured: DraftMeasurements) -> dict[str, Any]:
     """A Markdown table draft × source (vLLM-measured acceptance), and this draft's
     figures per source as numbers (the Plots tab)."""
     sources = list(measured.trained)
-    lines = [
-        "| draft | " + " | ".join(sources) + " |",
-        "|---|" + "---:|" * len(sources),
-        f"| **{name}** | "
-        + " | ".join(f"{measured.trained[s].measured.acceptance_length:.3f}" for s in sources)
-        + " |",
-    ]
-    for other, figures in measured.others.items():
+    rows = {f"**{name}**": measured.trained}
+    if measured.untrained:
+        rows[f"{name} (untrained)"] = measured.untrained
+    rows |= {f"{other} (its own draft)": figures for other, figures in measured.others.items()}
+    lines = ["| draft | " + " | ".join(sources) + " |", "|---|" + "---:|" * len(sources)]
+    for label, figures in rows.items():
         cells = [
             f"{figures[s].measured.acceptance_length:.3f}" if s in figures else "" for s in sources
         ]
-        lines.append(f"| {other} (its own draft) | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     out: dict[str, Any] = {"vllm_acceptance_by_source": dg.MetadataValue.md("\n".join(lines))}
     for source, f in measured.trained.items():
         out[f"vllm_acceptance_length_{source}"] = f.measured.acceptance_length
@@ -145,9 +144,11 @@ def by_source_metadata(name: str, measured: DraftBySource) -> dict[str, Any]:
         ]
         out[f"vllm_prompts_{source}"] = len(f.measured.prompts)
         if f.estimate is not None:
-            out[f"vllm_acceptance_length_estimate_{source}"] = f.estimate
+            out[f"vllm_acceptance_length_estimate_{source}"] = f.estimate.acceptance_length
         if f.same_as_target is not None:
             out[f"vllm_generations_same_as_target_{source}"] = f.same_as_target
+    for source, f in measured.untrained.items():
+        out[f"vllm_untrained_acceptance_length_{source}"] = f.measured.acceptance_length
     for other, figures in measured.others.items():
         for source, f in figures.items():
             out[f"vllm_acceptance_length_{source}_by_{other}"] = f.measured.acceptance_length

@@ -30,10 +30,9 @@ from mm_assets.domain.model.settings import (
 from mm_assets.storage.object_store import publish_directory
 
 if TYPE_CHECKING:
-    from mm_assets.domain.model.acceptance import AcceptanceSummary
     from mm_assets.registry import DatasetSpec
     from mm_assets.services.extraction import ExtractionReport, PartitionExtraction
-    from mm_assets.services.measurement import Measurement
+    from mm_assets.services.measurement import SourceMeasurement
     from mm_assets.services.online_states import OnlineStates
     from mm_assets.services.target import TargetModel
     from mm_assets.services.training import SpeculatorOutcome
@@ -221,7 +220,7 @@ def trained_speculator(
     and settings are unchanged reuses the checkpoint and its measurement instead of
     training again (`retrain` forces it)."""
     from mm_assets.registry import DraftSpec
-    from mm_assets.services.measurement import measure_drafts
+    from mm_assets.services.measurement import measure_draft
     from mm_assets.services.training import SpeculatorJob, train_speculator
 
     spec, tables, target = dataset_spec(context), storage.tables(), target_model.model()
@@ -237,24 +236,19 @@ def trained_speculator(
     metadata = training_metadata(outcome, job.layer_ids) | fetch_metadata(online, outcome.fetch)
     measured = None
     if measure.measure_in_vllm and outcome.result.held_out_replies:
-        measured = measure_drafts(
-            job, outcome, tables, vllm.engine(), media_root(spec, tables, storage.root),
-            storage.log_path(f"vllm_spec_{context.run.run_id}"), measure.vllm_prompts,
-            measure.vllm_max_tokens, not config.retrain, measure.measure_untrained_in_vllm,
-        )  # fmt: skip
-        metadata.update(measurement_metadata(measured.trained, measured.trained_estimate))
-        if measured.same_as_target is not None:
-            metadata["vllm_generations_same_as_target"] = measured.same_as_target
-        if measured.untrained:
-            metadata.update(
-                measurement_metadata(measured.untrained, measured.untrained_estimate, "untrained_")
-            )
+        log = storage.log_path(f"vllm_spec_{context.run.run_id}")
+        serving = vllm.serving(target.local_dir, media_root(spec, tables, storage.root), log)
+        figures = measure_draft(job, outcome, tables, serving, measure, not config.retrain)
+        measured = figures.trained[spec.name].measured
+        metadata |= measurement_metadata(figures.trained[spec.name])
+        if figures.untrained:
+            metadata |= measurement_metadata(figures.untrained[spec.name], "untrained_")
     if (store := storage.checkpoint_store()) is not None:
         url, uploaded = publish_directory(store, outcome.checkpoint, "speculators", spec.name)
         metadata["checkpoint_url"] = dg.MetadataValue.path(url)
         metadata["checkpoint_files_uploaded"] = uploaded
     metadata["per_position_acceptance"] = acceptance_plot(
-        outcome.result.held_out_per_position, measured.trained.per_position if measured else None
+        outcome.result.held_out_per_position, measured.per_position if measured else None
     )
     assert outcome.weights_sha256 is not None
     return dg.MaterializeResult(
@@ -309,18 +303,21 @@ def training_metadata(outcome: "SpeculatorOutcome", layer_ids: list[int]) -> dic
     }
 
 
-def measurement_metadata(
-    measured: "Measurement", estimate: "AcceptanceSummary", prefix: str = ""
-) -> dict[str, Any]:
+def measurement_metadata(figures: "SourceMeasurement", prefix: str = "") -> dict[str, Any]:
     """`vllm_*` figures of the trained draft; `vllm_untrained_*` with that prefix. Beside
-    them, the offline estimate replayed over the same replies (`*_estimate`)."""
-    figures = {
+    them, the offline estimate replayed over the same replies (`*_estimate`), and how
+    many generations equal the target's own reply."""
+    measured, estimate = figures.measured, figures.estimate
+    out = {
         "acceptance_length": measured.acceptance_length,
-        "acceptance_length_estimate": estimate.acceptance_length,
         "per_position_acceptance": [round(r, 4) for r in measured.per_position],
-        "per_position_acceptance_estimate": [round(r, 4) for r in estimate.per_position],
         "drafts": measured.drafts,
         "measurement_reused": measured.reused,
     }
+    if estimate is not None:
+        out["acceptance_length_estimate"] = estimate.acceptance_length
+        out["per_position_acceptance_estimate"] = [round(r, 4) for r in estimate.per_position]
+    if figures.same_as_target is not None:
+        out["generations_same_as_target"] = figures.same_as_target
     prompts = {} if prefix else {"vllm_prompts": len(measured.prompts)}
-    return {f"vllm_{prefix}{k}": v for k, v in figures.items()} | prompts
+    return {f"vllm_{prefix}{k}": v for k, v in out.items()} | prompts

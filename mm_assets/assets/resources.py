@@ -14,7 +14,7 @@ from mm_assets.assets.config import resource_base
 from mm_assets.clients.vllm_server import EngineOptions
 from mm_assets.common import paths
 from mm_assets.domain.ingest.embedded_images import embedded_images_dir
-from mm_assets.services.engine import VllmEngine
+from mm_assets.services.engine import Serving, VllmEngine
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import ObjectStore, TableStore, open_tables
 from mm_assets.storage.blobs import BlobStore
@@ -118,6 +118,10 @@ class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignor
             tuple(urls), options, self.connector, self.startup_timeout_s,
             self.api_key, self.server_path_prefix, self.local_path_prefix,
         )  # fmt: skip
+
+    def serving(self, target_dir: Path, image_root: Path | None, log_path: Path) -> Serving:
+        """What a step serves the target with (the extraction fleet's engine), whole."""
+        return Serving.for_target(self.engine(), target_dir, image_root, log_path)
 
 
 def vllm_resource() -> VllmResource:

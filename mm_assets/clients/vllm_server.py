@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,6 +126,20 @@ class ServerStartupError(RuntimeError):
     """vLLM exited, or did not answer `/health`, while starting."""
 
 
+class ServerUnavailable(RuntimeError):
+    """vLLM stopped answering mid-step; what was stored is kept for the rerun."""
+
+
+ERROR_MARKERS = ("error", "exception", "traceback", "killed", "abort")
+
+
+def exit_status(code: int) -> str:
+    """An exit code as a reader wants it: a signal named (the guard exits 128 + N)."""
+    signum = -code if code < 0 else code - 128 if code > 128 else 0
+    name = next((s.name for s in signal.Signals if s.value == signum), None)
+    return f"code {code}" + (f", killed by {name}" if name else "")
+
+
 @dataclass(eq=False)
 class ManagedVllmServer:
     """A vLLM server for one step: `with ManagedVllmServer(...) as base_url: ...`.
@@ -220,7 +234,7 @@ class ManagedVllmServer:
             code = self.process.poll()
             if code is not None:
                 raise ServerStartupError(
-                    f"vLLM exited with code {code} while starting; log {self.log_path}:\n"
+                    f"vLLM exited with {exit_status(code)} while starting; log {self.log_path}:\n"
                     + self.log_tail()
                 )
             try:
@@ -241,6 +255,28 @@ class ManagedVllmServer:
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
+
+    def error_lines(self, lines: int = 12) -> str:
+        """The last lines of the log that name an error (its last lines when none does)."""
+        text = self.log_tail(lines=400).splitlines()
+        errors = [line for line in text if any(m in line.lower() for m in ERROR_MARKERS)]
+        return "\n".join((errors or text)[-lines:])
+
+    def exit_report(self, wait_s: float = 5.0) -> str | None:
+        """None while the server runs (after up to `wait_s` for one that is dying);
+        once it has exited, its exit status, log path and last error lines: what a step
+        that lost its server needs, since the log's path was printed only at start-up."""
+        if self.process is None:
+            return None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=wait_s)
+        code = self.process.poll()
+        if code is None:
+            return None
+        return (
+            f"The managed vLLM server exited with {exit_status(code)}; the last error "
+            f"lines of its log {self.log_path}:\n{self.error_lines()}"
+        )
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGTERM the server's process group, then SIGKILL what is left."""
@@ -275,3 +311,23 @@ class ManagedVllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def unavailable(what: str, server: ManagedVllmServer | None) -> ServerUnavailable:
+    """The error of a step that lost vLLM: `what` happened and what is kept, then, when
+    the server was managed and has died, its exit report."""
+    report = server.exit_report() if server is not None else None
+    return ServerUnavailable(f"{what}\n{report}" if report else what)
+
+
+@contextlib.contextmanager
+def death_explained(server: ManagedVllmServer, doing: str) -> Iterator[None]:
+    """Errors of a block that talks to `server`, as `ServerUnavailable` with the server's
+    exit report when it has died meanwhile (a refused model, the OOM killer); other
+    errors pass as they are."""
+    try:
+        yield
+    except Exception as exc:
+        if server.exit_report(wait_s=1.0) is None:
+            raise
+        raise unavailable(f"vLLM stopped answering while {doing}: {exc}", server) from exc

@@ -34,7 +34,7 @@ from typing import Any
 
 from mm_assets.clients.vllm_generation import generate_greedy_replies
 from mm_assets.clients.vllm_metrics import ServerCounters, server_counters
-from mm_assets.clients.vllm_server import ServerStartupError, speculative_decoding_args
+from mm_assets.clients.vllm_server import ServerStartupError, death_explained
 from mm_assets.common.hashing import json_sha256
 from mm_assets.domain.model.benchmark import (
     BENCHMARK_VERSION,
@@ -51,9 +51,8 @@ from mm_assets.domain.model.benchmark import (
     with_lossless,
     with_overall,
 )
-from mm_assets.domain.model.hidden_states import text_config_facts
 from mm_assets.domain.prep.conversations import to_vllm_messages
-from mm_assets.services.engine import VllmEngine
+from mm_assets.services.engine import DraftUnderTest, Serving
 from mm_assets.services.method_servers import MethodServers
 from mm_assets.services.target import target_fingerprint
 from mm_assets.storage.records import load_record, save_record
@@ -61,13 +60,6 @@ from mm_assets.storage.records import load_record, save_record
 logger = logging.getLogger(__name__)
 WARMUP_PROMPT = [{"role": "user", "content": "Hello."}]
 DEFAULT_NGRAM_TOKENS = 3
-
-
-@dataclass(frozen=True)
-class DraftUnderTest:
-    dir: Path
-    weights_sha256: str
-    speculative_tokens: int
 
 
 @dataclass(frozen=True)
@@ -193,18 +185,20 @@ def run_method(
         logger.warning(f"benchmark: vLLM did not start the {method} method: {exc}")
         return MethodRun(method, not_run=str(exc))
     try:
-        zero = server_counters(url)
-        generate_greedy_replies(url, [WARMUP_PROMPT], settings.warmup_max_tokens, 1)
-        start = counters_after(url, zero, 1)
-        figures, answers = [], {}
-        for name, conversations in categories.items():
-            before = server_counters(url)
-            own = _category_answers(url, conversations, reference and reference[name], settings)
-            requests = sum(len(a) for a in own)
-            delta = counters_after(url, before, requests).minus(before)
-            figures.append(_figures(name, method, len(conversations), requests, delta))
-            answers[name] = own
-        whole = server_counters(url).minus(start)
+        with death_explained(servers.servers[method], f"benchmarking {method}"):
+            zero = server_counters(url)
+            generate_greedy_replies(url, [WARMUP_PROMPT], settings.warmup_max_tokens, 1)
+            start = counters_after(url, zero, 1)
+            figures, answers = [], {}
+            for name, conversations in categories.items():
+                before = server_counters(url)
+                mine = reference and reference[name]
+                own = _category_answers(url, conversations, mine, settings)
+                requests = sum(len(a) for a in own)
+                delta = counters_after(url, before, requests).minus(before)
+                figures.append(_figures(name, method, len(conversations), requests, delta))
+                answers[name] = own
+            whole = server_counters(url).minus(start)
     finally:
         servers.done(method)
     total = _figures(
@@ -251,26 +245,21 @@ def _from_record(fields: dict[str, Any]) -> MethodRun:
 
 
 def benchmark(
-    target_dir: Path,
+    serving: Serving,
     categories: dict[str, list[list[Turn]]],
     draft: DraftUnderTest | None,
     settings: BenchmarkSettings,
-    engine: VllmEngine,
-    image_root: Path | None,
-    log_path: Path,
     cache_dir: Path,
     reuse: bool = True,
 ) -> BenchmarkReport:
     """Per category (normalized conversations, grouped), the figures of `none`, `ngram`
     and — with a draft — `eagle3`, each on a server of its own (see the module's
     docstring), plus an `OVERALL` row per method."""
-    if not engine.managed:
+    if not serving.engine.managed:
         raise ValueError(
             "benchmarking starts a server per method (none, ngram, eagle3) with its own "
             "--speculative-config; use a managed vllm resource (no base_urls) for it"
         )
-    config = json.loads((target_dir / "config.json").read_text())
-    engine = engine.for_target(text_config_facts(config))
     categories = capped(categories, settings.max_prompts_per_category)
     conversations = {
         name: [benchmark_conversation(turns) for turns in convs]
@@ -279,15 +268,13 @@ def benchmark(
     ngram_tokens = settings.ngram_speculative_tokens or (
         draft.speculative_tokens if draft else DEFAULT_NGRAM_TOKENS
     )
-    base_key = json_sha256([
-        BENCHMARK_VERSION, target_fingerprint(target_dir), categories, settings.model_dump(),
-        engine.options.model_dump(), ngram_tokens,
-    ])  # fmt: skip
+    fingerprint = target_fingerprint(serving.target_dir)
+    options = serving.engine.options.model_dump()
+    base_key = json_sha256(
+        [BENCHMARK_VERSION, fingerprint, categories, settings.model_dump(), options, ngram_tokens]
+    )
     plan = _plan(cache_dir, base_key, draft, ngram_args(settings, ngram_tokens), reuse)
-    target = str(target_dir)
-    with MethodServers(
-        engine, target, image_root, log_path, settings.start_servers_together
-    ) as servers:
+    with MethodServers(serving, settings.start_servers_together) as servers:
         servers.start(plan.to_run)
 
         def run(method: str, reference: MethodRun | None) -> MethodRun:
@@ -340,7 +327,7 @@ def _plan(
     draft_record = cache_dir / f"benchmark_draft_{draft_key[:20]}.json"
     cached = load_record(draft_record, draft_key) if reuse else None
     if not cached:
-        to_run["eagle3"] = speculative_decoding_args(draft.dir, draft.speculative_tokens)
+        to_run["eagle3"] = draft.serve_args()
     return _Plan(base_record, base_key, base, draft_record, draft_key, cached, to_run)
 
 

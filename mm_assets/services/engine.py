@@ -10,13 +10,19 @@ config; the hidden-state files it reports are read through `server_path_prefix` 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
-from mm_assets.domain.model.hidden_states import TextConfigFacts, resolve_dtype
+from mm_assets.clients.vllm_server import (
+    EngineOptions,
+    ManagedVllmServer,
+    extraction_args,
+    speculative_decoding_args,
+)
+from mm_assets.domain.model.hidden_states import TextConfigFacts, resolve_dtype, text_config_facts
 
 
 @dataclass
@@ -88,3 +94,44 @@ class VllmEngine:
         """Servers that write hidden states of `layer_ids`, for the duration of a step."""
         args = extraction_args(layer_ids, hidden_states_dir, self.connector) if self.managed else []
         return self.session(model, args, image_root, log_path)
+
+
+@dataclass(frozen=True)
+class DraftUnderTest:
+    """A trained draft to serve the target with: its checkpoint directory, the hash of its
+    weights (what a measurement record is keyed by) and the tokens it proposes a step."""
+
+    dir: Path
+    weights_sha256: str
+    speculative_tokens: int
+
+    def serve_args(self) -> list[str]:
+        return speculative_decoding_args(self.dir, self.speculative_tokens)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How a step serves its target, passed whole: the engine (its dtype resolved for
+    the target), the target's directory, the one directory vLLM may read images under,
+    and the log a managed server writes."""
+
+    engine: VllmEngine
+    target_dir: Path
+    image_root: Path | None
+    log_path: Path
+
+    @classmethod
+    def for_target(
+        cls, engine: VllmEngine, target_dir: Path, image_root: Path | None, log_path: Path
+    ) -> Serving:
+        config = json.loads((Path(target_dir) / "config.json").read_text())
+        resolved = engine.for_target(text_config_facts(config))
+        return cls(resolved, Path(target_dir), image_root, log_path)
+
+    def server(self, serve_args: list[str], label: str = "") -> ManagedVllmServer:
+        """A managed server of the target (not started yet); `label` names its own log
+        beside the step's (`vllm_run.<label>.log`)."""
+        log = self.log_path
+        if label:
+            log = log.with_name(f"{log.stem}.{label}{log.suffix}")
+        return self.engine.server(str(self.target_dir), serve_args, self.image_root, log)

@@ -1,10 +1,14 @@
 """Measuring a trained draft where it matters: vLLM serving the target with it.
 
-Greedy generations from held-out prompts (images included) go to a server started with
-the draft as its EAGLE-3 speculator; the change of its spec-decode counters over those
-generations gives the acceptance length and per-position rates. The generated token ids
-are kept with the figures, so a check of lossless decoding can compare them with the
-target's own greedy output without serving the draft again.
+Every draft (a dataset's, or several datasets') is measured the same way: greedy
+generations from each source's held-out prompts (images included) go to a server started
+with the draft as its EAGLE-3 speculator; the change of its spec-decode counters over
+each source's generations gives the acceptance length and per-position rates, beside the
+offline estimate replayed over exactly those replies. The untrained draft (the baseline)
+and other drafts (each source's own, for a draft of several) are served on the same
+prompts where asked. The generated token ids are kept with the figures, so a check of
+lossless decoding can compare them with the target's own greedy output without serving
+the draft again.
 """
 
 from __future__ import annotations
@@ -17,20 +21,21 @@ from typing import Any
 
 from mm_assets.clients.vllm_generation import generate_greedy
 from mm_assets.clients.vllm_metrics import spec_decode_counters
-from mm_assets.clients.vllm_server import speculative_decoding_args
+from mm_assets.clients.vllm_server import death_explained
 from mm_assets.common.crashpoints import crash_point
 from mm_assets.common.hashing import file_sha256, json_sha256
 from mm_assets.domain.model.acceptance import AcceptanceSummary, summarize
 from mm_assets.domain.model.draft_set import SEPARATOR, source_of
-from mm_assets.domain.model.hidden_states import text_config_facts
+from mm_assets.domain.model.settings import MeasurementSettings
 from mm_assets.domain.prep.conversations import reply_prompts, to_vllm_messages
 from mm_assets.domain.row_ids import sample_id_of, turn_index_of
-from mm_assets.services.engine import VllmEngine
+from mm_assets.services.engine import DraftUnderTest, Serving
 from mm_assets.services.training import SpeculatorJob, SpeculatorOutcome
 from mm_assets.storage import TableStore
 from mm_assets.storage.records import load_record, save_record
 
-MEASUREMENT_RECORD = "mm_assets_vllm_measurement.json"
+MEASUREMENT_VERSION = "2"  # 2: prompts grouped by source, records under measurements/
+OVERALL = "overall"
 
 
 @dataclass(frozen=True)
@@ -107,41 +112,62 @@ def same_as_target(replies: list[HeldOutReply], generations: list[list[int]]) ->
     return sum(target[: len(g)] == g[: len(target)] for target, g in pairs)
 
 
+def combined(measurements: list[Measurement]) -> Measurement:
+    """Several sources' measurements as one: counts summed (acceptance weighted by
+    drafts), prompts and generations in source order."""
+    drafts = sum(m.drafts for m in measurements)
+    accepted = sum((m.acceptance_length - 1) * m.drafts for m in measurements)
+    width = max((len(m.per_position) for m in measurements), default=0)
+    per_position = [
+        sum(m.per_position[k] * m.drafts for m in measurements if k < len(m.per_position))
+        / max(drafts, 1)
+        for k in range(width)
+    ]
+    return Measurement(
+        1 + accepted / max(drafts, 1),
+        per_position,
+        drafts,
+        [p for m in measurements for p in m.prompts],
+        [g for m in measurements for g in m.generations],
+        reused=all(m.reused for m in measurements),
+    )
+
+
+def measurement_record(storage_root: Path, prompts_of: str, measured: str) -> Path:
+    """Where the figures of `measured` (a draft's name, `<name>.untrained` for its
+    baseline) on the held-out prompts of the draft `prompts_of` are recorded."""
+    return storage_root / "measurements" / prompts_of / f"{measured}.json"
+
+
 def measured_groups(
-    target: str,
-    draft_dir: Path,
-    weights_sha256: str,
+    serving: Serving,
+    draft: DraftUnderTest,
     groups: dict[str, list[list[dict[str, Any]]]],
-    engine: VllmEngine,
-    image_root: Path | None,
-    log_path: Path,
-    speculative_tokens: int,
     max_tokens: int,
+    record: Path,
     reuse: bool = True,
-    record_name: str = MEASUREMENT_RECORD,
 ) -> dict[str, Measurement]:
     """Acceptance vLLM counts for each group of prompts in turn (its counters differenced
     per group) on one server of the target with this draft. With `reuse`, the figures
-    recorded beside the draft (`record_name`) when the same weights (`weights_sha256`)
-    were measured on the same prompts and settings: starting a server costs about a
-    minute on CPU and holds the accelerator."""
-    record = draft_dir / record_name
-    options = engine.options.model_dump()
-    key = json_sha256([weights_sha256, target, groups, options, speculative_tokens, max_tokens])
+    in `record` when the same weights were measured on the same prompts and settings:
+    starting a server costs about a minute on CPU and holds the accelerator."""
+    options = serving.engine.options.model_dump()
+    served = [draft.weights_sha256, str(serving.target_dir), draft.speculative_tokens]
+    key = json_sha256([MEASUREMENT_VERSION, *served, groups, options, max_tokens])
     if reuse and (cached := load_record(record, key)):
         return {name: Measurement(**fields, reused=True) for name, fields in cached.items()}
-    args = speculative_decoding_args(draft_dir, speculative_tokens)
     measured = {}
-    with engine.server(target, args, image_root, log_path) as url:
+    server = serving.server(draft.serve_args())
+    with server as url, death_explained(server, f"measuring {draft.dir}"):
         crash_point("measurement")
         for name, prompts in groups.items():
             before = spec_decode_counters(url)
             generations = generate_greedy(url, prompts, max_tokens)
             counters = spec_decode_counters(url).minus(before)
+            rates, drafts = counters.per_position_rates, int(counters.drafts)
             measured[name] = Measurement(
-                counters.acceptance_length, counters.per_position_rates, int(counters.drafts),
-                prompts, generations,
-            )  # fmt: skip
+                counters.acceptance_length, rates, drafts, prompts, generations
+            )
     fields = {
         name: {k: v for k, v in asdict(m).items() if k != "reused"} for name, m in measured.items()
     }
@@ -150,55 +176,73 @@ def measured_groups(
 
 
 @dataclass(frozen=True)
+class SourceMeasurement:
+    """One draft on one source's held-out prompts (or all of them: `OVERALL`): what vLLM
+    measured, the offline estimate replayed over the same replies (None for another
+    draft: it has no replay), and how many generations equal the target's own."""
+
+    measured: Measurement
+    estimate: AcceptanceSummary | None = None
+    same_as_target: int | None = None
+
+
+@dataclass(frozen=True)
 class DraftMeasurements:
-    """vLLM's figures for the trained draft (and the untrained baseline), each beside the
-    offline estimate replayed over exactly the replies vLLM generated."""
+    """Per source and `OVERALL`: the trained draft, the untrained one (empty unless
+    asked) and other drafts by name, all on the same prompts."""
 
-    trained: Measurement
-    trained_estimate: AcceptanceSummary
-    untrained: Measurement | None
-    untrained_estimate: AcceptanceSummary
-    same_as_target: int | None
-    """Generations with the trained draft equal to the target's own (`same_as_target`)."""
+    trained: dict[str, SourceMeasurement]
+    untrained: dict[str, SourceMeasurement]
+    others: dict[str, dict[str, SourceMeasurement]]
 
 
-def measure_drafts(
+def measure_draft(
     job: SpeculatorJob,
     outcome: SpeculatorOutcome,
     tables: TableStore,
-    engine: VllmEngine,
-    image_root: Path | None,
-    log_path: Path,
-    max_prompts: int,
-    max_tokens: int,
+    serving: Serving,
+    settings: MeasurementSettings,
     reuse: bool = True,
-    untrained: bool = True,
+    others: dict[str, Path] | None = None,
 ) -> DraftMeasurements:
-    """What vLLM measures (`measured_groups`) of a training outcome on its held-out
-    replies' prompts and, with `untrained`, of the same draft before training
-    (`SpeculatorJob.untrained_dir`) on the same prompts: the baseline that shows what
-    training bought."""
+    """What vLLM measures (`measured_groups`) of a training outcome on each source's
+    held-out replies' prompts; with `measure_untrained_in_vllm`, of the same draft
+    before training (`SpeculatorJob.untrained_dir`); and of `others` (name -> checkpoint
+    directory), one server each."""
+    sources = list(outcome.sources)
     replayed = outcome.result.held_out_replies
-    replies = source_replies(tables, replayed, [job.partition], max_prompts)[job.partition]
-    prompts = [reply.prompt for reply in replies]
-    engine = engine.for_target(text_config_facts(job.target_config))
+    replies = source_replies(tables, replayed, sources, settings.vllm_prompts)
+    groups = {source: [r.prompt for r in rs] for source, rs in replies.items()}
+    max_tokens, ttt_steps = settings.vllm_max_tokens, job.settings.ttt_steps
 
-    def measure(draft_dir: Path, weights_sha256: str | None) -> Measurement:
-        weights_sha256 = weights_sha256 or file_sha256(draft_dir / "model.safetensors")
-        return measured_groups(
-            str(job.target_dir), draft_dir, weights_sha256, {"": prompts}, engine, image_root,
-            log_path, job.settings.speculative_tokens, max_tokens, reuse,
-        )[""]  # fmt: skip
+    def measure(label: str, directory: Path, weights: str | None) -> dict[str, Measurement]:
+        weights = weights or file_sha256(directory / "model.safetensors")
+        draft = DraftUnderTest(directory, weights, job.settings.speculative_tokens)
+        record = measurement_record(job.storage_root, job.partition, label)
+        return measured_groups(serving, draft, groups, max_tokens, record, reuse)
 
-    def estimate(replayed: dict[str, list[list[int]]]) -> AcceptanceSummary:
-        walks = [replayed[reply.row_id][reply.reply] for reply in replies]
-        return summarize(walks, job.settings.ttt_steps, max_tokens)
+    def figures(
+        measured: dict[str, Measurement], walks: dict[str, list[list[int]]] | None
+    ) -> dict[str, SourceMeasurement]:
+        out, every = {}, []
+        for source, m in measured.items():
+            mine = [walks[r.row_id][r.reply] for r in replies[source]] if walks is not None else []
+            every += mine
+            estimate = summarize(mine, ttt_steps, max_tokens) if walks is not None else None
+            out[source] = SourceMeasurement(
+                m, estimate, same_as_target(replies[source], m.generations)
+            )
+        overall = summarize(every, ttt_steps, max_tokens) if walks is not None else None
+        out[OVERALL] = SourceMeasurement(combined(list(measured.values())), overall)
+        return out
 
-    trained = measure(outcome.checkpoint, outcome.weights_sha256)
-    return DraftMeasurements(
-        trained,
-        estimate(outcome.result.held_out_replies),
-        measure(job.untrained_dir, outcome.untrained_sha256) if untrained else None,
-        estimate(outcome.untrained_replies),
-        same_as_target(replies, trained.generations),
-    )
+    trained = figures(measure(job.partition, outcome.checkpoint, outcome.weights_sha256), replayed)
+    untrained = {}
+    if settings.measure_untrained_in_vllm:
+        label, weights = f"{job.partition}.untrained", outcome.untrained_sha256
+        untrained = figures(measure(label, job.untrained_dir, weights), outcome.untrained_replies)
+    compared = {
+        name: figures(measure(name, directory, None), None)
+        for name, directory in (others or {}).items()
+    }
+    return DraftMeasurements(trained, untrained, compared)

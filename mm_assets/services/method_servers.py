@@ -15,10 +15,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from mm_assets.clients.vllm_server import ManagedVllmServer, ServerStartupError, cuda_available
-from mm_assets.services.engine import VllmEngine
+from mm_assets.services.engine import Serving
 
 logger = logging.getLogger(__name__)
 
@@ -26,26 +25,15 @@ logger = logging.getLogger(__name__)
 class MethodServers:
     """`with MethodServers(...) as servers: servers.start(methods); url = servers.url(m)`."""
 
-    def __init__(
-        self,
-        engine: VllmEngine,
-        target: str,
-        image_root: Path | None,
-        log_path: Path,
-        together: bool | None = None,
-    ) -> None:
-        self.engine, self.target, self.image_root, self.log_path = (
-            engine, target, image_root, log_path,
-        )  # fmt: skip
+    def __init__(self, serving: Serving, together: bool | None = None) -> None:
+        self.serving = serving
         self.together = not cuda_available() if together is None else together
         self.servers: dict[str, ManagedVllmServer] = {}
         self.failed: dict[str, ServerStartupError] = {}
         self.urls: dict[str, str] = {}
 
     def _server(self, method: str, serve_args: list[str]) -> ManagedVllmServer:
-        log = self.log_path.with_name(f"{self.log_path.stem}.{method}{self.log_path.suffix}")
-        server = self.engine.server(self.target, serve_args, self.image_root, log)
-        self.servers[method] = server
+        server = self.servers[method] = self.serving.server(serve_args, label=method)
         return server
 
     def start(self, methods: Mapping[str, list[str]]) -> None:

@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from mm_assets.clients.vllm_client import CircuitOpen, ExtractionRequest, HiddenStatesClient
+from mm_assets.clients.vllm_server import ManagedVllmServer, unavailable
 from mm_assets.domain.model.training_data import Batch, SampleRef, load_batch
 from mm_assets.services.extraction import FILE_RETRIES, store_outcome
 from mm_assets.services.online_states import FetchReport, OnlineStates, PassReport
 from mm_assets.services.request_stage import (
     Outcome,
     Rejected,
-    ServerUnavailable,
     Stored,
     make_client,
     request_all,
@@ -132,6 +132,7 @@ class OnlineBatches:
         self._stack = ExitStack()
         self._servers = ExitStack()  # the servers and the client, while rows are left to fetch
         self.client: HiddenStatesClient | None = None
+        self.managed: ManagedVllmServer | None = None  # what a dead server's error quotes
 
     def __enter__(self) -> OnlineBatches:
         states, stack = self.states, self._stack
@@ -169,6 +170,7 @@ class OnlineBatches:
             )
         )  # fmt: skip
         servers.callback(_remove_if_empty, incoming)
+        self.managed = session.managed
         if managed := session.managed:  # its memory, just before it stops
             self.report.requests.startup_s = managed.startup_seconds
             servers.callback(
@@ -221,10 +223,11 @@ class OnlineBatches:
                 self.loop.call_soon_threadsafe(run.window.release)
             task.result()
         except CircuitOpen as exc:
-            raise ServerUnavailable(
+            what = (
                 f"vLLM stopped answering during online training ({label}): {exc}. The "
                 "training state of the last finished epoch is kept; rerun to resume."
-            ) from exc
+            )
+            raise unavailable(what, self.managed) from exc
         finally:
             task.cancel()
         run.report.seconds = time.perf_counter() - started

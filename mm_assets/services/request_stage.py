@@ -24,16 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from mm_assets.clients.vllm_client import CircuitOpen, RequestRefused, VllmClient
+from mm_assets.clients.vllm_server import unavailable
 from mm_assets.common.progress import Progress
 from mm_assets.common.request_settings import RequestSettings
 from mm_assets.services.engine import ServerSession
 
 logger = logging.getLogger(__name__)
 Client = TypeVar("Client", bound=VllmClient)
-
-
-class ServerUnavailable(RuntimeError):
-    """vLLM stopped answering mid-run; what was stored is kept for the rerun."""
 
 
 @dataclass(frozen=True)
@@ -199,9 +196,8 @@ class RequestStage:
             try:
                 report = run_requests(client, items, job, total)
             except CircuitOpen as exc:
-                raise ServerUnavailable(
-                    f"vLLM stopped answering: {exc}. {job.kept}; rerun to resume."
-                ) from exc
+                what = f"vLLM stopped answering: {exc}. {job.kept}; rerun to resume."
+                raise unavailable(what, served.managed) from exc
             if served.managed:
                 report.startup_s = served.managed.startup_seconds
                 report.server_rss_bytes = served.managed.rss_bytes()
