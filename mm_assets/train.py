@@ -139,8 +139,8 @@ def main() -> None:
     if rank == 0:
         trained, untrained = outcome.result.held_out_acceptance, outcome.untrained_acceptance
         print(
-            f"checkpoint {outcome.checkpoint}; held-out acceptance estimate {trained:.3f} "
-            f"(untrained {untrained:.3f})"
+            f"checkpoint {outcome.checkpoint}; held-out acceptance estimate {trained} "
+            f"(untrained {untrained}); none without held-out replies"
         )
     if dist.is_initialized():
         dist.destroy_process_group()

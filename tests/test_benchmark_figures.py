@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from mm_assets.domain.model.acceptance import Acceptance
 from mm_assets.domain.model.benchmark import (
     OVERALL,
     BenchmarkFigures,
@@ -25,8 +26,7 @@ IMAGE = {"type": "image", "path": "/coco/a.jpg"}
 def _figures(category: str, method: str, **sums) -> BenchmarkFigures:
     fields = {
         "prompts": 2, "requests": 4, "output_tokens": 100, "latency_s": 2.0,
-        "time_per_output_token_sum_s": 0.08, "time_per_output_token_count": 4, "drafts": 0,
-        "accepted": 0, "accepted_per_position": [],
+        "time_per_output_token_sum_s": 0.08, "time_per_output_token_count": 4,
     }  # fmt: skip
     return BenchmarkFigures(category, method, **{**fields, **sums})
 
@@ -59,7 +59,7 @@ def test_capped_keeps_the_first_conversations_of_each_category() -> None:
 
 
 def test_figures_are_read_from_counter_sums() -> None:
-    f = _figures("code", "ngram", drafts=10, accepted=15, accepted_per_position=[8, 5, 2])
+    f = _figures("code", "ngram", acceptance=Acceptance(10, 15, (8, 5, 2)))
     assert f.acceptance_length == pytest.approx(2.5)
     assert f.per_position == pytest.approx([0.8, 0.5, 0.2])
     assert f.tokens_per_second == pytest.approx(50.0)
@@ -71,10 +71,24 @@ def test_figures_are_read_from_counter_sums() -> None:
 def test_categories_combine_as_one_counter_difference_would() -> None:
     """Acceptance weighted by drafts (not a mean of the categories' lengths), tokens/s as
     Σ tokens ÷ Σ latency (not a mean of rates)."""
-    easy = _figures("easy", "ngram", output_tokens=90, latency_s=1.0, drafts=30, accepted=60,
-                    accepted_per_position=[25, 20, 15], lossless=4, compared=4)  # fmt: skip
-    hard = _figures("hard", "ngram", output_tokens=10, latency_s=1.0, drafts=10, accepted=0,
-                    accepted_per_position=[0, 0], lossless=3, compared=4)  # fmt: skip
+    easy = _figures(
+        "easy",
+        "ngram",
+        output_tokens=90,
+        latency_s=1.0,
+        acceptance=Acceptance(30, 60, (25, 20, 15)),
+        lossless=4,
+        compared=4,
+    )
+    hard = _figures(
+        "hard",
+        "ngram",
+        output_tokens=10,
+        latency_s=1.0,
+        acceptance=Acceptance(10, 0, (0, 0)),
+        lossless=3,
+        compared=4,
+    )
     total = combined([easy, hard])
     assert total.category == OVERALL and total.method == "ngram"
     assert total.acceptance_length == pytest.approx(1 + 60 / 40)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mm_assets.domain.model.acceptance import replay_runs, summarize
+from mm_assets.domain.model.acceptance import Acceptance, combine, replay_runs, summarize
 from mm_assets.domain.model.checkpoint import checkpoint_config
 from mm_assets.domain.model.draft_vocab import build_draft_vocab, draft_vocab_from_mapping
 from mm_assets.domain.model.eagle3 import (
@@ -167,12 +168,29 @@ def test_replay_jumps_by_accepted_plus_one_within_each_reply() -> None:
 
 def test_summary_is_tokens_per_verification_and_honours_max_tokens() -> None:
     summary = summarize([[3, 0, 1], [0, 2]], positions=3)
-    assert summary.verifications == 5 and summary.accepted == [3, 2, 1]
+    assert summary == Acceptance(drafts=5, accepted=6, accepted_per_position=(3, 2, 1))
     assert summary.acceptance_length == pytest.approx(1 + 6 / 5)
     assert summary.per_position == pytest.approx([0.6, 0.4, 0.2])
     # a generation of 5 tokens: prefill gives 1, then 4 from [3], and it stops
-    assert summarize([[3, 0, 1]], positions=3, max_tokens=5).verifications == 1
-    assert summarize([], positions=3).acceptance_length == 1.0
+    assert summarize([[3, 0, 1]], positions=3, max_tokens=5).drafts == 1
+    # nothing verified: no rate at all (the one rule for zero drafts), not 1.0
+    empty = summarize([], positions=3)
+    assert empty.acceptance_length is None and empty.per_position == []
+
+
+def test_acceptance_counts_add_up_as_one_count_would() -> None:
+    """Sources or categories combine by summing counts: acceptance weighted by drafts,
+    positions a shorter set never reached counted as zero."""
+    easy = Acceptance(30, 60, (25, 20, 15))
+    hard = Acceptance(10, 0, (0, 0))
+    both = combine([easy, hard])
+    assert both == Acceptance(40, 60, (25, 20, 15)) == easy + hard
+    assert both.acceptance_length == pytest.approx(1 + 60 / 40)
+    assert both.per_position == pytest.approx([25 / 40, 20 / 40, 15 / 40])
+    assert combine([]) == Acceptance() and Acceptance().acceptance_length is None
+    counted = Acceptance.from_counts(14.0, 21.0, [11.0, 7.0, 3.0])
+    assert counted == Acceptance(14, 21, (11, 7, 3))
+    assert Acceptance.from_record(dataclasses.asdict(counted)) == counted
 
 
 def test_replay_weighs_what_verifications_visit_not_every_position() -> None:

@@ -50,14 +50,6 @@ class SpecDecodeCounters:
             [a - b for a, b in positions],
         )
 
-    @property
-    def acceptance_length(self) -> float:
-        return 1.0 + self.accepted / self.drafts if self.drafts else 1.0
-
-    @property
-    def per_position_rates(self) -> list[float]:
-        return [a / self.drafts if self.drafts else 0.0 for a in self.accepted_per_position]
-
 
 @dataclass(frozen=True)
 class ServingCounters:

@@ -36,6 +36,7 @@ from mm_assets.clients.vllm_generation import generate_greedy_replies
 from mm_assets.clients.vllm_metrics import ServerCounters, server_counters
 from mm_assets.clients.vllm_server import ServerStartupError, death_explained
 from mm_assets.common.hashing import json_sha256
+from mm_assets.domain.model.acceptance import Acceptance
 from mm_assets.domain.model.benchmark import (
     BENCHMARK_VERSION,
     OVERALL,
@@ -121,11 +122,16 @@ def _figures(
 ) -> BenchmarkFigures:
     spec, serving = counters.spec_decode, counters.serving
     return BenchmarkFigures(
-        category, method, prompts, requests, round(serving.generation_tokens),
-        serving.e2e_latency_sum_s, serving.time_per_output_token_sum_s,
-        round(serving.time_per_output_token_count), round(spec.drafts), round(spec.accepted),
-        [round(a) for a in spec.accepted_per_position],
-    )  # fmt: skip
+        category,
+        method,
+        prompts,
+        requests,
+        output_tokens=round(serving.generation_tokens),
+        latency_s=serving.e2e_latency_sum_s,
+        time_per_output_token_sum_s=serving.time_per_output_token_sum_s,
+        time_per_output_token_count=round(serving.time_per_output_token_count),
+        acceptance=Acceptance.from_counts(spec.drafts, spec.accepted, spec.accepted_per_position),
+    )
 
 
 def counters_after(
@@ -233,12 +239,18 @@ def _to_record(run: MethodRun) -> dict[str, Any]:
     }
 
 
+def _figures_from_record(fields: dict[str, Any]) -> BenchmarkFigures:
+    acceptance = Acceptance.from_record(fields["acceptance"])
+    return BenchmarkFigures(**{**fields, "acceptance": acceptance})
+
+
 def _from_record(fields: dict[str, Any]) -> MethodRun:
+    whole = fields["whole_run"]
     return MethodRun(
         fields["method"],
-        [BenchmarkFigures(**f) for f in fields["figures"]],
+        [_figures_from_record(f) for f in fields["figures"]],
         {k: [[Answer(**a) for a in conv] for conv in v] for k, v in fields["answers"].items()},
-        BenchmarkFigures(**fields["whole_run"]) if fields["whole_run"] else None,
+        _figures_from_record(whole) if whole else None,
         fields["not_run"],
         reused=True,
     )

@@ -24,7 +24,7 @@ from mm_assets.clients.vllm_metrics import spec_decode_counters
 from mm_assets.clients.vllm_server import death_explained
 from mm_assets.common.crashpoints import crash_point
 from mm_assets.common.hashing import file_sha256, json_sha256
-from mm_assets.domain.model.acceptance import AcceptanceSummary, summarize
+from mm_assets.domain.model.acceptance import Acceptance, combine, summarize
 from mm_assets.domain.model.draft_set import SEPARATOR, source_of
 from mm_assets.domain.model.settings import MeasurementSettings
 from mm_assets.domain.prep.conversations import reply_prompts, to_vllm_messages
@@ -34,20 +34,35 @@ from mm_assets.services.training import SpeculatorJob, SpeculatorOutcome
 from mm_assets.storage import TableStore
 from mm_assets.storage.records import load_record, save_record
 
-MEASUREMENT_VERSION = "2"  # 2: prompts grouped by source, records under measurements/
+MEASUREMENT_VERSION = "2"  # 2: grouped by source, under measurements/, counts recorded
 OVERALL = "overall"
 
 
 @dataclass(frozen=True)
 class Measurement:
-    acceptance_length: float
-    per_position: list[float]
-    drafts: int
+    acceptance: Acceptance
     prompts: list[list[dict[str, Any]]] = field(default_factory=list)
     """The chat prompts generated from (held-out, images as `file://` URLs)."""
     generations: list[list[int]] = field(default_factory=list)
     """Token ids vLLM generated with the draft, one list per prompt."""
     reused: bool = False
+
+    @property
+    def acceptance_length(self) -> float | None:
+        return self.acceptance.acceptance_length
+
+    @property
+    def per_position(self) -> list[float]:
+        return self.acceptance.per_position
+
+    @property
+    def drafts(self) -> int:
+        return self.acceptance.drafts
+
+    @classmethod
+    def from_record(cls, fields: dict[str, Any]) -> Measurement:
+        acceptance = Acceptance.from_record(fields["acceptance"])
+        return cls(acceptance, fields["prompts"], fields["generations"], reused=True)
 
 
 @dataclass(frozen=True)
@@ -113,20 +128,10 @@ def same_as_target(replies: list[HeldOutReply], generations: list[list[int]]) ->
 
 
 def combined(measurements: list[Measurement]) -> Measurement:
-    """Several sources' measurements as one: counts summed (acceptance weighted by
-    drafts), prompts and generations in source order."""
-    drafts = sum(m.drafts for m in measurements)
-    accepted = sum((m.acceptance_length - 1) * m.drafts for m in measurements)
-    width = max((len(m.per_position) for m in measurements), default=0)
-    per_position = [
-        sum(m.per_position[k] * m.drafts for m in measurements if k < len(m.per_position))
-        / max(drafts, 1)
-        for k in range(width)
-    ]
+    """Several sources' measurements as one: counts summed, prompts and generations in
+    source order."""
     return Measurement(
-        1 + accepted / max(drafts, 1),
-        per_position,
-        drafts,
+        combine(m.acceptance for m in measurements),
         [p for m in measurements for p in m.prompts],
         [g for m in measurements for g in m.generations],
         reused=all(m.reused for m in measurements),
@@ -155,7 +160,7 @@ def measured_groups(
     served = [draft.weights_sha256, str(serving.target_dir), draft.speculative_tokens]
     key = json_sha256([MEASUREMENT_VERSION, *served, groups, options, max_tokens])
     if reuse and (cached := load_record(record, key)):
-        return {name: Measurement(**fields, reused=True) for name, fields in cached.items()}
+        return {name: Measurement.from_record(fields) for name, fields in cached.items()}
     measured = {}
     server = serving.server(draft.serve_args())
     with server as url, death_explained(server, f"measuring {draft.dir}"):
@@ -164,10 +169,10 @@ def measured_groups(
             before = spec_decode_counters(url)
             generations = generate_greedy(url, prompts, max_tokens)
             counters = spec_decode_counters(url).minus(before)
-            rates, drafts = counters.per_position_rates, int(counters.drafts)
-            measured[name] = Measurement(
-                counters.acceptance_length, rates, drafts, prompts, generations
+            acceptance = Acceptance.from_counts(
+                counters.drafts, counters.accepted, counters.accepted_per_position
             )
+            measured[name] = Measurement(acceptance, prompts, generations)
     fields = {
         name: {k: v for k, v in asdict(m).items() if k != "reused"} for name, m in measured.items()
     }
@@ -182,7 +187,7 @@ class SourceMeasurement:
     draft: it has no replay), and how many generations equal the target's own."""
 
     measured: Measurement
-    estimate: AcceptanceSummary | None = None
+    estimate: Acceptance | None = None
     same_as_target: int | None = None
 
 

@@ -116,7 +116,7 @@ class SpeculatorOutcome:
     checkpoint: Path
     config: Eagle3Config
     result: TrainResult
-    untrained_acceptance: float
+    untrained_acceptance: float | None
     train_rows: int
     held_out: list[SampleRef]
     untrained_replies: dict[str, list[list[int]]]

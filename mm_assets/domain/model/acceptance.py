@@ -16,27 +16,60 @@ produced (vLLM drafts nothing before it) and jumps by accepted + 1.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import zip_longest
+from typing import Any
 
 
 @dataclass(frozen=True)
-class AcceptanceSummary:
-    verifications: int
-    accepted: list[int]
-    """Verifications whose first k+1 draft tokens were accepted, per draft position k."""
+class Acceptance:
+    """Acceptance as counts, the one way it is held (vLLM's counters, the offline replay,
+    a benchmark row, a measurement per source), so figures combine by adding counts.
+
+    `drafts`: verification steps that checked a proposal; `accepted_per_position[k]`:
+    those whose first k+1 proposed tokens were accepted; `accepted`: accepted tokens in
+    all (vLLM counts it apart; the replay's is the positions' sum)."""
+
+    drafts: int = 0
+    accepted: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    @classmethod
+    def from_counts(
+        cls, drafts: float, accepted: float, accepted_per_position: Iterable[float]
+    ) -> Acceptance:
+        """From counter values (Prometheus exposes them as floats)."""
+        return cls(round(drafts), round(accepted), tuple(round(a) for a in accepted_per_position))
+
+    @classmethod
+    def from_record(cls, fields: Mapping[str, Any]) -> Acceptance:
+        """From its `dataclasses.asdict` form (a reuse record)."""
+        return cls(fields["drafts"], fields["accepted"], tuple(fields["accepted_per_position"]))
 
     @property
-    def acceptance_length(self) -> float:
-        """Tokens per verification: 1 + accepted draft tokens per verification."""
-        if not self.verifications:
-            return 1.0
-        return 1.0 + sum(self.accepted) / self.verifications
+    def acceptance_length(self) -> float | None:
+        """Tokens per verification, `1 + accepted / drafts`. None without a draft: nothing
+        was proposed (vLLM's n-gram finds no match in a prompt), which is not a rate of 1."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else None
 
     @property
     def per_position(self) -> list[float]:
         """Acceptance rate of each draft position, as vLLM reports it (not conditional)."""
-        return [a / self.verifications if self.verifications else 0.0 for a in self.accepted]
+        return [a / self.drafts for a in self.accepted_per_position] if self.drafts else []
+
+    def __add__(self, other: Acceptance) -> Acceptance:
+        positions = zip_longest(self.accepted_per_position, other.accepted_per_position)
+        return Acceptance(
+            self.drafts + other.drafts,
+            self.accepted + other.accepted,
+            tuple((a or 0) + (b or 0) for a, b in positions),
+        )
+
+
+def combine(parts: Iterable[Acceptance]) -> Acceptance:
+    """Several sets of counts as one: every count summed (acceptance weighted by drafts)."""
+    return sum(parts, Acceptance())
 
 
 def replay_runs(
@@ -65,7 +98,7 @@ def replay_runs(
 
 def summarize(
     replies: Iterable[Sequence[int]], positions: int, max_tokens: int | None = None
-) -> AcceptanceSummary:
+) -> Acceptance:
     """Acceptance over replayed replies. With `max_tokens`, each reply is cut where a
     generation of that many tokens stops (its first token comes from prefill, undrafted),
     so the figure compares with a vLLM measurement generating `max_tokens` per prompt."""
@@ -79,4 +112,4 @@ def summarize(
             for k in range(min(count, positions)):
                 accepted[k] += 1
             generated += count + 1
-    return AcceptanceSummary(verifications, accepted)
+    return Acceptance(verifications, sum(accepted), tuple(accepted))

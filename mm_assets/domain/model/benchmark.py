@@ -19,13 +19,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mm_assets.domain.model.acceptance import Acceptance, combine
+
 Turn = dict[str, Any]
 Method = Literal["none", "ngram", "eagle3"]
 METHODS: tuple[Method, ...] = ("none", "ngram", "eagle3")
 OVERALL = "overall"
 # Bump when a change makes a benchmark produce other figures from the same inputs: it is
 # part of the reuse key of recorded figures.
-BENCHMARK_VERSION = "1"
+BENCHMARK_VERSION = "2"  # 2: acceptance recorded as one set of counts
 
 
 class BenchmarkSettings(BaseModel):
@@ -121,9 +123,7 @@ class BenchmarkFigures:
     """Σ end-to-end latency of the requests (vLLM's histogram sum)."""
     time_per_output_token_sum_s: float
     time_per_output_token_count: int
-    drafts: int
-    accepted: int
-    accepted_per_position: list[int] = field(default_factory=list)
+    acceptance: Acceptance = field(default_factory=Acceptance)
     lossless: int | None = None
     """Requests whose greedy output equals the no-speculation output (None for `none`,
     which is the reference)."""
@@ -132,12 +132,15 @@ class BenchmarkFigures:
 
     @property
     def acceptance_length(self) -> float | None:
-        """`1 + accepted / drafts`; None for a method that drafts nothing."""
-        return 1.0 + self.accepted / self.drafts if self.drafts else None
+        return self.acceptance.acceptance_length
 
     @property
     def per_position(self) -> list[float]:
-        return [a / self.drafts for a in self.accepted_per_position] if self.drafts else []
+        return self.acceptance.per_position
+
+    @property
+    def drafts(self) -> int:
+        return self.acceptance.drafts
 
     @property
     def tokens_per_second(self) -> float:
@@ -157,21 +160,20 @@ def combined(figures: Sequence[BenchmarkFigures], category: str = OVERALL) -> Be
     methods = {f.method for f in figures}
     if len(methods) != 1:
         raise ValueError(f"combine the rows of one method at a time, not {sorted(methods)}")
-    width = max((len(f.accepted_per_position) for f in figures), default=0)
-    per_position = [
-        sum(f.accepted_per_position[k] for f in figures if k < len(f.accepted_per_position))
-        for k in range(width)
-    ]
     lossless = [f.lossless for f in figures]
     return BenchmarkFigures(
-        category, methods.pop(), sum(f.prompts for f in figures),
-        sum(f.requests for f in figures), sum(f.output_tokens for f in figures),
-        sum(f.latency_s for f in figures), sum(f.time_per_output_token_sum_s for f in figures),
-        sum(f.time_per_output_token_count for f in figures), sum(f.drafts for f in figures),
-        sum(f.accepted for f in figures), per_position,
-        None if None in lossless else sum(x for x in lossless if x is not None),
-        sum(f.compared for f in figures),
-    )  # fmt: skip
+        category,
+        methods.pop(),
+        prompts=sum(f.prompts for f in figures),
+        requests=sum(f.requests for f in figures),
+        output_tokens=sum(f.output_tokens for f in figures),
+        latency_s=sum(f.latency_s for f in figures),
+        time_per_output_token_sum_s=sum(f.time_per_output_token_sum_s for f in figures),
+        time_per_output_token_count=sum(f.time_per_output_token_count for f in figures),
+        acceptance=combine(f.acceptance for f in figures),
+        lossless=None if None in lossless else sum(x for x in lossless if x is not None),
+        compared=sum(f.compared for f in figures),
+    )
 
 
 def lossless_count(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> int:

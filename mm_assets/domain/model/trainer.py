@@ -82,8 +82,9 @@ def resolve_device(device: str = "auto") -> torch.device:
 class TrainResult:
     epoch_losses: list[float] = field(default_factory=list)
     batch_losses: list[float] = field(default_factory=list)
-    held_out_acceptance: float = 1.0
-    """Estimated by replaying speculative decoding over the held-out replies."""
+    held_out_acceptance: float | None = None
+    """Estimated by replaying speculative decoding over the held-out replies (None: no
+    held-out reply)."""
     held_out_per_position: list[float] = field(default_factory=list)
     held_out_replies: dict[str, list[list[int]]] = field(default_factory=dict)
     """Row id -> per supervised reply, the draft tokens accepted at each verification."""
