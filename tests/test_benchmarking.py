@@ -21,7 +21,8 @@ import torch
 
 from mm_assets.clients.vllm_server import EngineOptions
 from mm_assets.common.hashing import file_sha256
-from mm_assets.domain.model.benchmark import OVERALL, BenchmarkSettings, combined
+from mm_assets.domain.model.acceptance import OVERALL
+from mm_assets.domain.model.benchmark import BenchmarkSettings, combined
 from mm_assets.domain.model.checkpoint import checkpoint_config
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
@@ -120,7 +121,7 @@ def test_ngram_acceptance_differs_per_category_and_combines_as_one_difference(
     whole = report.runs["ngram"].whole_run  # one difference around every category
     assert overall.acceptance == whole.acceptance
     assert (overall.requests, overall.output_tokens) == (whole.requests, whole.output_tokens)
-    assert overall.tokens_per_second == pytest.approx(whole.tokens_per_second, rel=1e-6)
+    assert overall.tokens_per_s == pytest.approx(whole.tokens_per_s, rel=1e-6)
     assert overall.acceptance_length == pytest.approx(whole.acceptance_length)
     per_category = [r for r in report.rows if r.method == "ngram" and r.category != OVERALL]
     assert overall == combined(per_category)
@@ -134,7 +135,7 @@ def test_every_method_is_timed_on_the_same_prompts_and_stays_lossless(
     for method in ("none", "ngram", "eagle3"):
         for category in (*CATEGORIES, OVERALL):
             row = _row(report, category, method)
-            assert row.tokens_per_second > 0 and row.mean_time_per_output_token_ms > 0, row
+            assert row.tokens_per_s > 0 and row.mean_time_per_output_token_ms > 0, row
             assert row.output_tokens > 0 and row.latency_s > 0
         if method != "none":
             overall = _row(report, OVERALL, method)

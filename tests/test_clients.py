@@ -35,10 +35,9 @@ from mm_assets.clients.vllm_client import (
 from mm_assets.clients.vllm_metrics import (
     ServingCounters,
     SpecDecodeCounters,
-    counters_from_metrics_text,
+    counters_after,
     server_counters,
     server_counters_from_metrics_text,
-    spec_decode_counters,
 )
 from mm_assets.clients.vllm_server import (
     EngineOptions,
@@ -429,7 +428,7 @@ vllm:request_time_per_output_token_seconds_sum{engine="0",model_name="m"} 0.08
 
 
 def test_spec_decode_counters_sum_over_engines_and_skip_created_samples() -> None:
-    counters = counters_from_metrics_text(METRICS)
+    counters = server_counters_from_metrics_text(METRICS).spec_decode
     assert counters == SpecDecodeCounters(14.0, 42.0, 21.0, [11.0, 7.0, 3.0])
 
 
@@ -438,29 +437,30 @@ def test_serving_counters_sum_over_labels_and_give_the_servers_speed() -> None:
     another histogram's `_sum` (request_generation_tokens) and `_created` do not count."""
     serving = server_counters_from_metrics_text(METRICS).serving
     assert serving == ServingCounters(400.0, 4.0, 8.0, 0.08, 8.0)
-    assert serving.tokens_per_second == pytest.approx(100.0)
+    assert serving.tokens_per_s == pytest.approx(100.0)
     assert serving.mean_time_per_output_token_s == pytest.approx(0.01)
     before = ServingCounters(100.0, 1.0, 2.0, 0.02, 2.0)
     delta = serving.minus(before)
     assert astuple(delta) == pytest.approx((300.0, 3.0, 6.0, 0.06, 6.0))
-    assert ServingCounters(0, 0, 0, 0, 0).tokens_per_second == 0.0
+    assert ServingCounters(0, 0, 0, 0, 0).tokens_per_s == 0.0
 
 
 def test_one_scrape_differences_both_kinds_of_counter() -> None:
     counters = server_counters_from_metrics_text(METRICS)
     zero = server_counters_from_metrics_text("")
     assert counters.minus(zero) == counters
-    assert counters.spec_decode == counters_from_metrics_text(METRICS)
+    assert counters.spec_decode == SpecDecodeCounters(14.0, 42.0, 21.0, [11.0, 7.0, 3.0])
 
 
 def test_spec_decode_counters_without_a_draft_are_zero() -> None:
-    counters = counters_from_metrics_text(METRICS.split("# HELP vllm:spec_decode")[0])
+    text = METRICS.split("# HELP vllm:spec_decode")[0]
+    counters = server_counters_from_metrics_text(text).spec_decode
     assert counters == SpecDecodeCounters(0.0, 0.0, 0.0, [])
 
 
 def test_spec_decode_counters_difference() -> None:
     before = SpecDecodeCounters(4.0, 12.0, 6.0, [3.0, 2.0, 1.0])
-    delta = counters_from_metrics_text(METRICS).minus(before)
+    delta = server_counters_from_metrics_text(METRICS).spec_decode.minus(before)
     assert delta == SpecDecodeCounters(10.0, 30.0, 15.0, [8.0, 5.0, 2.0])
 
 
@@ -493,10 +493,11 @@ def metrics_server() -> Iterator[str]:
 
 
 def test_spec_decode_counters_read_the_servers_metrics(metrics_server: str) -> None:
-    expected = counters_from_metrics_text(METRICS)
-    assert spec_decode_counters(metrics_server) == expected
-    assert spec_decode_counters(metrics_server + "/") == expected
-    assert server_counters(metrics_server) == server_counters_from_metrics_text(METRICS)
+    expected = server_counters_from_metrics_text(METRICS)
+    assert server_counters(metrics_server) == expected
+    assert server_counters(metrics_server + "/") == expected
+    # nothing more to wait for: the counters at once
+    assert counters_after(metrics_server, expected, 0) == expected
 
 
 def _managed(

@@ -22,7 +22,8 @@ from mm_assets.assets.partitions import (
 )
 from mm_assets.assets.prep import normalized_conversations
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
-from mm_assets.domain.model.benchmark import BENCHMARK_VERSION, OVERALL, BenchmarkSettings
+from mm_assets.domain.model.acceptance import OVERALL
+from mm_assets.domain.model.benchmark import BENCHMARK_VERSION, BenchmarkSettings
 from mm_assets.domain.model.settings import SpeculatorSettings
 
 if TYPE_CHECKING:
@@ -136,7 +137,7 @@ def table_rows(
                 "acceptance_length": f.acceptance_length,
                 "per_position_acceptance": f.per_position,
                 "drafts": f.drafts,
-                "output_tokens_per_s": f.tokens_per_second,
+                "output_tokens_per_s": f.tokens_per_s,
                 "time_per_output_token_ms": f.mean_time_per_output_token_ms,
                 "speedup": speedup(f, report.rows),
                 "lossless": f.lossless,
@@ -166,7 +167,7 @@ def benchmark_metadata(bench: str, report: BenchmarkReport) -> dict[str, Any]:
         category = f"**{f.category}**" if f.category == OVERALL else f.category
         lines.append(
             f"| {category} | {METHOD_NAMES.get(f.method, f.method)} | {accepted} | {positions} "
-            f"| {f.tokens_per_second:.1f} | {f.mean_time_per_output_token_ms:.1f} "
+            f"| {f.tokens_per_s:.1f} | {f.mean_time_per_output_token_ms:.1f} "
             f"| {'-' if ratio is None else f'{ratio:.2f}x'} | {lossless} |"
         )
     for method, why in report.not_run.items():
@@ -183,7 +184,7 @@ def benchmark_metadata(bench: str, report: BenchmarkReport) -> dict[str, Any]:
             out[f"benchmark_{bench}_acceptance_length_{f.method}"] = f.acceptance_length
         if (ratio := speedup(f, report.rows)) is not None and f.method != "none":
             out[f"benchmark_{bench}_speedup_{f.method}"] = ratio
-        out[f"benchmark_{bench}_tokens_per_s_{f.method}"] = f.tokens_per_second
+        out[f"benchmark_{bench}_tokens_per_s_{f.method}"] = f.tokens_per_s
         if f.lossless is not None:
             out[f"benchmark_{bench}_lossless_{f.method}"] = f"{f.lossless}/{f.compared}"
     return out

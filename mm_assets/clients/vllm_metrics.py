@@ -10,11 +10,15 @@ The exposition is parsed by `prometheus_client`, the library vLLM writes it with
 
 from __future__ import annotations
 
+import logging
+import time
 import urllib.request
 from dataclasses import astuple, dataclass
 from itertools import zip_longest
 
 from prometheus_client.parser import text_string_to_metric_families
+
+logger = logging.getLogger(__name__)
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -68,7 +72,7 @@ class ServingCounters:
         )
 
     @property
-    def tokens_per_second(self) -> float:
+    def tokens_per_s(self) -> float:
         """Output tokens per second of one request's own time (generated tokens over
         the summed end-to-end latency): with one request in flight, what a user waits."""
         return self.generation_tokens / self.e2e_latency_sum_s if self.e2e_latency_sum_s else 0.0
@@ -116,12 +120,6 @@ def server_counters_from_metrics_text(text: str) -> ServerCounters:
     return ServerCounters(spec_decode, ServingCounters(*(totals[n] for n in SERVING_SAMPLES)))
 
 
-def counters_from_metrics_text(text: str) -> SpecDecodeCounters:
-    """The spec-decode counters in a Prometheus text exposition (see
-    `server_counters_from_metrics_text`)."""
-    return server_counters_from_metrics_text(text).spec_decode
-
-
 def server_counters(base_url: str) -> ServerCounters:
     """All counters now, from `<root>/metrics` of an OpenAI-compatible base URL."""
     root = base_url.removesuffix("/").removesuffix("/v1")
@@ -129,6 +127,19 @@ def server_counters(base_url: str) -> ServerCounters:
         return server_counters_from_metrics_text(response.read().decode())
 
 
-def spec_decode_counters(base_url: str) -> SpecDecodeCounters:
-    """The spec-decode counters now (see `server_counters`)."""
-    return server_counters(base_url).spec_decode
+def counters_after(
+    url: str, before: ServerCounters, requests: int, timeout_s: float = 30.0
+) -> ServerCounters:
+    """The counters once the server has counted `requests` more finished requests (its
+    e2e latency count): vLLM records a request's figures beside answering it, so a scrape
+    right after the last answer could miss that request's share. The one way counters
+    are read after a set of requests."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = server_counters(url)
+        counted = now.serving.e2e_latency_count - before.serving.e2e_latency_count
+        if counted >= requests or time.monotonic() > deadline:
+            if counted < requests:
+                logger.warning("vLLM counted %.0f of %d requests at %s", counted, requests, url)
+            return now
+        time.sleep(0.05)

@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from mm_assets.clients.vllm_generation import generate_greedy_replies
-from mm_assets.clients.vllm_metrics import ServerCounters, server_counters
+from mm_assets.clients.vllm_metrics import ServerCounters, counters_after, server_counters
 from mm_assets.clients.vllm_server import ServerStartupError, death_explained
 from mm_assets.common.hashing import json_sha256
 from mm_assets.domain.model.acceptance import Acceptance
@@ -132,23 +131,6 @@ def _figures(
         time_per_output_token_count=round(serving.time_per_output_token_count),
         acceptance=Acceptance.from_counts(spec.drafts, spec.accepted, spec.accepted_per_position),
     )
-
-
-def counters_after(
-    url: str, before: ServerCounters, requests: int, timeout_s: float = 30.0
-) -> ServerCounters:
-    """The counters once the server has counted `requests` more finished requests (its
-    e2e latency count): vLLM records a request's figures beside answering it, so a scrape
-    right after the last answer could miss that request's share."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        now = server_counters(url)
-        counted = now.serving.e2e_latency_count - before.serving.e2e_latency_count
-        if counted >= requests or time.monotonic() > deadline:
-            if counted < requests:
-                logger.warning(f"vLLM counted {counted:.0f} of {requests} requests at {url}")
-            return now
-        time.sleep(0.05)
 
 
 def _category_answers(

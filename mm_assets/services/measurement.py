@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from mm_assets.clients.vllm_generation import generate_greedy
-from mm_assets.clients.vllm_metrics import spec_decode_counters
+from mm_assets.clients.vllm_metrics import counters_after, server_counters
 from mm_assets.clients.vllm_server import death_explained
 from mm_assets.common.crashpoints import crash_point
 from mm_assets.common.hashing import file_sha256, json_sha256
-from mm_assets.domain.model.acceptance import Acceptance, combine, summarize
+from mm_assets.domain.model.acceptance import OVERALL, Acceptance, combine, summarize
 from mm_assets.domain.model.draft_set import SEPARATOR, source_of
 from mm_assets.domain.model.settings import MeasurementSettings
 from mm_assets.domain.prep.conversations import reply_prompts, to_vllm_messages
@@ -35,7 +35,6 @@ from mm_assets.storage import TableStore
 from mm_assets.storage.records import load_record, save_record
 
 MEASUREMENT_VERSION = "2"  # 2: grouped by source, under measurements/, counts recorded
-OVERALL = "overall"
 
 
 @dataclass(frozen=True)
@@ -58,6 +57,17 @@ class Measurement:
     @property
     def drafts(self) -> int:
         return self.acceptance.drafts
+
+    @classmethod
+    def combined(cls, parts: list[Measurement]) -> Measurement:
+        """Several sources' measurements as one: counts summed, prompts and generations
+        in source order."""
+        return cls(
+            combine(m.acceptance for m in parts),
+            [p for m in parts for p in m.prompts],
+            [g for m in parts for g in m.generations],
+            reused=all(m.reused for m in parts),
+        )
 
     @classmethod
     def from_record(cls, fields: dict[str, Any]) -> Measurement:
@@ -127,17 +137,6 @@ def same_as_target(replies: list[HeldOutReply], generations: list[list[int]]) ->
     return sum(target[: len(g)] == g[: len(target)] for target, g in pairs)
 
 
-def combined(measurements: list[Measurement]) -> Measurement:
-    """Several sources' measurements as one: counts summed, prompts and generations in
-    source order."""
-    return Measurement(
-        combine(m.acceptance for m in measurements),
-        [p for m in measurements for p in m.prompts],
-        [g for m in measurements for g in m.generations],
-        reused=all(m.reused for m in measurements),
-    )
-
-
 def measurement_record(storage_root: Path, prompts_of: str, measured: str) -> Path:
     """Where the figures of `measured` (a draft's name, `<name>.untrained` for its
     baseline) on the held-out prompts of the draft `prompts_of` are recorded."""
@@ -166,9 +165,9 @@ def measured_groups(
     with server as url, death_explained(server, f"measuring {draft.dir}"):
         crash_point("measurement")
         for name, prompts in groups.items():
-            before = spec_decode_counters(url)
+            before = server_counters(url)
             generations = generate_greedy(url, prompts, max_tokens)
-            counters = spec_decode_counters(url).minus(before)
+            counters = counters_after(url, before, len(prompts)).minus(before).spec_decode
             acceptance = Acceptance.from_counts(
                 counters.drafts, counters.accepted, counters.accepted_per_position
             )
@@ -238,7 +237,7 @@ def measure_draft(
                 m, estimate, same_as_target(replies[source], m.generations)
             )
         overall = summarize(every, ttt_steps, max_tokens) if walks is not None else None
-        out[OVERALL] = SourceMeasurement(combined(list(measured.values())), overall)
+        out[OVERALL] = SourceMeasurement(Measurement.combined(list(measured.values())), overall)
         return out
 
     trained = figures(measure(job.partition, outcome.checkpoint, outcome.weights_sha256), replayed)

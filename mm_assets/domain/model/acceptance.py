@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from itertools import zip_longest
 from typing import Any
 
+OVERALL = "overall"  # the row that adds the counts of every category (or source)
+
 
 @dataclass(frozen=True)
 class Acceptance:

@@ -19,12 +19,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mm_assets.domain.model.acceptance import Acceptance, combine
+from mm_assets.domain.model.acceptance import OVERALL, Acceptance, combine
 
 Turn = dict[str, Any]
 Method = Literal["none", "ngram", "eagle3"]
 METHODS: tuple[Method, ...] = ("none", "ngram", "eagle3")
-OVERALL = "overall"
 # Bump when a change makes a benchmark produce other figures from the same inputs: it is
 # part of the reuse key of recorded figures.
 BENCHMARK_VERSION = "2"  # 2: acceptance recorded as one set of counts
@@ -143,7 +142,7 @@ class BenchmarkFigures:
         return self.acceptance.drafts
 
     @property
-    def tokens_per_second(self) -> float:
+    def tokens_per_s(self) -> float:
         """Output tokens per second of a request's own time: generated tokens ÷ Σ e2e
         latency, both counted by vLLM."""
         return self.output_tokens / self.latency_s if self.latency_s else 0.0
@@ -191,9 +190,9 @@ def with_lossless(
 def speedup(figures: BenchmarkFigures, rows: Sequence[BenchmarkFigures]) -> float | None:
     """tokens/s ÷ the `none` method's tokens/s on the same category; None without one."""
     base = next((r for r in rows if r.category == figures.category and r.method == "none"), None)
-    if base is None or not base.tokens_per_second:
+    if base is None or not base.tokens_per_s:
         return None
-    return figures.tokens_per_second / base.tokens_per_second
+    return figures.tokens_per_s / base.tokens_per_s
 
 
 def with_overall(rows: Sequence[BenchmarkFigures]) -> list[BenchmarkFigures]:
@@ -202,22 +201,3 @@ def with_overall(rows: Sequence[BenchmarkFigures]) -> list[BenchmarkFigures]:
     per_category = [r for r in rows if r.category != OVERALL]
     overall = [combined([r for r in per_category if r.method == m]) for m in methods]
     return per_category + overall
-
-
-def table_row(figures: BenchmarkFigures, rows: Sequence[BenchmarkFigures]) -> dict[str, Any]:
-    """The figures a user reads, one table row (speedup against `none` in `rows`)."""
-    acceptance = figures.acceptance_length
-    return {
-        "category": figures.category,
-        "method": figures.method,
-        "prompts": figures.prompts,
-        "requests": figures.requests,
-        "output_tokens": figures.output_tokens,
-        "acceptance_length": None if acceptance is None else round(acceptance, 3),
-        "per_position": [round(p, 3) for p in figures.per_position],
-        "drafts": figures.drafts,
-        "tokens_per_second": round(figures.tokens_per_second, 2),
-        "time_per_output_token_ms": round(figures.mean_time_per_output_token_ms, 3),
-        "speedup": None if (s := speedup(figures, rows)) is None else round(s, 3),
-        "lossless": None if figures.lossless is None else f"{figures.lossless}/{figures.compared}",
-    }
