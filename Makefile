@@ -4,9 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export MM_ASSETS_HOME ?= $(CURDIR)/.mm_assets
 export DAGSTER_HOME ?= $(MM_ASSETS_HOME)/dagster_home
-# Trained demo targets, keyed by the code and settings that built them: `make test` and
-# `make demo` (any home) train it once per clone. Empty: every home trains its own.
-export MM_ASSETS_DEMO_CACHE ?= $(CURDIR)/.cache/demo_targets
+# Trained demo targets, keyed by the code, settings and torch/transformers versions that
+# built them: `make test` and `make demo` (any home, any clone) train each once per user.
+# Empty: every home trains its own.
+export MM_ASSETS_DEMO_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/mm_assets/demo_targets
 
 .PHONY: setup instance demo test test-fast test-long lint format bench chaos dev clean
 

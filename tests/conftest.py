@@ -33,8 +33,9 @@ def pytest_configure(config: pytest.Config) -> None:
     env.setenv("MM_ASSETS_DATASETS", str(SESSION_HOME / "datasets.yaml"))
     env.delenv("MM_ASSETS_TARGET_MODEL", raising=False)
     env.delenv("COCO_DIR", raising=False)
-    # the trained demo target: built once per clone, whatever the session's home
-    cache = Path(__file__).resolve().parent.parent / ".cache" / "demo_targets"
+    # the trained demo target: built once per user (as `make` keeps it), whatever the home
+    cache_root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    cache = Path(cache_root) / "mm_assets" / "demo_targets"
     env.setenv("MM_ASSETS_DEMO_CACHE", os.environ.get("MM_ASSETS_DEMO_CACHE") or str(cache))
     (SESSION_HOME / "dagster_home").mkdir(parents=True)
     (SESSION_HOME / "datasets.yaml").write_text(_user_registry())

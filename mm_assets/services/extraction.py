@@ -38,10 +38,10 @@ from mm_assets.services.engine import VllmEngine
 from mm_assets.services.request_stage import (
     ASK_AGAIN,
     Outcome,
-    Rejected,
     RequestReport,
     RequestStage,
     Stored,
+    Unusable,
     run_requests,
 )
 from mm_assets.services.target import TargetModel
@@ -201,15 +201,15 @@ def store_outcome(
     """Store one response under `key` (`store_response`), or say why its row is rejected;
     `ASK_AGAIN` when its file could not be read (unless `final`)."""
     if isinstance(answer, Exception):
-        return Rejected(request.row_id, "request_refused", str(answer))
+        return Unusable(request.row_id, "request_refused", str(answer))
     try:
         path = store_response(request, answer, key, layout, blobs, path_map, loss_mask=loss_mask)
     except HiddenStatesRejected as exc:
-        return Rejected(request.row_id, exc.reason.value, exc.detail)
+        return Unusable(request.row_id, exc.reason.value, exc.detail)
     except (OSError, TimeoutError, ValueError) as exc:
         if not final:
             return ASK_AGAIN
-        return Rejected(
+        return Unusable(
             request.row_id, "bad_file",
             f"{exc} (after {FILE_RETRIES + 1} requests; for external servers: is the "
             "directory their connector writes to visible here, at server_path_prefix → "
@@ -229,7 +229,7 @@ def run_extraction(
 ) -> RequestReport:
     """Send the missing rows through `client` and store what comes back (see
     `HiddenStatesJob`); a dead server raises `CircuitOpen`. For callers that bring
-    their own client (tests, and a trainer fetching hidden states)."""
+    their own client (the tests of the store rules)."""
     job = HiddenStatesJob(plan.keys(), layout, blobs, path_map, loss_masks)
     with _one_torch_thread():
         return run_requests(client, requests, job, len(plan.missing))

@@ -38,8 +38,8 @@ from mm_assets.services.extraction import FILE_RETRIES, store_outcome
 from mm_assets.services.online_states import FetchReport, OnlineStates, PassReport
 from mm_assets.services.request_stage import (
     Outcome,
-    Rejected,
     Stored,
+    Unusable,
     make_client,
     request_all,
 )
@@ -297,7 +297,7 @@ class OnlineBatches:
             return _Fetch(request, f"{key}-{group.serial}", self.scratch, mask, pending_as)
         return _Fetch(request, key, self.states.blobs, mask, pending_as)
 
-    def _done(self, run: _Pass, fetch: _Fetch, outcome: Stored | Rejected) -> None:
+    def _done(self, run: _Pass, fetch: _Fetch, outcome: Stored | Unusable) -> None:
         """On the loop: where the states of `fetch`'s rows are, or why they are not."""
         del run.pending[fetch.pending_as]
         path = fetch.dest.path(fetch.key)
@@ -305,7 +305,7 @@ class OnlineBatches:
             run.report.fetched += 1
             run.report.fetched_tokens += outcome.tokens
         for group, rows in fetch.rows.items():
-            if isinstance(outcome, Rejected):
+            if isinstance(outcome, Unusable):
                 group.rejected.update(rows)
                 self._rejected_rows.update(rows)
                 run.report.rejected[outcome.reason] += len(rows)

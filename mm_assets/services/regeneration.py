@@ -37,7 +37,7 @@ from mm_assets.domain.prep.conversations import reply_indices, to_vllm_messages
 from mm_assets.domain.prep.tokenization import count_images
 from mm_assets.services.engine import VllmEngine
 from mm_assets.services.quarantine import StageReport, quarantine_row
-from mm_assets.services.request_stage import Outcome, Rejected, RequestReport, RequestStage, Stored
+from mm_assets.services.request_stage import Outcome, RequestReport, RequestStage, Stored, Unusable
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, schemas
 from mm_assets.storage.blobs import BlobStore
@@ -198,7 +198,7 @@ class ReplyJob:
         sample_id = row["sample_id"]
         if answer.problem == ResponseProblem.GENERATION_ERROR:
             self.unstored[sample_id] = answer  # one key per conversation
-            return Rejected(sample_id, answer.problem.value, answer.detail, tokens)
+            return Unusable(sample_id, answer.problem.value, answer.detail, tokens)
         path = self.store.put_json(answer.as_json(), self.keys[sample_id])
         return Stored(tokens, path.stat().st_size)
 

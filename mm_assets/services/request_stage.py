@@ -40,7 +40,7 @@ class Stored:
 
 
 @dataclass(frozen=True)
-class Rejected:
+class Unusable:
     """Not stored, with the reason; `tokens`: what the answer counts all the same."""
 
     row_id: str
@@ -50,7 +50,7 @@ class Rejected:
 
 
 ASK_AGAIN = None  # a writer's outcome: ask for this item again (unless it was the last try)
-Outcome = Stored | Rejected | None
+Outcome = Stored | Unusable | None
 
 
 class RequestJob(Protocol):
@@ -85,10 +85,10 @@ class RequestReport:
     def rejections_by_reason(self) -> Counter[str]:
         return Counter(r["reason"] for r in self.rejections)
 
-    def count(self, outcome: Stored | Rejected) -> None:
+    def count(self, outcome: Stored | Unusable) -> None:
         """On the event loop only (see the module's docstring)."""
         self.tokens += outcome.tokens
-        if isinstance(outcome, Rejected):
+        if isinstance(outcome, Unusable):
             self.rejections.append(
                 {"row_id": outcome.row_id, "reason": outcome.reason, "detail": outcome.detail}
             )
@@ -104,7 +104,7 @@ async def request_all(
     job: RequestJob,
     report: RequestReport,
     storers: Executor,
-    on_done: Callable[[Any, Stored | Rejected], None] = lambda item, outcome: None,
+    on_done: Callable[[Any, Stored | Unusable], None] = lambda item, outcome: None,
     total: int | None = None,
 ) -> None:
     """On the running loop: ask for every item and store each answer with `storers`,

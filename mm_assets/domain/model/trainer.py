@@ -10,7 +10,7 @@ code under `torchrun`; the caller hands in the process group as `Ranks` (each ra
 every world-th batch; the wrapper, DistributedDataParallel, averages gradients) and where
 the state is kept as a `StateStore`, so the loop itself opens no file and no process group.
 Nor does it read hidden states itself: a `BatchSource` hands it each batch, from the
-stored blobs (`StoredBatches`) or fetched from vLLM while it trains (`services.online_states`),
+stored blobs (`StoredBatches`) or fetched from vLLM while it trains (`services.online_batches`),
 so an online run steps through exactly the batches an offline one does.
 """
 

@@ -210,7 +210,7 @@ def _from_value_turns(
 def _messages(
     record: Mapping[str, Any], images: list[ImageProbe], columns: PromptColumns
 ) -> list[Turn]:
-    """OpenAI/TRL messages; `images` in the order `_messages_image_refs` lists them."""
+    """OpenAI/TRL messages; `images` in the order `messages_image_refs` lists them."""
     pending = iter(images)
     column = column_references(record.get(IMAGES_COLUMN), IMAGES_COLUMN)
     slots = 0
