@@ -9,7 +9,7 @@ starts in about a second.
 
 import dagster as dg
 
-from mm_assets.assets.benchmarks import speculator_benchmark
+from mm_assets.assets.benchmarks import draft_benchmark, speculator_benchmark
 from mm_assets.assets.drafts import trained_draft
 from mm_assets.assets.executors import step_executor
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
@@ -31,8 +31,9 @@ dataset_chain_job = dg.define_asset_job(
 )
 drafts_job = dg.define_asset_job(
     "drafts",
-    selection=dg.AssetSelection.assets(trained_draft),
-    description="A draft trained on several datasets, from their stored hidden states.",
+    selection=dg.AssetSelection.assets(trained_draft, draft_benchmark),
+    description="A draft trained on several datasets, from their stored hidden states, "
+    "and benchmarked on its sources' benchmarks (`draft_benchmark`).",
 )
 
 defs = dg.Definitions(
@@ -46,6 +47,7 @@ defs = dg.Definitions(
         trained_speculator,
         trained_draft,
         speculator_benchmark,
+        draft_benchmark,
     ],
     jobs=[refresh_raw_datasets_job, dataset_chain_job, drafts_job],
     schedules=[refresh_raw_datasets],

@@ -145,6 +145,12 @@ demo_wrong_root:
   format: sharegpt4v
   image_root: {SESSION_HOME}/no_such_root
   image_path_strip_prefix: "coco/"
+
+drafts:
+  # a draft of one capped source: benchmarked on its source's benchmark (draft_benchmark)
+  onpolicy_capped:
+    sources: {{demo_onpolicy: {{max_rows: 90}}}}
+    speculator_benchmark: {{max_tokens: 32}}
 """
 
 

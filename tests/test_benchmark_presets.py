@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -232,17 +233,34 @@ def test_a_row_from_a_file_takes_the_files_name_as_its_category(tmp_path: Path) 
 
 def test_a_drafts_benchmark_step_reads_exactly_the_benchmarks_its_entry_lists() -> None:
     """`speculator_benchmark` of a dataset depends on its own draft and on the prepared
-    conversations of the benchmarks its entry lists, nothing else."""
-    from mm_assets.assets.partitions import REGISTRY, benchmarks_of_datasets, dataset_partitions
+    conversations of the benchmarks its entry lists, nothing else; `draft_benchmark` of a
+    draft of several datasets on the union of its sources' benchmarks."""
+    from mm_assets.assets.partitions import (
+        DATASET_DRAFTS,
+        DRAFTS,
+        REGISTRY,
+        benchmarks_of,
+        dataset_partitions,
+        draft_partitions,
+    )
 
-    mapping = benchmarks_of_datasets()
+    def upstream(drafts: dict, partitions: dg.StaticPartitionsDefinition, name: str) -> set:
+        return set(
+            benchmarks_of(drafts)
+            .get_upstream_mapped_partitions_result_for_partitions(
+                partitions.subset_with_partition_keys([name]), partitions, dataset_partitions
+            )
+            .partitions_subset.get_partition_keys()
+        )
+
     for name, spec in REGISTRY.items():
-        upstream = mapping.get_upstream_mapped_partitions_result_for_partitions(
-            dataset_partitions.subset_with_partition_keys([name]), dataset_partitions,
-            dataset_partitions,
-        ).partitions_subset.get_partition_keys()  # fmt: skip
-        assert set(upstream) == set(spec.benchmarks)
+        if not spec.is_benchmark:
+            assert upstream(DATASET_DRAFTS, dataset_partitions, name) == set(spec.benchmarks)
+    for name, draft in DRAFTS.items():
+        listed = {b for s in draft.sources for b in REGISTRY[s].benchmarks}
+        assert upstream(DRAFTS, draft_partitions, name) == listed
     assert REGISTRY["demo_onpolicy"].benchmarks == ["demo_benchmark"]  # the tests' registry
+    assert DRAFTS["onpolicy_capped"].benchmarks == ("demo_benchmark",)
     assert REGISTRY["demo_benchmark"].is_benchmark
 
 

@@ -308,6 +308,7 @@ def test_the_products_accelerator_steps_carry_the_watch(monkeypatch: pytest.Monk
         "trained_speculator",
         "trained_draft",
         "speculator_benchmark",
+        "draft_benchmark",
     }
     for asset in in_pool.values():
         assert asset.resource_defs[wiring.WATCH_KEY] is ACCELERATOR_WATCH

@@ -5,7 +5,9 @@ draft measured on it per category beside no speculation and n-gram, the rows in 
 
 from __future__ import annotations
 
-import dagster as dg
+import shutil
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import materialize
@@ -13,6 +15,7 @@ from tests.test_speculator import PARTITION, _train
 
 pytestmark = pytest.mark.slow
 BENCHMARK = "demo_benchmark"
+DRAFT = "onpolicy_capped"  # the tests' registry: a draft of demo_onpolicy, capped
 CONFIG = {"max_tokens": 32, "max_prompts_per_category": 2}
 
 
@@ -37,13 +40,13 @@ def benchmarked(onpolicy_hidden_states) -> dict:
     return _benchmark()
 
 
-def _rows() -> list[dict]:
+def _rows(draft: str = PARTITION) -> list[dict]:
     from mm_assets.assets.resources import StorageResource
 
     with StorageResource().tables().connect() as con:
         cursor = con.execute(
             "SELECT * FROM speculator_benchmarks WHERE dataset = ? ORDER BY category, method",
-            [PARTITION],
+            [draft],
         )
         names = [d[0] for d in cursor.description]
         return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
@@ -78,17 +81,20 @@ def test_every_category_and_method_is_measured_from_vllms_counters(benchmarked: 
     weighted = sum(r["acceptance_length"] * r["drafts"] for r in per_category) / drafts
     assert overall["eagle3"]["drafts"] == drafts
     assert overall["eagle3"]["acceptance_length"] == pytest.approx(weighted)
-    assert benchmarked[f"benchmark_{BENCHMARK}_acceptance_length_eagle3"] == pytest.approx(
+    assert benchmarked[f"{BENCHMARK} eagle3 acceptance"] == pytest.approx(
         overall["eagle3"]["acceptance_length"], rel=1e-3
     )
-    assert "| **overall** |" in benchmarked[f"benchmark_{BENCHMARK}"]
-    assert benchmarked[f"benchmark_{BENCHMARK}_plot"].startswith("![")
+    table = benchmarked[BENCHMARK]  # Dagster's own table metadata
+    shown = {(r.data["category"], r.data["method"]) for r in table.records}
+    assert ("overall", "draft (EAGLE-3)") in shown and len(shown) == len(rows)
+    assert benchmarked[f"{BENCHMARK} plot"].startswith("![")
+    assert max(len(key) for key in benchmarked) <= 40  # the UI's key column
 
 
 def test_a_rerun_sends_nothing_and_keeps_one_set_of_rows(benchmarked: dict) -> None:
     before = _rows()
     again = _benchmark()
-    assert again[f"benchmark_{BENCHMARK}_reused"] is True and again["rows_written"] == 0
+    assert again["reused"] is True and again["rows_written"] == 0
     after = _rows()
     assert len(after) == len(before)
     assert {r["measured_at"] for r in after} == {r["measured_at"] for r in before}
@@ -98,11 +104,42 @@ def test_a_rerun_sends_nothing_and_keeps_one_set_of_rows(benchmarked: dict) -> N
     }
 
 
+def test_a_draft_of_several_datasets_is_benchmarked_through_the_same_path(
+    benchmarked: dict,
+) -> None:
+    """`draft_benchmark` (the draft partitions) on its sources' benchmark, with its
+    entry's settings (max_tokens) and the launched ones: the dataset's checkpoint under
+    the draft's name is the same draft on the same prompts, so every figure is the
+    recorded one (no server starts) and the rows are written under the draft's name."""
+    from mm_assets.assets.resources import StorageResource
+
+    root = Path(StorageResource().root) / "speculators"
+    shutil.copytree(root / PARTITION, root / DRAFT, dirs_exist_ok=True)
+    launched = {k: v for k, v in CONFIG.items() if k != "max_tokens"}  # the entry sets it
+    result = materialize(
+        DRAFT, ["draft_benchmark"], run_config={"ops": {"draft_benchmark": {"config": launched}}}
+    )
+    (mat,) = result.asset_materializations_for_node("draft_benchmark")
+    assert mat.metadata["reused"].value is True
+    figures = lambda r: (r["category"], r["method"], r["acceptance_length"], r["lossless"])  # noqa: E731
+    mine, dataset = _rows(DRAFT), _rows()
+    assert {r["draft"] for r in mine} == {DRAFT} and {r["max_tokens"] for r in mine} == {32}
+    assert sorted(map(figures, mine), key=str) == sorted(map(figures, dataset), key=str)
+
+
 def test_a_benchmark_partition_is_prepared_but_never_trained(benchmarked: dict) -> None:
-    result = materialize(BENCHMARK, ["target_responses", "tokenized_samples", "trained_speculator"])
-    for asset in ("target_responses", "tokenized_samples", "trained_speculator"):
-        (mat,) = result.asset_materializations_for_node(asset)
-        assert "never trained on" in mat.metadata["benchmark"].value
-    checks = result.get_asset_check_evaluations()
-    assert checks and all(c.passed for c in checks)
-    assert isinstance(result, dg.ExecuteInProcessResult)
+    """The training stages materialize nothing on a benchmark's partition (the UI shows
+    the partition missing, with an observation saying why) and the steps below them in
+    the run are skipped, not run."""
+    stages = ["target_responses", "tokenized_samples", "trained_speculator"]
+    result = materialize(BENCHMARK, stages)
+    assert result.success
+    assert all(not result.asset_materializations_for_node(a) for a in stages)
+    # tokenized_samples is below target_responses in this run: skipped; trained_speculator
+    # is not (hidden_states is not in the run), so it runs, and says why it does nothing
+    skipped = {e.step_key for e in result.all_events if e.event_type_value == "STEP_SKIPPED"}
+    assert skipped == {"tokenized_samples"}
+    for ran in ("target_responses", "trained_speculator"):
+        (observed,) = result.asset_observations_for_node(ran)
+        assert "never trained on" in observed.metadata["benchmark"].value
+    assert not result.get_asset_check_evaluations()

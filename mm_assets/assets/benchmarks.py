@@ -1,5 +1,7 @@
-"""`speculator_benchmark`: a dataset's draft judged the way the field does, per category of
-the benchmarks its registry entry lists, in vLLM, against no speculation and n-gram."""
+"""Drafts judged the way the field does, per category of their benchmarks, in vLLM,
+against no speculation and n-gram: `speculator_benchmark` for a dataset's own draft,
+`draft_benchmark` for a draft of several datasets (on its sources' benchmarks). Two
+assets only because Dagster runs one partitioning per run; one body."""
 
 from __future__ import annotations
 
@@ -11,23 +13,27 @@ import dagster as dg
 from pydantic import Field
 
 from mm_assets.assets.config import config_class, stage_settings
+from mm_assets.assets.drafts import trained_draft
 from mm_assets.assets.media import media_root
 from mm_assets.assets.metadata import benchmark_plot, rounded, table_links
 from mm_assets.assets.model import trained_speculator
 from mm_assets.assets.partitions import (
+    DATASET_DRAFTS,
+    DRAFTS,
     REGISTRY,
     accelerator_asset,
-    benchmarks_of_datasets,
-    dataset_spec,
+    benchmarks_of,
+    draft_partitions,
+    draft_spec,
 )
 from mm_assets.assets.prep import normalized_conversations
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.domain.model.acceptance import OVERALL
 from mm_assets.domain.model.benchmark import BENCHMARK_VERSION, BenchmarkSettings
-from mm_assets.domain.model.settings import SpeculatorSettings
 
 if TYPE_CHECKING:
     from mm_assets.services.benchmarking import BenchmarkReport
+    from mm_assets.services.engine import DraftUnderTest
 
 BenchmarkConfig = config_class(
     "BenchmarkConfig",
@@ -45,7 +51,7 @@ METHOD_NAMES = {"eagle3": "draft (EAGLE-3)", "ngram": "n-gram", "none": "no spec
     BENCHMARK_VERSION,
     deps=[
         trained_speculator,
-        dg.AssetDep(normalized_conversations, partition_mapping=benchmarks_of_datasets()),
+        dg.AssetDep(normalized_conversations, partition_mapping=benchmarks_of(DATASET_DRAFTS)),
     ],
     kinds={"vllm", "parquet"},
 )
@@ -63,29 +69,59 @@ def speculator_benchmark(
     outputs equal those without speculation — all from vLLM's own counters, differenced
     per category. Rows go to the `speculator_benchmarks` table, kept across drafts and
     retrainings. An unchanged draft and benchmark send nothing."""
-    from mm_assets.common.hashing import file_sha256
+    return benchmark_step(context, config, storage, target_model, vllm)
+
+
+@accelerator_asset(
+    BENCHMARK_VERSION,
+    deps=[
+        trained_draft,
+        dg.AssetDep(normalized_conversations, partition_mapping=benchmarks_of(DRAFTS)),
+    ],
+    kinds={"vllm", "parquet"},
+    partitions_def=draft_partitions,
+)
+def draft_benchmark(
+    context: dg.AssetExecutionContext,
+    config: BenchmarkConfig,  # type: ignore[valid-type]
+    storage: StorageResource,
+    target_model: TargetModelResource,
+    vllm: VllmResource,
+) -> dg.MaterializeResult:
+    """A draft of several datasets on the benchmarks its sources list, as
+    `speculator_benchmark` measures a dataset's draft (its entry's
+    `speculator_benchmark: {...}` settings); rows in the same table, under its name."""
+    return benchmark_step(context, config, storage, target_model, vllm)
+
+
+def benchmark_step(
+    context: dg.AssetExecutionContext,
+    config: Any,
+    storage: StorageResource,
+    target_model: TargetModelResource,
+    vllm: VllmResource,
+) -> dg.MaterializeResult:
+    """The partition's draft on each of its benchmarks; no- speculation and n-gram
+    figures are recorded per target, benchmark and settings, so a second draft on the
+    same benchmark starts only its own server."""
     from mm_assets.services.benchmark_sets import load_benchmark, results_key, write_results
     from mm_assets.services.benchmarking import benchmark
     from mm_assets.services.engine import DraftUnderTest
 
-    spec, tables, root = dataset_spec(context), storage.tables(), Path(storage.root)
-    settings = stage_settings(context, spec, "speculator_benchmark", BenchmarkSettings)
+    spec, tables, root = draft_spec(context), storage.tables(), Path(storage.root)
+    step = context.asset_key.to_user_string()
+    settings = stage_settings(context, spec, "speculator_benchmark", BenchmarkSettings, step)
     if not spec.benchmarks:
         return dg.MaterializeResult(
-            metadata={"benchmarks": "none: list some under the entry's `benchmarks:`"}
+            metadata={"benchmarks": "none: list some under its sources' `benchmarks:`"}
         )
     draft_dir = root / "speculators" / spec.name
-    weights = draft_dir / "model.safetensors"
-    if not weights.is_file():
-        raise FileNotFoundError(
-            f"no draft at {draft_dir}: materialize trained_speculator for {spec.name} first"
-        )
-    target = target_model.model()
-    tokens = stage_settings(context, spec, "trained_speculator", SpeculatorSettings)
-    draft = DraftUnderTest(draft_dir, file_sha256(weights), tokens.speculative_tokens)
-    fingerprint = target.fingerprint
+    if not (draft_dir / "model.safetensors").is_file():
+        trains = "trained_speculator" if spec.is_dataset else "trained_draft"
+        raise FileNotFoundError(f"no draft at {draft_dir}: materialize {trains} for {spec.name}")
+    draft, target = DraftUnderTest.at(draft_dir), target_model.model()
     metadata: dict[str, Any] = {}
-    rows_written = 0
+    rows_written, reused = 0, True
     for name in spec.benchmarks:
         prompts = load_benchmark(tables, name, settings.max_prompts_per_category)
         log = storage.log_path(f"vllm_bench_{name}_{context.run.run_id}")
@@ -94,24 +130,25 @@ def speculator_benchmark(
         report = benchmark(
             serving, prompts.categories, draft, settings, records, reuse=not config.remeasure
         )
-        rows = table_rows(spec.name, name, report, settings, fingerprint, draft.weights_sha256)
+        rows = table_rows(spec.name, name, report, settings, target.fingerprint, draft)
         key = results_key(draft.weights_sha256, name, settings.model_dump())
-        reused = all(report.reused.values())
-        rows_written += write_results(tables, spec.name, key, rows, reused)
+        was_reused = all(report.reused.values())
+        rows_written += write_results(tables, spec.name, key, rows, was_reused)
+        reused = reused and was_reused
         metadata |= benchmark_metadata(name, report)
     tables.add_to_catalog(["speculator_benchmarks"])
     metadata |= table_links(tables, "speculator_benchmarks", spec.name)
-    metadata["rows_written"] = rows_written
+    metadata |= {"rows_written": rows_written, "reused": reused}
     return dg.MaterializeResult(metadata=rounded(metadata))
 
 
 def table_rows(
-    draft: str,
+    name: str,
     bench: str,
     report: BenchmarkReport,
     settings: BenchmarkSettings,
     target_fingerprint: str,
-    draft_sha256: str,
+    draft: DraftUnderTest,
 ) -> list[dict[str, Any]]:
     """The report as rows of `speculator_benchmarks`; a method vLLM did not run gets one
     row saying why (its columns stay, empty)."""
@@ -119,10 +156,14 @@ def table_rows(
 
     now = datetime.now(UTC)
     common = {
-        "draft": draft, "benchmark": bench, "max_tokens": settings.max_tokens,
-        "concurrency": settings.concurrency, "target_fingerprint": target_fingerprint,
-        "draft_sha256": draft_sha256, "measured_at": now,
-    }  # fmt: skip
+        "draft": name,
+        "benchmark": bench,
+        "max_tokens": settings.max_tokens,
+        "concurrency": settings.concurrency,
+        "target_fingerprint": target_fingerprint,
+        "draft_sha256": draft.weights_sha256,
+        "measured_at": now,
+    }
     rows = []
     for f in report.rows:
         rows.append(
@@ -149,42 +190,57 @@ def table_rows(
     return rows
 
 
+RESULT_COLUMNS = [
+    dg.TableColumn("category", "string"),
+    dg.TableColumn("method", "string"),
+    dg.TableColumn("acceptance length", "float"),
+    dg.TableColumn("per position", "string"),
+    dg.TableColumn("tokens/s", "float"),
+    dg.TableColumn("ms/token", "float"),
+    dg.TableColumn("speedup", "float"),
+    dg.TableColumn("lossless", "string"),
+    dg.TableColumn("note", "string"),
+]
+
+
 def benchmark_metadata(bench: str, report: BenchmarkReport) -> dict[str, Any]:
-    """A Markdown table category × method, a bar plot, and the overall figures as numbers
-    (the Plots tab follows them across materializations)."""
+    """Per benchmark: a table category × method (Dagster's own table), a bar plot, and the
+    overall figures as numbers (the Plots tab follows them across materializations).
+    Keys stay short: the UI's key column is narrow."""
     from mm_assets.domain.model.benchmark import speedup
 
-    lines = [
-        "| category | method | acceptance length | per position | tokens/s | ms/token "
-        "| speedup | lossless |",
-        "|---|---|---:|---|---:|---:|---:|---:|",
-    ]
+    empty = dict.fromkeys(c.name for c in RESULT_COLUMNS)  # Dagster wants every field
+    records = []
     for f in report.rows:
-        accepted = f"{f.acceptance_length:.3f}" if f.acceptance_length is not None else "-"
-        positions = ", ".join(f"{p:.2f}" for p in f.per_position) or "-"
         ratio = speedup(f, report.rows)
-        lossless = f"{f.lossless}/{f.compared}" if f.lossless is not None else "(reference)"
-        category = f"**{f.category}**" if f.category == OVERALL else f.category
-        lines.append(
-            f"| {category} | {METHOD_NAMES.get(f.method, f.method)} | {accepted} | {positions} "
-            f"| {f.tokens_per_s:.1f} | {f.mean_time_per_output_token_ms:.1f} "
-            f"| {'-' if ratio is None else f'{ratio:.2f}x'} | {lossless} |"
-        )
+        cells = {
+            "category": f.category,
+            "method": METHOD_NAMES.get(f.method, f.method),
+            "acceptance length": _round(f.acceptance_length),
+            "per position": ", ".join(f"{p:.2f}" for p in f.per_position) or "-",
+            "tokens/s": _round(f.tokens_per_s, 1),
+            "ms/token": _round(f.mean_time_per_output_token_ms, 1),
+            "speedup": _round(ratio, 2),
+            "lossless": f"{f.lossless}/{f.compared}" if f.lossless is not None else "reference",
+        }
+        records.append(dg.TableRecord({**empty, **cells}))
     for method, why in report.not_run.items():
-        lines.append(f"| all | {METHOD_NAMES.get(method, method)} | not run: {why[:200]} |")
+        cells = {"category": "all", "method": METHOD_NAMES.get(method, method), "note": why[:200]}
+        records.append(dg.TableRecord({**empty, **cells}))
     out: dict[str, Any] = {
-        f"benchmark_{bench}": dg.MetadataValue.md("\n".join(lines)),
-        f"benchmark_{bench}_plot": benchmark_plot(bench, report.rows),
-        f"benchmark_{bench}_reused": all(report.reused.values()),
+        bench: dg.MetadataValue.table(records, schema=dg.TableSchema(columns=RESULT_COLUMNS)),
+        f"{bench} plot": benchmark_plot(bench, report.rows),
     }
     for f in report.rows:
         if f.category != OVERALL:
             continue
         if f.acceptance_length is not None:
-            out[f"benchmark_{bench}_acceptance_length_{f.method}"] = f.acceptance_length
+            out[f"{bench} {f.method} acceptance"] = f.acceptance_length
         if (ratio := speedup(f, report.rows)) is not None and f.method != "none":
-            out[f"benchmark_{bench}_speedup_{f.method}"] = ratio
-        out[f"benchmark_{bench}_tokens_per_s_{f.method}"] = f.tokens_per_s
-        if f.lossless is not None:
-            out[f"benchmark_{bench}_lossless_{f.method}"] = f"{f.lossless}/{f.compared}"
+            out[f"{bench} {f.method} speedup"] = ratio
+        out[f"{bench} {f.method} tokens/s"] = f.tokens_per_s
     return out
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)

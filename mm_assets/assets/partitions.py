@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import dagster as dg
@@ -27,7 +27,9 @@ dataset_partitions = dg.StaticPartitionsDefinition(sorted(REGISTRY))
 # Drafts of several datasets (`trained_draft`); each dataset's own is `trained_speculator`.
 # Their own partitions: Dagster runs one partitions definition per run, so a dataset's
 # chain (`*trained_speculator`) stays one run.
-DRAFTS = {n: d for n, d in load_drafts(REGISTRY, STAGE_SETTINGS).items() if not d.is_dataset}
+ALL_DRAFTS = load_drafts(REGISTRY, STAGE_SETTINGS)
+DRAFTS = {n: d for n, d in ALL_DRAFTS.items() if not d.is_dataset}
+DATASET_DRAFTS = {n: d for n, d in ALL_DRAFTS.items() if d.is_dataset}
 draft_partitions = dg.StaticPartitionsDefinition(sorted(DRAFTS))
 
 
@@ -36,7 +38,8 @@ def dataset_spec(context: dg.AssetExecutionContext) -> DatasetSpec:
 
 
 def draft_spec(context: dg.AssetExecutionContext) -> DraftSpec:
-    return DRAFTS[context.partition_key]
+    """The draft of this partition: a draft entry's, or a dataset's own (one source)."""
+    return ALL_DRAFTS[context.partition_key]
 
 
 def _mapping(pairs: Iterable[tuple[str, str]]) -> dg.StaticPartitionMapping:
@@ -52,34 +55,49 @@ def sources_of_drafts() -> dg.StaticPartitionMapping:
     return _mapping((s, name) for name, draft in sorted(DRAFTS.items()) for s in draft.sources)
 
 
-def benchmarks_of_datasets() -> dg.StaticPartitionMapping:
-    """Each benchmark partition to the datasets whose drafts are measured on it."""
-    return _mapping((b, name) for name, spec in sorted(REGISTRY.items()) for b in spec.benchmarks)
+def benchmarks_of(drafts: Mapping[str, DraftSpec]) -> dg.StaticPartitionMapping:
+    """Each benchmark partition to the drafts (of `drafts`) measured on it."""
+    return _mapping((b, name) for name, draft in sorted(drafts.items()) for b in draft.benchmarks)
 
 
-def skipping_benchmarks(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn`, except on a benchmark's partition, where the step records that a benchmark
-    is never trained on and passes its checks without doing anything. Benchmarks are
-    partitions of every dataset asset because Dagster runs one partitioning per run: a
-    benchmark's chain (ingest and prep) is then the same job as a dataset's."""
+def benchmark_reason(context: dg.AssetExecutionContext) -> str | None:
+    """Why a training stage does nothing on this partition, or None: benchmarks are
+    partitions of every dataset asset because Dagster runs one partitioning per run (a
+    benchmark's ingest and prep are then the same job as a dataset's)."""
+    spec = REGISTRY.get(context.partition_key)
+    if spec is None or not spec.is_benchmark:
+        return None
+    return f"{spec.name} is a benchmark (role: benchmark): prepared, never trained on."
+
+
+def _skipping_benchmarks(fn: Callable[..., dg.MaterializeResult]) -> Callable[..., Any]:
+    """`fn` as a step that may materialize nothing: on a benchmark's partition it records
+    an observation saying why and yields no output, so the partition stays unmaterialized
+    and Dagster skips the steps below it in the run."""
 
     @functools.wraps(fn)
-    def step(context: dg.AssetExecutionContext, *args: Any, **kwargs: Any) -> Any:
-        spec = REGISTRY.get(context.partition_key)
-        if spec is None or not spec.is_benchmark:
-            return fn(context, *args, **kwargs)
-        why = f"{spec.name} is a benchmark (role: benchmark): prepared, never trained on."
-        context.log.info("%s Nothing to do for %s.", why, context.assets_def.key.to_user_string())
-        return dg.MaterializeResult(
-            metadata={"benchmark": why},
-            data_version=dg.DataVersion("benchmark"),
-            check_results=[
-                dg.AssetCheckResult(check_name=check.name, passed=True, description=why)
-                for check in context.assets_def.check_specs
-            ],
+    def step(context: dg.AssetExecutionContext, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        why = benchmark_reason(context)
+        if why is not None:
+            context.log.info("%s Nothing to do for %s.", why, context.asset_key.to_user_string())
+            context.log_event(
+                dg.AssetObservation(
+                    context.asset_key, partition=context.partition_key, metadata={"benchmark": why}
+                )
+            )
+            return
+        result = fn(context, *args, **kwargs)
+        selected = context.selected_asset_check_keys  # all of them unless run alone
+        checks = [c for c in result.check_results or () if _check_key(context, c) in selected]
+        yield dg.MaterializeResult(
+            metadata=result.metadata, data_version=result.data_version, check_results=checks
         )
 
     return step
+
+
+def _check_key(context: dg.AssetExecutionContext, check: dg.AssetCheckResult) -> dg.AssetCheckKey:
+    return dg.AssetCheckKey(context.asset_key, str(check.check_name))
 
 
 def dataset_asset(
@@ -89,22 +107,39 @@ def dataset_asset(
     kinds: set[str] | None = None,
     partitions_def: dg.PartitionsDefinition = dataset_partitions,
     trains: bool = False,
+    check_specs: Sequence[dg.AssetCheckSpec] = (),
     **extra: Any,
 ) -> Callable[..., dg.AssetsDefinition]:
     """`@dg.asset` partitioned by dataset (or `partitions_def`); an asset with upstream
     assets materializes when they really change (`materialize_on_change`), the first one
-    on request or by the refresh schedule. A step that `trains` (or feeds training) does
-    nothing on a benchmark's partition (`skipping_benchmarks`)."""
-    decorate = dg.asset(
-        partitions_def=partitions_def,
-        automation_condition=materialize_on_change() if deps else None,
+    on request or by the refresh schedule. A step that `trains` (or feeds training)
+    materializes nothing on a benchmark's partition (`_skipping_benchmarks`): it is then
+    a one-asset `multi_asset` whose output and checks are optional, the only way Dagster
+    lets a step end without them."""
+    spec_args: dict[str, Any] = dict(
         group_name=group,
         code_version=code_version,
         kinds=kinds or {"parquet"},
         deps=list(deps),
-        **extra,
+        automation_condition=materialize_on_change() if deps else None,
     )
-    return (lambda fn: decorate(skipping_benchmarks(fn))) if trains else decorate
+    if not trains:
+        return dg.asset(
+            partitions_def=partitions_def, check_specs=list(check_specs), **spec_args, **extra
+        )
+
+    def decorate(fn: Callable[..., dg.MaterializeResult]) -> dg.AssetsDefinition:
+        spec = dg.AssetSpec(fn.__name__, skippable=True, **spec_args)
+        return dg.multi_asset(
+            name=fn.__name__,
+            specs=[spec],
+            check_specs=list(check_specs),
+            can_subset=True,
+            partitions_def=partitions_def,
+            **extra,
+        )(_skipping_benchmarks(fn))
+
+    return decorate
 
 
 def accelerator_asset(
@@ -112,8 +147,8 @@ def accelerator_asset(
 ) -> Callable[..., dg.AssetsDefinition]:
     """A `model` asset whose step holds the accelerator (a vLLM server, training). It takes
     the pool's watch as a resource, so that its runs free the slots dead runs hold, and
-    tags that send it to GPU workers (`executors.py`). None runs on a benchmark's
-    partition (`skipping_benchmarks`)."""
+    tags that send it to GPU workers (`executors.py`). None materializes on a benchmark's
+    partition."""
 
     def decorate(fn: Callable[..., Any]) -> dg.AssetsDefinition:
         with warnings.catch_warnings():

@@ -5,12 +5,13 @@ capped, read from the `drafts:` section of the same YAML files as the datasets.
       vlm_chat:
         sources: {sharegpt4v_coco: {max_rows: 30000}, ultrachat: {fraction: 0.5}}
         epochs: 4            # any trained_speculator setting
+        speculator_benchmark: {max_tokens: 64}   # how it is benchmarked
 
-Every dataset is also a one-source draft of its own name, so a draft's name may not be a
-dataset's. Entries are checked when the registry loads, like datasets: an unknown source
-or key, a bad cap, or sources whose states cannot be trained on together (other layer
-ids, states fetched online) are refused with a line naming the file, the draft and the
-field.
+A draft is benchmarked on the benchmarks its sources list (`benchmarks:`). Every dataset
+is also a one-source draft of its own name, so a draft's name may not be a dataset's.
+Entries are checked when the registry loads, like datasets: an unknown source or key, a
+bad cap, or sources whose states cannot be trained on together (other layer ids, states
+fetched online) are refused with a line naming the file, the draft and the field.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from mm_assets.registry.specs import (
     stage_problems,
 )
 
-STAGE = "trained_speculator"  # the stage whose settings a draft entry may set
+STAGE = "trained_speculator"  # the stage whose settings a draft entry sets at its top level
+BENCHMARK_STAGE = "speculator_benchmark"  # and the one it may set under its name
 
 
 class SourceCap(BaseModel):
@@ -62,6 +64,9 @@ class DraftSpec(BaseModel):
         min_length=1, description="a mapping {dataset name: {max_rows | fraction}}"
     )
     settings: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    benchmarks: tuple[str, ...] = Field(
+        default=(), description="the benchmark entries it is measured on: its sources' own"
+    )
 
     @property
     def is_dataset(self) -> bool:
@@ -70,7 +75,12 @@ class DraftSpec(BaseModel):
 
     @classmethod
     def of_dataset(cls, spec: DatasetSpec) -> DraftSpec:
-        return cls(name=spec.name, sources={spec.name: SourceCap()}, settings=spec.settings)
+        return cls(
+            name=spec.name,
+            sources={spec.name: SourceCap()},
+            settings=spec.settings,
+            benchmarks=tuple(spec.benchmarks),
+        )
 
 
 def parse_drafts(
@@ -85,9 +95,12 @@ def parse_drafts(
     for name, entry in entries.items():
         lines = _draft_problems(name, entry, datasets, stages)
         if not lines:
-            settings = {k: v for k, v in entry.items() if k != "sources"}
+            sources = [datasets[s] for s in entry["sources"]]
             drafts[name] = DraftSpec(
-                name=name, sources=entry["sources"], settings={STAGE: settings} if settings else {}
+                name=name,
+                sources=entry["sources"],
+                settings=_entry_settings(entry),
+                benchmarks=tuple(dict.fromkeys(b for s in sources for b in s.benchmarks)),
             )
         problems += [f"{origin}: draft {name!r}: {line}" for line in lines]
     if problems:
@@ -102,10 +115,9 @@ def _draft_problems(
         return ["a dataset has this name (every dataset is already a draft of its own)"]
     if not isinstance(entry, dict) or not isinstance(entry.get("sources"), dict):
         return ["expected a mapping with 'sources': {dataset name: {max_rows | fraction}}"]
-    settings = {k: v for k, v in entry.items() if k != "sources"}
     lines = [
         line.replace(f"settings.{STAGE}.", "").replace(f"'settings.{STAGE}': ", "")
-        for line in stage_problems({STAGE: settings}, stages)
+        for line in stage_problems(_entry_settings(entry), stages)
     ]
     for source, cap in entry["sources"].items():
         if source not in datasets:
@@ -136,6 +148,13 @@ def _draft_problems(
             "its sources' stored states: store them (hidden_states: stored)"
         )
     return lines
+
+
+def _entry_settings(entry: dict[str, Any]) -> dict[str, Any]:
+    """A draft entry's settings by stage: its top-level keys are `trained_speculator`'s."""
+    top = {k: v for k, v in entry.items() if k not in ("sources", BENCHMARK_STAGE)}
+    nested = {BENCHMARK_STAGE: entry[BENCHMARK_STAGE]} if BENCHMARK_STAGE in entry else {}
+    return ({STAGE: top} if top else {}) | nested
 
 
 def load_drafts(datasets: Mapping[str, DatasetSpec], stages: StageSettings) -> dict[str, DraftSpec]:

@@ -105,6 +105,17 @@ class DraftUnderTest:
     weights_sha256: str
     speculative_tokens: int
 
+    @classmethod
+    def at(cls, directory: Path) -> DraftUnderTest:
+        """The checkpoint in `directory` as written (`config.json`, `model.safetensors`)."""
+        from mm_assets.common.hashing import file_sha256
+        from mm_assets.domain.model.checkpoint import speculative_tokens
+
+        config = json.loads((directory / "config.json").read_text())
+        return cls(
+            directory, file_sha256(directory / "model.safetensors"), speculative_tokens(config)
+        )
+
     def serve_args(self) -> list[str]:
         return speculative_decoding_args(self.dir, self.speculative_tokens)
 

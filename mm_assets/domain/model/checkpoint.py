@@ -76,6 +76,13 @@ def checkpoint_config(
     }
 
 
+def speculative_tokens(config: dict[str, Any]) -> int:
+    """The tokens a checkpoint's draft proposes a step (its default proposal method)."""
+    spec = config["speculators_config"]
+    methods = {m["proposal_type"]: m for m in spec["proposal_methods"]}
+    return int(methods[spec["default_proposal_method"]]["speculative_tokens"])
+
+
 def draft_state(model: Eagle3Draft) -> dict[str, torch.Tensor]:
     state = {
         k: v.detach().contiguous()
