@@ -234,6 +234,20 @@ def test_a_draft_of_both_demo_datasets_through_the_cli_serves_in_vllm_losslessly
     assert all(meta[f"rows_{s}"] > 0 and meta[f"vllm_prompts_{s}"] == 6 for s in sources)
     assert all(meta[f"vllm_acceptance_length_{s}"] >= 1.0 for s in sources)
     assert "| **demo_mix** |" in meta["vllm_acceptance_by_source"]
+    from mm_assets.assets.resources import StorageResource
+
+    with StorageResource().tables().connect() as con:
+        found = con.execute(
+            "SELECT served, source, acceptance_length, prompts, drafts FROM draft_measurements "
+            "WHERE draft = 'demo_mix'"
+        ).fetchall()
+    table = {(served, source): rest for served, source, *rest in found}
+    assert set(table) == {("trained", s) for s in (*sources, "overall")}
+    for s in sources:
+        accepted, prompts, _ = table[("trained", s)]
+        assert accepted == pytest.approx(meta[f"vllm_acceptance_length_{s}"], rel=1e-3)
+        assert prompts == 6
+    assert table[("trained", "overall")][2] == sum(table[("trained", s)][2] for s in sources)
     from mm_assets.services.measurement import measurement_record
 
     record = json.loads(measurement_record(SESSION_HOME, "demo_mix", "demo_mix").read_text())[

@@ -92,6 +92,41 @@ def test_the_trained_draft_beats_the_untrained_one_in_vllm(trained: dict) -> Non
     assert trained["vllm_acceptance_length"] > 1.2
 
 
+def _table_rows() -> dict[tuple[str, str], dict]:
+    from mm_assets.assets.resources import StorageResource
+
+    with StorageResource().tables().connect() as con:
+        cursor = con.execute("SELECT * FROM draft_measurements WHERE draft = ?", [PARTITION])
+        names = [d[0] for d in cursor.description]
+        rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+    return {(r["served"], r["source"]): r for r in rows}
+
+
+def test_the_measurement_is_a_table_row_per_draft_served_and_source(trained: dict) -> None:
+    """`draft_measurements` holds what the metadata shows: the trained and the untrained
+    draft on the dataset's held-out prompts (one source, so overall = it), with vLLM's
+    counts, the offline estimate, the lossless count and what was served."""
+    rows = _table_rows()
+    assert set(rows) == {(s, p) for s in ("trained", "untrained") for p in (PARTITION, "overall")}
+    for served, prefix in (("trained", ""), ("untrained", "untrained_")):
+        row = rows[(served, PARTITION)]
+        assert row["acceptance_length"] == pytest.approx(
+            trained[f"vllm_{prefix}acceptance_length"], rel=1e-3
+        )
+        assert row["acceptance_length_estimate"] == pytest.approx(
+            trained[f"vllm_{prefix}acceptance_length_estimate"], rel=1e-3
+        )
+        assert row["acceptance_length"] == pytest.approx(1 + row["accepted"] / row["drafts"])
+        assert row["prompts"] == trained["vllm_prompts"] and row["speculative_tokens"] == 3
+        overall = rows[(served, "overall")]
+        assert (overall["drafts"], overall["accepted"]) == (row["drafts"], row["accepted"])
+    assert rows[("trained", PARTITION)]["lossless"] == trained["vllm_generations_same_as_target"]
+    weights = Path(trained["checkpoint"]) / "model.safetensors"
+    from mm_assets.common.hashing import file_sha256
+
+    assert rows[("trained", PARTITION)]["served_sha256"] == file_sha256(weights)
+
+
 def test_the_offline_estimate_predicts_what_vllm_measures(trained: dict) -> None:
     """Replaying speculative decoding over the stored hidden states of the replies vLLM
     generated gives the acceptance vLLM counts, within 10%, for the trained draft and the
@@ -143,5 +178,6 @@ def test_a_rerun_with_identical_inputs_reuses_checkpoint_and_measurement(trained
     assert weights.stat().st_mtime_ns == before
     assert again["held_out_loss"] == trained["held_out_loss"]
     assert again["vllm_acceptance_length"] == trained["vllm_acceptance_length"]
+    assert len(_table_rows()) == 4  # the reused measurement is not written twice
     changed = _train(epochs=1, measure_in_vllm=False)
     assert changed["reused_checkpoint"] is False and weights.stat().st_mtime_ns != before

@@ -44,6 +44,7 @@ BenchmarkConfig = config_class(
         Field(False, description="Serve and measure again even when nothing changed."),
     ),
 )
+TABLE = "speculator_benchmarks"
 METHOD_NAMES = {"eagle3": "draft (EAGLE-3)", "ngram": "n-gram", "none": "no speculation"}
 
 
@@ -104,9 +105,10 @@ def benchmark_step(
     """The partition's draft on each of its benchmarks; no- speculation and n-gram
     figures are recorded per target, benchmark and settings, so a second draft on the
     same benchmark starts only its own server."""
-    from mm_assets.services.benchmark_sets import load_benchmark, results_key, write_results
+    from mm_assets.services.benchmark_sets import load_benchmark, results_key
     from mm_assets.services.benchmarking import benchmark
     from mm_assets.services.engine import DraftUnderTest
+    from mm_assets.services.result_tables import write_results
 
     spec, tables, root = draft_spec(context), storage.tables(), Path(storage.root)
     step = context.asset_key.to_user_string()
@@ -133,11 +135,10 @@ def benchmark_step(
         rows = table_rows(spec.name, name, report, settings, target.fingerprint, draft)
         key = results_key(draft.weights_sha256, name, settings.model_dump())
         was_reused = all(report.reused.values())
-        rows_written += write_results(tables, spec.name, key, rows, was_reused)
+        rows_written += write_results(tables, TABLE, spec.name, key, rows, was_reused)
         reused = reused and was_reused
         metadata |= benchmark_metadata(name, report)
-    tables.add_to_catalog(["speculator_benchmarks"])
-    metadata |= table_links(tables, "speculator_benchmarks", spec.name)
+    metadata |= table_links(tables, TABLE, spec.name)
     metadata |= {"rows_written": rows_written, "reused": reused}
     return dg.MaterializeResult(metadata=rounded(metadata))
 

@@ -11,7 +11,7 @@ from pydantic import Field
 
 from mm_assets.assets.config import config_class, stage_settings
 from mm_assets.assets.media import common_root, media_root
-from mm_assets.assets.metadata import rounded
+from mm_assets.assets.metadata import rounded, table_links
 from mm_assets.assets.model import hidden_states, training_metadata
 from mm_assets.assets.partitions import (
     REGISTRY,
@@ -88,6 +88,7 @@ def trained_draft(
             job, outcome, tables, serving, measure, not config.retrain, compared
         )
         metadata |= by_source_metadata(draft.name, measured)
+        metadata |= table_links(tables, "draft_measurements", draft.name)
     if (store := storage.checkpoint_store()) is not None:
         url, uploaded = publish_directory(store, outcome.checkpoint, "speculators", draft.name)
         metadata["checkpoint_url"] = dg.MetadataValue.path(url)
@@ -149,7 +150,4 @@ def by_source_metadata(name: str, measured: DraftMeasurements) -> dict[str, Any]
             out[f"vllm_generations_same_as_target_{source}"] = f.same_as_target
     for source, f in measured.untrained.items():
         out[f"vllm_untrained_acceptance_length_{source}"] = f.measured.acceptance_length
-    for other, figures in measured.others.items():
-        for source, f in figures.items():
-            out[f"vllm_acceptance_length_{source}_by_{other}"] = f.measured.acceptance_length
     return out

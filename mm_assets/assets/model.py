@@ -243,6 +243,7 @@ def trained_speculator(
         metadata |= measurement_metadata(figures.trained[spec.name])
         if figures.untrained:
             metadata |= measurement_metadata(figures.untrained[spec.name], "untrained_")
+        metadata |= table_links(tables, "draft_measurements", spec.name)
     if (store := storage.checkpoint_store()) is not None:
         url, uploaded = publish_directory(store, outcome.checkpoint, "speculators", spec.name)
         metadata["checkpoint_url"] = dg.MetadataValue.path(url)

@@ -76,10 +76,10 @@ def run(
     _print_summary(partitions)
     for partition, meta in speculators.items():
         print(f"demo: {partition}: EAGLE-3 draft at {meta['checkpoint']}")
-        print(_acceptance_table(meta))
+        print(_acceptance_table(partition, meta))
     for draft, meta in mixes.items():
         print(f"demo: {draft}: EAGLE-3 draft on {', '.join(partitions)} at {meta['checkpoint']}")
-        print(_draft_table(draft, meta, partitions, speculators))
+        print(_draft_table(draft, partitions))
     print(_benchmark_table(partitions + drafts, DEMO_BENCHMARK))
 
 
@@ -99,28 +99,45 @@ def _materialize(defs: Any, instance: Any, job: str, partition: str) -> dict[str
     return {k: v.value for k, v in materialized[0].metadata.items()}
 
 
-def _draft_table(
-    draft: str, meta: dict[str, Any], sources: tuple[str, ...], own: dict[str, dict[str, Any]]
-) -> str:
-    """Acceptance vLLM measured on each source's held-out prompts: the draft of both,
-    and each source's own draft — on the same prompts, off its domain too, when the mix
-    was measured with `compare_with_sources`; else on its own held-out prompts, read
-    from its own measurement (the same rows: a mix holds out each source's rows by its
-    own draft's rule)."""
-    nan = float("nan")
-    lines = [f"      {'draft':<28}" + "".join(f"{s:>24}" for s in sources)]
-    cells = [meta.get(f"vllm_acceptance_length_{s}", nan) for s in sources]
-    lines.append(f"      {draft:<28}" + "".join(f"{c:>24.3f}" for c in cells))
-    if any(f"vllm_acceptance_length_{s}_by_{s}" in meta for s in sources):
-        for mine in sources:
-            cells = [meta.get(f"vllm_acceptance_length_{s}_by_{mine}", nan) for s in sources]
-            lines.append(f"      {mine + ' (own)':<28}" + "".join(f"{c:>24.3f}" for c in cells))
+def _measured(draft: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """The draft's latest rows of `draft_measurements`, by (served, source)."""
+    from mm_assets.assets.resources import StorageResource
+
+    with StorageResource().tables().connect() as con:
+        cursor = con.execute(
+            """
+            SELECT * FROM draft_measurements WHERE draft = ?
+            QUALIFY measured_at = max(measured_at) OVER ()
+            """,
+            [draft],
+        )
+        names = [d[0] for d in cursor.description]
+        rows = [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
+    return {(r["served"], r["source"]): r for r in rows}
+
+
+def _draft_table(draft: str, sources: tuple[str, ...]) -> str:
+    """Acceptance vLLM measured on each source's held-out prompts (`draft_measurements`):
+    the draft of both, and each source's own draft — on the same prompts, off its domain
+    too, when the mix was measured with `compare_with_sources`; else on its own held-out
+    prompts, from its own measurement (the same rows: a mix holds out each source's rows
+    by its own draft's rule)."""
+    mine = _measured(draft)
+    compared = sorted({served for served, _ in mine} - {"trained", "untrained"})
+    rows = {draft: {s: mine.get(("trained", s)) for s in sources}}
+    if compared:
+        rows |= {f"{o} (own)": {s: mine.get((o, s)) for s in sources} for o in compared}
     else:
-        cells = [own.get(s, {}).get("vllm_acceptance_length", nan) for s in sources]
-        label = "each dataset's own draft"
-        lines.append(f"      {label:<28}" + "".join(f"{c:>24.3f}" for c in cells))
-    prompts = ", ".join(f"{meta.get(f'vllm_prompts_{s}', 0)} {s}" for s in sources)
-    lines.append(f"      (greedy, held-out prompts: {prompts})")
+        own = {s: _measured(s).get(("trained", s)) for s in sources}
+        rows["each dataset's own draft"] = own
+    lines = [f"      {'draft':<28}" + "".join(f"{s:>24}" for s in sources)]
+    for label, cells in rows.items():
+        shown = [f"{c['acceptance_length']:>24.3f}" if c else f"{'-':>24}" for c in cells.values()]
+        lines.append(f"      {label:<28}" + "".join(shown))
+    prompts = ", ".join(
+        f"{row['prompts'] if (row := mine.get(('trained', s))) else 0} {s}" for s in sources
+    )
+    lines.append(f"      (greedy, held-out prompts: {prompts}; table draft_measurements)")
     return "\n".join(lines)
 
 
@@ -170,29 +187,32 @@ def _benchmark_table(drafts: tuple[str, ...], bench: str) -> str:
     return "\n".join(lines)
 
 
-def _acceptance_table(meta: dict) -> str:
+def _acceptance_table(partition: str, meta: dict) -> str:
     """Trained next to untrained: vLLM's measurement on held-out prompts (acceptance length
-    at the served number of draft tokens, and per position), and the offline estimate
-    replayed over the same replies from their stored hidden states."""
-    nan = float("nan")
+    at the served number of draft tokens, and per position; `draft_measurements`), and
+    the offline estimate replayed over the same replies from their stored hidden states."""
+    measured = _measured(partition)
     lines = [f"      {'':<10}{'vLLM measured':>15}  {'per position':<26}{'estimate':>9}"]
-    for name, prefix in (("trained", ""), ("untrained", "untrained_")):
-        measured = meta.get(f"vllm_{prefix}acceptance_length")
-        positions = ", ".join(
-            f"{r:.2f}" for r in meta.get(f"vllm_{prefix}per_position_acceptance", [])
+    for served in ("trained", "untrained"):
+        row = measured.get((served, partition))
+        if row is None:  # not served: the estimate over all held-out replies
+            estimate = meta.get(
+                f"{'' if served == 'trained' else 'untrained_'}acceptance_length_estimate"
+            )
+            lines.append(f"      {served:<10}{'(not served)':>15}  {'':<26}{estimate:>9.3f}")
+            continue
+        positions = "[" + ", ".join(f"{r:.2f}" for r in row["per_position_acceptance"]) + "]"
+        lines.append(
+            f"      {served:<10}{row['acceptance_length']:>15.3f}  {positions:<26}"
+            f"{row['acceptance_length_estimate']:>9.3f}"
         )
-        estimate = meta.get(
-            f"vllm_{prefix}acceptance_length_estimate",
-            meta.get(f"{prefix}acceptance_length_estimate", nan),  # not served: all replies
-        )
-        shown = f"{measured:>15.3f}" if measured is not None else f"{'(not served)':>15}"
-        lines.append(f"      {name:<10}{shown}  {'[' + positions + ']':<26}{estimate:>9.3f}")
-    prompts = meta.get("vllm_prompts", 0)
+    trained = measured.get(("trained", partition)) or {}
+    prompts = trained.get("prompts", 0)
     lines.append(
         f"      ({prompts} of {meta['held_out_replies']} held-out replies, greedy; estimate "
         f"over all of them: {meta['acceptance_length_estimate']:.3f})"
     )
-    if (same := meta.get("vllm_generations_same_as_target")) is not None:
+    if (same := trained.get("lossless")) is not None:
         lines.append(f"      lossless: {same} of {prompts} generations equal the target's own")
     return "\n".join(lines)
 

@@ -1,23 +1,19 @@
-"""A benchmark's prompts by category, and the `speculator_benchmarks` table of results.
+"""A benchmark's prompts by category, and the key of a measurement on it.
 
 The prompts are the benchmark partition's normalized conversations (`role: benchmark`
-entries are prepared like any dataset: images probed, bad rows quarantined). The table
-keeps every measurement a draft has had, so drafts and retrainings compare in DuckDB;
-measuring the same draft, benchmark and settings again replaces its rows.
+entries are prepared like any dataset: images probed, bad rows quarantined).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from mm_assets.common.hashing import json_sha256
 from mm_assets.domain.prep.conversations import Turn
-from mm_assets.storage import TableStore, schemas
-
-TABLE = "speculator_benchmarks"
+from mm_assets.storage import TableStore
 
 
 @dataclass(frozen=True)
@@ -58,21 +54,3 @@ def load_benchmark(
 def results_key(draft_sha256: str | None, benchmark: str, settings: Mapping[str, Any]) -> str:
     """What makes two measurements the same one: reruns of it replace its rows."""
     return json_sha256([draft_sha256, benchmark, dict(settings)])[:16]
-
-
-def write_results(
-    tables: TableStore, draft: str, key: str, rows: Iterable[Mapping[str, Any]], reused: bool
-) -> int:
-    """The draft's partition of the table: its earlier measurements (other keys) kept,
-    this one's rows (`key`) written in place of any it had — unless the figures were
-    `reused` from a record and the table holds them already (their `measured_at` stays
-    the time they were measured). Returns the rows written."""
-    earlier = []
-    if tables.exists(TABLE, draft):
-        earlier = list(tables.iter_rows(TABLE, draft))
-    if reused and any(r["measurement"] == key for r in earlier):
-        return 0
-    earlier = [r for r in earlier if r["measurement"] != key]
-    new = [{**row, "measurement": key} for row in rows]
-    tables.write(TABLE, draft, [*earlier, *new], schemas.SPECULATOR_BENCHMARKS)
-    return len(new)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,13 @@ from mm_assets.domain.model.settings import MeasurementSettings
 from mm_assets.domain.prep.conversations import reply_prompts, to_vllm_messages
 from mm_assets.domain.row_ids import sample_id_of, turn_index_of
 from mm_assets.services.engine import DraftUnderTest, Serving
+from mm_assets.services.result_tables import write_results
 from mm_assets.services.training import SpeculatorJob, SpeculatorOutcome
 from mm_assets.storage import TableStore
 from mm_assets.storage.records import load_record, save_record
 
 MEASUREMENT_VERSION = "2"  # 2: grouped by source, under measurements/, counts recorded
+TABLE = "draft_measurements"
 
 
 @dataclass(frozen=True)
@@ -198,6 +201,17 @@ class DraftMeasurements:
     trained: dict[str, SourceMeasurement]
     untrained: dict[str, SourceMeasurement]
     others: dict[str, dict[str, SourceMeasurement]]
+    weights_sha256: dict[str, str] = field(default_factory=dict)
+    """What was served: `trained`, `untrained` or another draft's name -> its weights."""
+
+    def served(self) -> dict[str, dict[str, SourceMeasurement]]:
+        """Every draft served, by the name the table gives it."""
+        mine = {"trained": self.trained, "untrained": self.untrained}
+        return {name: f for name, f in (mine | self.others).items() if f}
+
+    @property
+    def reused(self) -> bool:
+        return all(f[OVERALL].measured.reused for f in self.served().values())
 
 
 def measure_draft(
@@ -219,10 +233,13 @@ def measure_draft(
     groups = {source: [r.prompt for r in rs] for source, rs in replies.items()}
     max_tokens, ttt_steps = settings.vllm_max_tokens, job.settings.ttt_steps
 
-    def measure(label: str, directory: Path, weights: str | None) -> dict[str, Measurement]:
-        weights = weights or file_sha256(directory / "model.safetensors")
+    served: dict[str, str] = {}  # the table's name for what was served -> its weights
+    labels = {"trained": job.partition, "untrained": f"{job.partition}.untrained"}
+
+    def measure(name: str, directory: Path, weights: str | None) -> dict[str, Measurement]:
+        served[name] = weights = weights or file_sha256(directory / "model.safetensors")
         draft = DraftUnderTest(directory, weights, job.settings.speculative_tokens)
-        record = measurement_record(job.storage_root, job.partition, label)
+        record = measurement_record(job.storage_root, job.partition, labels.get(name, name))
         return measured_groups(serving, draft, groups, max_tokens, record, reuse)
 
     def figures(
@@ -237,16 +254,58 @@ def measure_draft(
                 m, estimate, same_as_target(replies[source], m.generations)
             )
         overall = summarize(every, ttt_steps, max_tokens) if walks is not None else None
-        out[OVERALL] = SourceMeasurement(Measurement.combined(list(measured.values())), overall)
+        same = [f.same_as_target for f in out.values()]
+        lossless = None if None in same else sum(s for s in same if s is not None)
+        combined = Measurement.combined(list(measured.values()))
+        out[OVERALL] = SourceMeasurement(combined, overall, lossless)
         return out
 
-    trained = figures(measure(job.partition, outcome.checkpoint, outcome.weights_sha256), replayed)
+    trained = figures(measure("trained", outcome.checkpoint, outcome.weights_sha256), replayed)
     untrained = {}
     if settings.measure_untrained_in_vllm:
-        label, weights = f"{job.partition}.untrained", outcome.untrained_sha256
-        untrained = figures(measure(label, job.untrained_dir, weights), outcome.untrained_replies)
+        weights = outcome.untrained_sha256
+        untrained = figures(
+            measure("untrained", job.untrained_dir, weights), outcome.untrained_replies
+        )
     compared = {
         name: figures(measure(name, directory, None), None)
         for name, directory in (others or {}).items()
     }
-    return DraftMeasurements(trained, untrained, compared)
+    measured = DraftMeasurements(trained, untrained, compared, served)
+    write_results(tables, TABLE, job.partition, *table_rows(job, measured, settings))
+    return measured
+
+
+def table_rows(
+    job: SpeculatorJob, measured: DraftMeasurements, settings: MeasurementSettings
+) -> tuple[str, list[dict[str, Any]], bool]:
+    """The key, rows and whether reused of a measurement in `draft_measurements`."""
+    tokens = job.settings.speculative_tokens
+    key = json_sha256([MEASUREMENT_VERSION, measured.weights_sha256, settings.model_dump(), tokens])
+    common = {
+        "draft": job.partition,
+        "speculative_tokens": tokens,
+        "max_tokens": settings.vllm_max_tokens,
+        "target_fingerprint": job.target_fingerprint,
+        "measured_at": datetime.now(UTC),
+    }
+    rows = []
+    for served, by_source in measured.served().items():
+        for source, f in by_source.items():
+            m, estimate = f.measured, f.estimate
+            rows.append(
+                {
+                    **common,
+                    "served": served,
+                    "source": source,
+                    "prompts": len(m.prompts),
+                    "drafts": m.acceptance.drafts,
+                    "accepted": m.acceptance.accepted,
+                    "acceptance_length": m.acceptance_length,
+                    "per_position_acceptance": m.per_position,
+                    "acceptance_length_estimate": estimate and estimate.acceptance_length,
+                    "lossless": f.same_as_target,
+                    "served_sha256": measured.weights_sha256[served],
+                }
+            )
+    return key, rows, measured.reused

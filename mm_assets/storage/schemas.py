@@ -132,3 +132,26 @@ SPECULATOR_BENCHMARKS = pa.schema(
         ("measurement", pa.string()),  # same draft, benchmark and settings: same key
     ]
 )
+
+# A draft served in vLLM on its sources' held-out prompts (`trained_speculator`,
+# `trained_draft` with `measure_in_vllm`): one row per draft served and source.
+DRAFT_MEASUREMENTS = pa.schema(
+    [
+        ("draft", pa.string()),  # the draft whose held-out prompts these are
+        ("served", pa.string()),  # trained, untrained, or another draft's name
+        ("source", pa.string()),  # whose held-out prompts; "overall": all of them
+        ("prompts", pa.int32()),
+        ("drafts", pa.int64()),
+        ("accepted", pa.int64()),
+        ("acceptance_length", pa.float64()),
+        ("per_position_acceptance", pa.list_(pa.float64())),
+        ("acceptance_length_estimate", pa.float64()),  # offline replay, same replies
+        ("lossless", pa.int32()),  # generations equal to the target's own reply
+        ("speculative_tokens", pa.int32()),
+        ("max_tokens", pa.int32()),
+        ("target_fingerprint", pa.string()),
+        ("served_sha256", pa.string()),
+        ("measured_at", pa.timestamp("s", tz="UTC")),
+        ("measurement", pa.string()),  # same draft weights and settings: same key
+    ]
+)
