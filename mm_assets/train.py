@@ -1,8 +1,9 @@
-"""Train a partition's EAGLE-3 draft outside Dagster, on one or several GPUs.
+"""Train a draft (a dataset's, or a `drafts:` entry's) outside Dagster, on one or
+several GPUs.
 
     torchrun --nproc_per_node 8 -m mm_assets.train --partition sharegpt4v_coco --epochs 3
 
-Reads the partition's `tokenized_samples`, `hidden_states_manifest` and
+Reads its sources' `tokenized_samples`, `hidden_states_manifest` and
 `token_frequencies` from $MM_ASSETS_HOME, or from $MM_ASSETS_OBJECT_STORE when set
 (materialize `hidden_states` first) — or, with `--hidden-states online`, fetches each
 rank's batches from the vLLM fleet at $MM_ASSETS_VLLM_URLS while it trains (the states
@@ -29,14 +30,14 @@ from typing import Any, Literal, get_args, get_origin
 import torch
 import torch.distributed as dist
 
-from mm_assets.assets.media import media_root
-from mm_assets.assets.partitions import REGISTRY
+from mm_assets.assets.partitions import ALL_DRAFTS, REGISTRY
 from mm_assets.assets.resources import vllm_resource
 from mm_assets.common import paths
 from mm_assets.domain.model.hidden_states import ExtractionSettings
 from mm_assets.domain.model.settings import OnlineSettings, SpeculatorSettings
-from mm_assets.registry import DatasetSpec, DraftSpec
-from mm_assets.services.extraction import hidden_states_layout
+from mm_assets.registry import DraftSpec
+from mm_assets.services.engine import Serving
+from mm_assets.services.media import sources_media_root
 from mm_assets.services.online_states import OnlineStates
 from mm_assets.services.target import TargetModel
 from mm_assets.services.training import SpeculatorJob, train_speculator
@@ -50,7 +51,9 @@ def parser() -> argparse.ArgumentParser:
     given comes from the dataset's registry entry (`settings.trained_speculator`), else
     the field's default, as for the asset."""
     out = argparse.ArgumentParser(prog="python -m mm_assets.train")
-    out.add_argument("--partition", required=True, help="Dataset name (registry entry).")
+    out.add_argument(
+        "--partition", required=True, help="A dataset's name, or a drafts: entry's (registry)."
+    )
     for model in (SpeculatorSettings, OnlineSettings):
         for name, info in model.model_fields.items():
             choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
@@ -90,15 +93,16 @@ def cli_settings(
 
 
 def _online(
-    spec: DatasetSpec,
+    draft: DraftSpec,
     online: OnlineSettings,
     target: TargetModel,
     root: Path,
     rank: int,
     world: int,
 ) -> OnlineStates | None:
-    """Online: the states the partition's `hidden_states` settings describe, from the
-    fleet (`MM_ASSETS_VLLM_URLS`) or, in a single process, a server started here."""
+    """Online: the states its first source's `hidden_states` settings describe (as for
+    the asset), from the fleet (`MM_ASSETS_VLLM_URLS`) or, in a single process, a server
+    started here."""
     if online.hidden_states == "stored":
         return None
     engine = vllm_resource().engine()
@@ -107,23 +111,24 @@ def _online(
             "online hidden states under torchrun need a fleet every rank shares: start vLLM "
             "extraction servers and set MM_ASSETS_VLLM_URLS (each rank fetches its batches)"
         )
-    extraction = ExtractionSettings(**spec.settings.get("hidden_states", {}))
-    return OnlineStates(
-        hidden_states_layout(target, engine, extraction), extraction, online,
-        engine.for_target(target.facts), str(target.local_dir), target.facts.image_token_id,
-        media_root(spec, open_tables(root, os.environ.get(OBJECT_STORE_ENV)), root),
-        root / "logs" / f"vllm_online_train_rank{rank}.log",
-        BlobStore(root),
-    )  # fmt: skip
+    sources = [REGISTRY[name] for name in draft.sources]
+    extraction = ExtractionSettings(**sources[0].settings.get("hidden_states", {}))
+    tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
+    log = root / "logs" / f"vllm_online_train_rank{rank}.log"
+    serving = Serving.for_target(
+        engine, target.local_dir, sources_media_root(sources, tables, root), log
+    )
+    return OnlineStates.for_target(target, serving, extraction, online, BlobStore(root))
 
 
 def main() -> None:
     args = vars(parser().parse_args())
     partition, retrain = args.pop("partition"), args.pop("retrain")
-    if partition not in REGISTRY:
-        sys.exit(f"unknown partition {partition!r}; registered: {', '.join(sorted(REGISTRY))}")
-    spec = REGISTRY[partition]
-    settings, online = cli_settings(spec.settings.get("trained_speculator", {}), args)
+    if partition not in ALL_DRAFTS:
+        known = ", ".join(sorted(ALL_DRAFTS))
+        sys.exit(f"unknown draft {partition!r}; a dataset or a drafts: entry: {known}")
+    draft = ALL_DRAFTS[partition]
+    settings, online = cli_settings(draft.settings.get("trained_speculator", {}), args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = _device(world)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -132,8 +137,7 @@ def main() -> None:
     target = TargetModel(paths.default_target_model())
     root = paths.home()
     tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
-    states = _online(spec, online, target, root, rank, world)
-    draft = DraftSpec.of_dataset(spec)
+    states = _online(draft, online, target, root, rank, world)
     job = SpeculatorJob.for_draft(draft, root, target, settings, tables, states)
     outcome = train_speculator(job, draft, tables, not retrain, device)
     if rank == 0:

@@ -32,6 +32,10 @@ def test_a_draft_names_its_sources_caps_and_settings() -> None:
     (draft,) = parse_drafts({"mix": entry}, "f.yaml", DATASETS, STAGE_SETTINGS).values()
     assert draft.sources["chat"].max_rows == 300 and draft.sources["vision"].fraction == 0.5
     assert draft.settings == {"trained_speculator": {"epochs": 4}} and not draft.is_dataset
+    # a source fetched online: the draft fetches online too
+    live = {"sources": {"chat": {}, "live": {}}, "hidden_states": "online"}
+    (draft,) = parse_drafts({"live_mix": live}, "f.yaml", DATASETS, STAGE_SETTINGS).values()
+    assert draft.settings == {"trained_speculator": {"hidden_states": "online"}}
 
 
 def test_bad_drafts_are_refused_naming_file_draft_and_field() -> None:

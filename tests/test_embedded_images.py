@@ -339,8 +339,8 @@ def test_broken_embedded_images_get_a_status_each_and_good_ones_stay_ok(tmp_path
 def test_vllm_may_read_the_directories_holding_the_partitions_usable_images(
     tmp_path: Path, probed: list[tuple[str, str]], expected: str | None
 ) -> None:
-    from mm_assets.assets.media import media_root
     from mm_assets.registry import DatasetSpec
+    from mm_assets.services.media import media_root
     from mm_assets.storage import TableStore, schemas
 
     storage_root, image_root = tmp_path / "store", tmp_path / "data" / "coco"

@@ -36,12 +36,13 @@ ONLINE = {"hidden_states": "online"}
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _home(root: Path) -> Path:
-    """A storage root holding the partition's prep tables and nothing else."""
+def _home(root: Path, partitions: tuple[str, ...] = (PARTITION,)) -> Path:
+    """A storage root holding the partitions' prep tables and nothing else."""
     for table in (*PREP_ASSETS, "token_frequencies"):
-        name = Path("tables") / table / f"dataset={PARTITION}" / "data.parquet"
-        (root / name).parent.mkdir(parents=True)
-        shutil.copyfile(SESSION_HOME / name, root / name)
+        for partition in partitions:
+            name = Path("tables") / table / f"dataset={partition}" / "data.parquet"
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(SESSION_HOME / name, root / name)
     return root
 
 
@@ -141,6 +142,47 @@ def test_keep_trains_on_the_offline_batches_and_an_offline_rerun_requests_nothin
     assert offline["hidden_states_source"] == "stored"
     assert offline["batch_plan_sha256"] == trained["batch_plan_sha256"]
     assert offline["final_train_loss"] == pytest.approx(trained["final_train_loss"], rel=1e-5)
+
+
+def test_a_draft_of_several_datasets_trains_online_on_the_offline_batches(
+    demo_hidden_states, vllm_server, tmp_path: Path
+) -> None:
+    """`demo_mix` (both demo datasets) with `hidden_states: online` in a home with only
+    their prep tables: each source's rows are fetched the same way (what is stored is
+    exactly offline extraction's blobs of the rows it trains and holds out), and the
+    batches are those offline training takes on the session's stored states."""
+    from mm_assets.services.draft_sources import row_keys
+
+    sources = ("demo_sharegpt4v_coco", "demo_sharegpt")
+    root = _home(tmp_path / "mix", sources)
+    config = {**TRAINING, **ONLINE}
+    resources = {
+        "storage": StorageResource(root=str(root)),
+        "vllm": VllmResource(base_urls=[vllm_server.base_url]),
+    }
+    result = materialize(
+        "demo_mix", ["trained_draft"], resources, True,
+        {"ops": {"trained_draft": {"config": config}}},
+    )  # fmt: skip
+    trained = _meta(result, "trained_draft")
+    assert trained["hidden_states_source"] == "online (keep)"
+    tables = StorageResource().tables()
+    offline = [
+        SourceRows(s, sample_refs(tables, s, stored_layer_ids(tables, s)), row_keys(tables, s))
+        for s in sources
+    ]
+    settings = SpeculatorSettings(epochs=TRAINING["epochs"], batch_tokens=TRAINING["batch_tokens"])
+    rows = draft_set(offline, settings.held_out_fraction, settings.seed)
+    plan = batch_plan_sha256(pack(rows.train, settings.batch_tokens), settings, Ranks())
+    assert trained["batch_plan_sha256"] == plan
+    manifests = {
+        f"{s}:{r['row_id']}": r["blob_key"]
+        for s in sources
+        for r in tables.iter_rows("hidden_states_manifest", s)
+    }
+    used = {manifests[ref.row_id] for ref in (*rows.train, *rows.held_out)}
+    assert set(_blobs(root)) == used
+    assert all(trained[f"rows_{s}"] > 0 for s in sources)
 
 
 def test_a_row_vllm_tokenizes_differently_is_rejected_in_each_pass_and_counted(

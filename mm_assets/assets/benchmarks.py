@@ -14,7 +14,6 @@ from pydantic import Field
 
 from mm_assets.assets.config import config_class, stage_settings
 from mm_assets.assets.drafts import trained_draft
-from mm_assets.assets.media import media_root
 from mm_assets.assets.metadata import benchmark_plot, rounded, table_links
 from mm_assets.assets.model import trained_speculator
 from mm_assets.assets.partitions import (
@@ -30,6 +29,7 @@ from mm_assets.assets.prep import normalized_conversations
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.domain.model.acceptance import OVERALL
 from mm_assets.domain.model.benchmark import BENCHMARK_VERSION, BenchmarkSettings
+from mm_assets.services.media import media_root
 
 if TYPE_CHECKING:
     from mm_assets.services.benchmarking import BenchmarkReport

@@ -10,9 +10,8 @@ import dagster as dg
 from pydantic import Field
 
 from mm_assets.assets.config import config_class, stage_settings
-from mm_assets.assets.media import common_root, media_root
-from mm_assets.assets.metadata import rounded, table_links
-from mm_assets.assets.model import hidden_states, training_metadata
+from mm_assets.assets.metadata import fetch_metadata, rounded, table_links
+from mm_assets.assets.model import hidden_states, online_states, training_metadata
 from mm_assets.assets.partitions import (
     REGISTRY,
     accelerator_asset,
@@ -24,20 +23,21 @@ from mm_assets.assets.resources import StorageResource, TargetModelResource, Vll
 from mm_assets.domain.model.settings import (
     TRAINING_VERSION,
     MeasurementSettings,
+    OnlineSettings,
     SpeculatorSettings,
 )
+from mm_assets.services.media import sources_media_root
 from mm_assets.storage.object_store import publish_directory
 
 if TYPE_CHECKING:
-    from mm_assets.registry import DraftSpec
     from mm_assets.services.measurement import DraftMeasurements
     from mm_assets.services.training import SpeculatorOutcome
-    from mm_assets.storage import TableStore
 
 DraftConfig = config_class(
     "DraftConfig",
     "trained_speculator",
     SpeculatorSettings,
+    OnlineSettings,
     MeasurementSettings,
     retrain=(
         bool,
@@ -60,10 +60,12 @@ def trained_draft(
     vllm: VllmResource,
 ) -> dg.MaterializeResult:
     """An EAGLE-3 draft trained on several datasets (a `drafts:` entry: its sources, each
-    capped), from their stored hidden states: a conversation that two sources hold trains
-    once, every source keeps held-out rows by the rule its own draft uses, and the draft
-    is measured per source — offline and in vLLM — beside each source's own draft on the
-    same prompts (`compare_with_sources`). Written as `speculators/<draft>/`."""
+    capped), from their stored hidden states or, with `hidden_states: online`, states
+    fetched from vLLM while it trains (each source's rows the same way): a conversation
+    that two sources hold trains once, every source keeps held-out rows by the rule its
+    own draft uses, and the draft is measured per source — offline and in vLLM — beside
+    each source's own draft on the same prompts (`compare_with_sources`). Written as
+    `speculators/<draft>/`."""
     from mm_assets.services.measurement import measure_draft
     from mm_assets.services.training import SpeculatorJob, train_speculator
 
@@ -74,15 +76,21 @@ def trained_draft(
     measure = stage_settings(
         context, draft, "trained_speculator", MeasurementSettings, "trained_draft"
     )
+    online = stage_settings(context, draft, "trained_speculator", OnlineSettings, "trained_draft")
     target = target_model.model()
-    job = SpeculatorJob.for_draft(draft, root, target, settings, tables)
+    states = None
+    if online.hidden_states == "online":
+        states = online_states(context, draft, storage, target, vllm, online)
+    job = SpeculatorJob.for_draft(draft, root, target, settings, tables, states)
     outcome = train_speculator(job, draft, tables, reuse=not config.retrain)
     metadata = training_metadata(outcome, job.layer_ids) | sources_metadata(outcome)
+    metadata |= fetch_metadata(online, outcome.fetch)
     if measure.measure_in_vllm:
         own = {s: root / "speculators" / s for s in draft.sources}
         others = {s: d for s, d in own.items() if (d / "model.safetensors").is_file()}
         log = storage.log_path(f"vllm_draft_{context.run.run_id}")
-        serving = vllm.serving(target.local_dir, image_root(draft, tables, root), log)
+        sources = [REGISTRY[s] for s in draft.sources]
+        serving = vllm.serving(target.local_dir, sources_media_root(sources, tables, root), log)
         compared = others if measure.compare_with_sources else {}
         measured = measure_draft(
             job, outcome, tables, serving, measure, not config.retrain, compared
@@ -97,13 +105,6 @@ def trained_draft(
     return dg.MaterializeResult(
         metadata=rounded(metadata), data_version=dg.DataVersion(outcome.weights_sha256)
     )
-
-
-def image_root(draft: DraftSpec, tables: TableStore, storage_root: Path) -> Path | None:
-    """The directory vLLM may read images under: each source's `media_root` (their common
-    parent when there are several)."""
-    roots = [media_root(REGISTRY[s], tables, storage_root) for s in draft.sources]
-    return common_root([r for r in roots if r is not None])
 
 
 def sources_metadata(outcome: SpeculatorOutcome) -> dict[str, Any]:

@@ -7,7 +7,6 @@ import dagster as dg
 from pydantic import Field
 
 from mm_assets.assets.config import config_class, stage_settings
-from mm_assets.assets.media import media_root
 from mm_assets.assets.metadata import (
     acceptance_plot,
     fetch_metadata,
@@ -16,7 +15,7 @@ from mm_assets.assets.metadata import (
     servers_table,
     table_links,
 )
-from mm_assets.assets.partitions import accelerator_asset, dataset_spec
+from mm_assets.assets.partitions import REGISTRY, accelerator_asset, dataset_spec
 from mm_assets.assets.prep import tokenized_samples
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.common.hashing import json_sha256
@@ -27,10 +26,11 @@ from mm_assets.domain.model.settings import (
     OnlineSettings,
     SpeculatorSettings,
 )
+from mm_assets.services.media import media_root
 from mm_assets.storage.object_store import publish_directory
 
 if TYPE_CHECKING:
-    from mm_assets.registry import DatasetSpec
+    from mm_assets.registry import DraftSpec
     from mm_assets.services.extraction import ExtractionReport, PartitionExtraction
     from mm_assets.services.measurement import SourceMeasurement
     from mm_assets.services.online_states import OnlineStates
@@ -77,12 +77,11 @@ def hidden_states(
     `hidden_states_rejections` with their reason."""
     from mm_assets.services.extraction import PartitionExtraction
 
-    spec, tables = dataset_spec(context), storage.tables()
+    spec, tables, target = dataset_spec(context), storage.tables(), target_model.model()
     settings = stage_settings(context, spec, "hidden_states", ExtractionSettings)
-    extraction = PartitionExtraction(
-        spec.name, tables, storage.blobs(), target_model.model(), vllm.engine(), settings,
-        media_root(spec, tables, storage.root), storage.log_path(f"vllm_{context.run.run_id}"),
-    )  # fmt: skip
+    log = storage.log_path(f"vllm_{context.run.run_id}")
+    serving = vllm.serving(target.local_dir, media_root(spec, tables, storage.root), log)
+    extraction = PartitionExtraction(spec.name, tables, storage.blobs(), target, serving, settings)
     online = stage_settings(context, spec, "trained_speculator", OnlineSettings)
     if online.hidden_states == "online":
         return trains_online(extraction, online)
@@ -227,10 +226,10 @@ def trained_speculator(
     settings = stage_settings(context, spec, "trained_speculator", SpeculatorSettings)
     measure = stage_settings(context, spec, "trained_speculator", MeasurementSettings)
     online = stage_settings(context, spec, "trained_speculator", OnlineSettings)
+    draft = DraftSpec.of_dataset(spec)
     states = None
     if online.hidden_states == "online":
-        states = online_states(context, spec, storage, target, vllm, online)
-    draft = DraftSpec.of_dataset(spec)
+        states = online_states(context, draft, storage, target, vllm, online)
     job = SpeculatorJob.for_draft(draft, Path(storage.root), target, settings, tables, states)
     outcome = train_speculator(job, draft, tables, reuse=not config.retrain)
     metadata = training_metadata(outcome, job.layer_ids) | fetch_metadata(online, outcome.fetch)
@@ -259,26 +258,24 @@ def trained_speculator(
 
 def online_states(
     context: dg.AssetExecutionContext,
-    spec: "DatasetSpec",
+    draft: "DraftSpec",
     storage: StorageResource,
     target: "TargetModel",
     vllm: VllmResource,
     online: OnlineSettings,
 ) -> "OnlineStates":
-    """How this run fetches the partition's states: the `hidden_states` stage's settings
-    (layer ids, storage format, requests) from the same sources that step reads."""
-    from mm_assets.services.extraction import hidden_states_layout
+    """How this run fetches the draft's states: its first source's `hidden_states`
+    settings (layer ids, which every source shares, storage format, requests) read as
+    that step reads them, through one server that may read every source's images."""
+    from mm_assets.services.media import sources_media_root
     from mm_assets.services.online_states import OnlineStates
 
-    extraction = stage_settings(context, spec, "hidden_states", ExtractionSettings)
-    engine = vllm.engine()
-    return OnlineStates(
-        hidden_states_layout(target, engine, extraction), extraction, online,
-        engine.for_target(target.facts), str(target.local_dir), target.facts.image_token_id,
-        media_root(spec, storage.tables(), storage.root),
-        storage.log_path(f"vllm_online_{context.run.run_id}"),
-        storage.blobs(),
-    )  # fmt: skip
+    sources = [REGISTRY[name] for name in draft.sources]
+    extraction = stage_settings(context, sources[0], "hidden_states", ExtractionSettings)
+    images = sources_media_root(sources, storage.tables(), storage.root)
+    log = storage.log_path(f"vllm_online_{context.run.run_id}")
+    serving = vllm.serving(target.local_dir, images, log)
+    return OnlineStates.for_target(target, serving, extraction, online, storage.blobs())
 
 
 def training_metadata(outcome: "SpeculatorOutcome", layer_ids: list[int]) -> dict[str, Any]:

@@ -7,7 +7,6 @@ import dagster as dg
 
 from mm_assets.assets.checks import quarantine_ratio, quarantine_ratio_spec
 from mm_assets.assets.config import config_class, stage_settings
-from mm_assets.assets.media import media_root
 from mm_assets.assets.metadata import (
     length_histogram,
     quarantine_metadata,
@@ -19,6 +18,7 @@ from mm_assets.assets.partitions import accelerator_asset, dataset_spec
 from mm_assets.assets.prep import normalized_conversations
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.domain.model.responses import ResponseSettings
+from mm_assets.services.media import media_root
 
 if TYPE_CHECKING:
     from mm_assets.services.regeneration import RegenerationReport

@@ -10,8 +10,9 @@ capped, read from the `drafts:` section of the same YAML files as the datasets.
 A draft is benchmarked on the benchmarks its sources list (`benchmarks:`). Every dataset
 is also a one-source draft of its own name, so a draft's name may not be a dataset's.
 Entries are checked when the registry loads, like datasets: an unknown source or key, a
-bad cap, or sources whose states cannot be trained on together (other layer ids, states
-fetched online) are refused with a line naming the file, the draft and the field.
+bad cap, or sources whose states cannot be trained on together (other layer ids; states
+fetched online for a draft that reads stored ones) are refused with a line naming the
+file, the draft and the field.
 """
 
 from __future__ import annotations
@@ -142,10 +143,10 @@ def _draft_problems(
             "a draft trains on one set of layers: give every source the same layer_ids"
         )
     online = [s.name for s in known if s.settings.get(STAGE, {}).get("hidden_states") == "online"]
-    if online:
+    if online and entry.get("hidden_states") != "online":
         lines.append(
-            f"'sources': {', '.join(online)} fetch hidden states online; a draft trains on "
-            "its sources' stored states: store them (hidden_states: stored)"
+            f"'sources': {', '.join(online)} fetch hidden states online (nothing is stored "
+            "for them): set hidden_states: online for the draft too, or store theirs"
         )
     return lines
 

@@ -139,6 +139,14 @@ class Serving:
         resolved = engine.for_target(text_config_facts(config))
         return cls(resolved, Path(target_dir), image_root, log_path)
 
+    def extraction_session(
+        self, layer_ids: list[int], hidden_states_dir: Path
+    ) -> AbstractContextManager[ServerSession]:
+        """Servers that write the target's hidden states of `layer_ids`, for a step."""
+        return self.engine.extraction_session(
+            str(self.target_dir), layer_ids, hidden_states_dir, self.image_root, self.log_path
+        )
+
     def server(self, serve_args: list[str], label: str = "") -> ManagedVllmServer:
         """A managed server of the target (not started yet); `label` names its own log
         beside the step's (`vllm_run.<label>.log`)."""

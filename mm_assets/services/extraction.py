@@ -34,7 +34,7 @@ from mm_assets.domain.model.hidden_state_plan import (
 from mm_assets.domain.model.hidden_states import ExtractionSettings, HiddenStatesLayout, human_bytes
 from mm_assets.domain.prep.conversations import image_urls
 from mm_assets.domain.prep.tokenization import collapse_image_tokens
-from mm_assets.services.engine import VllmEngine
+from mm_assets.services.engine import Serving, VllmEngine
 from mm_assets.services.request_stage import (
     ASK_AGAIN,
     Outcome,
@@ -288,18 +288,16 @@ class PartitionExtraction:
     tables: TableStore
     blobs: BlobStore
     target: TargetModel
-    engine: VllmEngine
+    serving: Serving
     settings: ExtractionSettings
-    image_root: Path | None
-    log_path: Path
 
     def layout(self) -> HiddenStatesLayout:
         """What the states are (target, layer ids checked against it, dtype, storage
         format): part of every blob's key."""
-        return hidden_states_layout(self.target, self.engine, self.settings)
+        return hidden_states_layout(self.target, self.serving.engine, self.settings)
 
     def run(self) -> ExtractionReport:
-        engine = self.engine.for_target(self.target.facts)
+        engine = self.serving.engine
         layout = self.layout()
         columns = ["row_id", "sample_id", "input_ids", "image_hashes", "loss_mask"]
         rows = self.tables.iter_rows(TOKENIZED, self.partition, columns)
@@ -328,10 +326,7 @@ class PartitionExtraction:
     ) -> RequestReport:
         """Start (or reach) the servers and run the plan's missing rows through them."""
         incoming = self.blobs.incoming_dir()
-        model = str(self.target.local_dir)
-        session = engine.extraction_session(
-            model, layout.layer_ids, incoming, self.image_root, self.log_path
-        )
+        session = self.serving.extraction_session(layout.layer_ids, incoming)
         rows = self.tables.iter_rows(
             TOKENIZED, self.partition, ["row_id", "input_ids", "messages", "loss_mask"]
         )

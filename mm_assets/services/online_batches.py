@@ -139,7 +139,7 @@ class OnlineBatches:
         self.scratch = states.blobs.scratch() if self._discard else None
         if self.scratch is not None:
             stack.callback(shutil.rmtree, self.scratch.dir, True)
-        self.job = _FetchJob(states, states.engine.map_path)
+        self.job = _FetchJob(states, states.serving.engine.map_path)
         self.loop = asyncio.new_event_loop()
         thread = threading.Thread(target=self.loop.run_forever, name="online-states", daemon=True)
         thread.start()
@@ -164,11 +164,8 @@ class OnlineBatches:
         states, servers = self.states, self._servers
         incoming = states.blobs.incoming_dir()
         session = servers.enter_context(
-            states.engine.extraction_session(
-                states.model, states.layout.layer_ids, incoming, states.image_root,
-                states.log_path,
-            )
-        )  # fmt: skip
+            states.serving.extraction_session(states.layout.layer_ids, incoming)
+        )
         servers.callback(_remove_if_empty, incoming)
         self.managed = session.managed
         if managed := session.managed:  # its memory, just before it stops
@@ -177,7 +174,7 @@ class OnlineBatches:
                 lambda: setattr(self.report.requests, "server_rss_bytes", managed.rss_bytes())
             )
         self.client = make_client(
-            HiddenStatesClient, session.base_urls, states.extraction, states.engine.api_key
+            HiddenStatesClient, session.base_urls, states.extraction, states.serving.engine.api_key
         )
         # the storers go with the servers: idle threads that ran torch slowed training by
         # half (BENCHMARKS.md, online hidden states)

@@ -9,16 +9,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from mm_assets.clients.vllm_client import ExtractionRequest
 from mm_assets.domain.model.hidden_state_plan import plan_extraction
 from mm_assets.domain.model.hidden_states import ExtractionSettings, HiddenStatesLayout
 from mm_assets.domain.model.settings import OnlineSettings
 from mm_assets.domain.model.training_data import SampleRef
-from mm_assets.services.engine import VllmEngine
-from mm_assets.services.extraction import check_disk_budget, requests_for
+from mm_assets.services.engine import Serving
+from mm_assets.services.extraction import check_disk_budget, hidden_states_layout, requests_for
 from mm_assets.services.request_stage import RequestReport
+from mm_assets.services.target import TargetModel
 from mm_assets.storage.blobs import BlobStore
 
 
@@ -66,12 +66,23 @@ class OnlineStates:
     layout: HiddenStatesLayout
     extraction: ExtractionSettings
     online: OnlineSettings
-    engine: VllmEngine
-    model: str
+    serving: Serving
     image_token_id: int | None
-    image_root: Path | None
-    log_path: Path
     blobs: BlobStore
+
+    @classmethod
+    def for_target(
+        cls,
+        target: TargetModel,
+        serving: Serving,
+        extraction: ExtractionSettings,
+        online: OnlineSettings,
+        blobs: BlobStore,
+    ) -> OnlineStates:
+        """The states `extraction` describes (its layer ids checked against the target),
+        fetched through `serving` into `blobs`."""
+        layout = hidden_states_layout(target, serving.engine, extraction)
+        return cls(layout, extraction, online, serving, target.facts.image_token_id, blobs)
 
     def training_rows(
         self, rows: Sequence[dict]

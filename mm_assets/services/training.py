@@ -151,19 +151,14 @@ def training_set(job: SpeculatorJob, draft: DraftSpec, tables: TableStore) -> Tr
     """Each source's rows with stored states, or online every tokenized row (with its
     blob key and extraction request), as the draft's one training set."""
     several = len(draft.sources) > 1
-    if several and job.online is not None:
-        raise ValueError(
-            f"draft {draft.name!r}: a draft of several datasets trains on their stored "
-            "states; set hidden_states: stored for it"
-        )
     sources, keys, requests = [], {}, {}
     for name, cap in draft.sources.items():
         if job.online is None:
             refs = sample_refs(tables, name, job.layer_ids)
         else:
             columns = ["row_id", "sample_id", "input_ids", "image_hashes", "loss_mask", "messages"]
-            rows = [r for r in tables.iter_rows("tokenized_samples", name, columns)
-                    if len(r["input_ids"]) > 1]  # fmt: skip
+            every = tables.iter_rows("tokenized_samples", name, columns)
+            rows = [r for r in every if len(r["input_ids"]) > 1]
             refs, blob_keys, asked = job.online.training_rows(rows)
             keys |= {f"{name}{SEPARATOR}{k}": v for k, v in blob_keys.items()}
             requests |= {f"{name}{SEPARATOR}{k}": v for k, v in asked.items()}

@@ -47,3 +47,12 @@ def common_root(roots: list[Path]) -> Path | None:
     if not roots:
         return None
     return Path(os.path.commonpath(sorted(str(Path(r).resolve()) for r in roots)))
+
+
+def sources_media_root(
+    specs: list[DatasetSpec], tables: TableStore, storage_root: Path | str
+) -> Path | None:
+    """The directory vLLM may read a draft's images under: each source's `media_root`
+    (their common parent when there are several)."""
+    roots = [media_root(spec, tables, storage_root) for spec in specs]
+    return common_root([r for r in roots if r is not None])
