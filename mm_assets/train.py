@@ -61,9 +61,13 @@ def parser() -> argparse.ArgumentParser:
             kind: Any = (str if choices else info.annotation) if scalar else json.loads
             help_text = f"{info.description} ({'' if scalar else 'JSON; '}default: {info.default})"
             out.add_argument(
-                "--" + name.replace("_", "-"), dest=name, type=kind, choices=choices,
-                default=argparse.SUPPRESS, help=help_text,
-            )  # fmt: skip
+                "--" + name.replace("_", "-"),
+                dest=name,
+                type=kind,
+                choices=choices,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
     retrain = "train from the first epoch even when the checkpoint came from identical inputs"
     out.add_argument("--retrain", action="store_true", help=retrain)
     return out

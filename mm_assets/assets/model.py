@@ -118,8 +118,16 @@ def trains_online(
         "storage_format": layout.storage.name,
         "target_fingerprint": layout.target_fingerprint,
     }
-    version = json_sha256(["online", tokenized, layout.layer_ids, layout.target_fingerprint,
-                           layout.dtype, layout.storage.name])  # fmt: skip
+    version = json_sha256(
+        [
+            "online",
+            tokenized,
+            layout.layer_ids,
+            layout.target_fingerprint,
+            layout.dtype,
+            layout.storage.name,
+        ]
+    )
     check = dg.AssetCheckResult(
         check_name=REJECTION_CHECK,
         passed=True,

@@ -101,9 +101,13 @@ def tokenized_samples(
     report = tokenize_partition(spec.name, tables, chat, watch)
     assert report.kept is not None and report.quarantine is not None
     check = quarantine_ratio(
-        report.kept.num_rows, report.quarantine.num_rows, report.conversations,
-        spec.max_tokenization_quarantine_ratio, report.reasons, "conversations",
-    )  # fmt: skip
+        report.kept.num_rows,
+        report.quarantine.num_rows,
+        report.conversations,
+        spec.max_tokenization_quarantine_ratio,
+        report.reasons,
+        "conversations",
+    )
     return dg.MaterializeResult(
         metadata=rounded(tokenization_metadata(report, target.path, tables, spec.name)),
         data_version=dg.DataVersion(report.kept.content_hash),

@@ -115,9 +115,14 @@ class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignor
             **{name: getattr(self, name) for name in EngineOptions.model_fields}
         )
         return VllmEngine(
-            tuple(urls), options, self.connector, self.startup_timeout_s,
-            self.api_key, self.server_path_prefix, self.local_path_prefix,
-        )  # fmt: skip
+            tuple(urls),
+            options,
+            self.connector,
+            self.startup_timeout_s,
+            self.api_key,
+            self.server_path_prefix,
+            self.local_path_prefix,
+        )
 
     def serving(self, target_dir: Path, image_root: Path | None, log_path: Path) -> Serving:
         """What a step serves the target with (the extraction fleet's engine), whole."""

@@ -52,15 +52,24 @@ def target_responses(
     spec, tables = dataset_spec(context), storage.tables()
     settings = stage_settings(context, spec, "target_responses", ResponseSettings)
     report = TargetRegeneration(
-        spec.name, tables, storage.blobs("responses"), target_model.model(),
-        vllm.engine("responses"), settings, media_root(spec, tables, storage.root),
+        spec.name,
+        tables,
+        storage.blobs("responses"),
+        target_model.model(),
+        vllm.engine("responses"),
+        settings,
+        media_root(spec, tables, storage.root),
         storage.log_path(f"vllm_responses_{context.run.run_id}"),
-    ).run(spec.responses)  # fmt: skip
+    ).run(spec.responses)
     assert report.kept is not None and report.quarantine is not None
     check = quarantine_ratio(
-        report.kept.num_rows, report.quarantine.num_rows, report.conversations,
-        settings.max_response_quarantine_ratio, report.reasons, "conversations",
-    )  # fmt: skip
+        report.kept.num_rows,
+        report.quarantine.num_rows,
+        report.conversations,
+        settings.max_response_quarantine_ratio,
+        report.reasons,
+        "conversations",
+    )
     return dg.MaterializeResult(
         metadata=rounded(
             {**responses_metadata(report), **table_links(tables, "target_responses", spec.name)}
@@ -79,15 +88,18 @@ def responses_metadata(report: "RegenerationReport") -> dict[str, Any]:
     }
     if report.mode == "target":
         metadata |= {
-            "cache_hits": report.cache_hits, "requests_sent": requests.requests_sent,
-            "replies": len(lengths), "generated_tokens_now": requests.tokens,
+            "cache_hits": report.cache_hits,
+            "requests_sent": requests.requests_sent,
+            "replies": len(lengths),
+            "generated_tokens_now": requests.tokens,
             "tokens_per_s": requests.tokens / requests.seconds if requests.seconds else 0.0,
             "mean_reply_tokens": sum(lengths) / max(len(lengths), 1),
             "p95_reply_tokens": sorted(lengths)[int(0.95 * (len(lengths) - 1))] if lengths else 0,
             "length_capped_replies": report.length_capped,
-            "conversations_cut_short": report.cut_short, "server": report.server,
+            "conversations_cut_short": report.cut_short,
+            "server": report.server,
             "servers": servers_table(requests.servers, requests.seconds),
             "server_startup_s": requests.startup_s if requests.startup_s is not None else "n/a",
             "reply_lengths": length_histogram(lengths, "tokens per reply", "replies"),
-        }  # fmt: skip
+        }
     return metadata

@@ -130,8 +130,10 @@ class _Server:
         timeout_s: float,
         http_client: httpx.AsyncClient | None,
     ) -> None:
-        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s,
-                                         max_retries=0, http_client=http_client)  # fmt: skip
+        retries = {"max_retries": 0, "http_client": http_client}  # the client re-sends
+        self.client = openai.AsyncOpenAI(
+            base_url=base_url, api_key=api_key, timeout=timeout_s, **retries
+        )
         self.in_flight = 0
         self.model: str | None = None
         self.failed_in_a_row = 0
@@ -191,10 +193,8 @@ class VllmClient:
         request is probing yet."""
         in_rotation = [s for s in self.servers if s.out_until is None]
         now = self.clock()
-        probes = [
-            s for s in self.servers
-            if s.out_until is not None and now >= s.out_until and s.in_flight == 0
-        ]  # fmt: skip
+        due = [s for s in self.servers if s.out_until is not None and now >= s.out_until]
+        probes = [s for s in due if s.in_flight == 0]
         return probes + in_rotation  # a probe first: `_pick` takes the first of equals
 
     def _pick(self, tried: set[_Server]) -> _Server:

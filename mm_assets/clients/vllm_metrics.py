@@ -45,8 +45,9 @@ class SpecDecodeCounters:
 
     def minus(self, before: SpecDecodeCounters) -> SpecDecodeCounters:
         # a position not exposed yet (no draft reached it before) counts as zero
-        positions = zip_longest(self.accepted_per_position, before.accepted_per_position,
-                                fillvalue=0.0)  # fmt: skip
+        positions = zip_longest(
+            self.accepted_per_position, before.accepted_per_position, fillvalue=0.0
+        )
         return SpecDecodeCounters(
             self.drafts - before.drafts,
             self.draft_tokens - before.draft_tokens,

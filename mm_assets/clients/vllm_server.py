@@ -78,14 +78,17 @@ def extraction_args(layer_ids: Sequence[int], hidden_states_dir: Path, connector
     speculative, transfer = extraction_configs(layer_ids, hidden_states_dir, use_cpu)
     hidden_states_dir.mkdir(parents=True, exist_ok=True)
     # --enable-scale-out: the token-in route rows with images are sent through
-    return ["--speculative-config", speculative, "--kv-transfer-config", transfer,
-            "--enable-scale-out"]  # fmt: skip
+    configs = ["--speculative-config", speculative, "--kv-transfer-config", transfer]
+    return [*configs, "--enable-scale-out"]
 
 
 def speculative_decoding_args(draft_dir: Path, num_speculative_tokens: int) -> list[str]:
     """Server arguments that serve the target with a trained EAGLE-3 draft."""
-    config = {"model": str(draft_dir), "method": "eagle3",
-              "num_speculative_tokens": num_speculative_tokens}  # fmt: skip
+    config = {
+        "model": str(draft_dir),
+        "method": "eagle3",
+        "num_speculative_tokens": num_speculative_tokens,
+    }
     return ["--speculative-config", json.dumps(config)]
 
 
@@ -164,15 +167,9 @@ class ManagedVllmServer:
             raise RuntimeError("no port yet: start() picks one; set `port` to see the command")
         on_cpu = not cuda_available()
         opts = self.options
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model,
-            "--host", "127.0.0.1",
-            "--port", str(self.port),
-            "--dtype", opts.dtype,
-            "--disable-uvicorn-access-log",
-            *self.serve_args,
-        ]  # fmt: skip
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", opts.dtype]
+        cmd += ["--disable-uvicorn-access-log", *self.serve_args]
         if self.image_root is not None and self.image_root.is_dir():
             cmd += ["--allowed-local-media-path", str(self.image_root)]
         if opts.max_model_len:

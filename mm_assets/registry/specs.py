@@ -47,9 +47,9 @@ class PromptColumns(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     prompt: str = Field(
-        default="prompt", description="the column of the prompt: a string, or a list of "
-        "strings asked turn after turn (MT-Bench's two turns)",
-    )  # fmt: skip
+        default="prompt",
+        description="the column of the prompt: a string, or a list asked turn after turn",
+    )
     image: str | None = Field(
         default=None, description="the column of the prompt's image(s), shown before its text"
     )
@@ -168,8 +168,8 @@ class DatasetSpec(BaseModel):
                 f"give exactly one of 'hub' (a hub dataset id) or 'path' (a local file or "
                 f"directory); {given}"
             )
-        ways = [self.category is not None, self.category_column is not None,
-                self.category_from_file]  # fmt: skip
+        named = [self.category, self.category_column]
+        ways = [*(way is not None for way in named), self.category_from_file]
         if sum(ways) > 1:
             raise ValueError(
                 "give at most one of 'category', 'category_column' and 'category_from_file'"
@@ -177,8 +177,8 @@ class DatasetSpec(BaseModel):
         if any(ways) and self.role != "benchmark":
             raise ValueError("categories are for benchmarks: add 'role: benchmark'")
         if self.benchmarks and self.role == "benchmark":
-            raise ValueError("'benchmarks' lists what a draft is measured on: a benchmark "
-                             "entry has no draft; remove it")  # fmt: skip
+            why = "'benchmarks' lists what a draft is measured on: a benchmark has no draft"
+            raise ValueError(f"{why}; remove it")
         return self
 
     @property

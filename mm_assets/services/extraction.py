@@ -146,8 +146,11 @@ def stored_blobs(blobs: BlobStore, layout: HiddenStatesLayout) -> Callable[[str]
         if not path.is_file():
             return None
         error = [0.0] * 4 if layout.storage.is_native else stored_error(path)
-        return {"path": blobs.stored_path(key), "bytes": path.stat().st_size,
-                "max_rel_error": error}  # fmt: skip
+        return {
+            "path": blobs.stored_path(key),
+            "bytes": path.stat().st_size,
+            "max_rel_error": error,
+        }
 
     return stored
 
@@ -180,9 +183,15 @@ class HiddenStatesJob:
         masks = self.loss_masks if self.loss_masks is not None else {}
         mask = masks.pop(request.row_id, None)
         outcome = store_outcome(
-            request, answer, final, self.keys[request.row_id], self.layout, self.blobs,
-            self.path_map, mask,
-        )  # fmt: skip
+            request,
+            answer,
+            final,
+            self.keys[request.row_id],
+            self.layout,
+            self.blobs,
+            self.path_map,
+            mask,
+        )
         if outcome is ASK_AGAIN and mask is not None:
             masks[request.row_id] = mask
         return outcome
@@ -210,11 +219,12 @@ def store_outcome(
         if not final:
             return ASK_AGAIN
         return Unusable(
-            request.row_id, "bad_file",
+            request.row_id,
+            "bad_file",
             f"{exc} (after {FILE_RETRIES + 1} requests; for external servers: is the "
             "directory their connector writes to visible here, at server_path_prefix → "
             "local_path_prefix?)",
-        )  # fmt: skip
+        )
     return Stored(request.num_tokens, os.path.getsize(path))
 
 
@@ -257,9 +267,12 @@ def hidden_states_layout(
     facts = target.facts
     dtype = engine.for_target(facts).options.dtype
     return HiddenStatesLayout(
-        target.fingerprint, target.layer_ids(settings.layer_ids), facts.hidden_size, dtype,
+        target.fingerprint,
+        target.layer_ids(settings.layer_ids),
+        facts.hidden_size,
+        dtype,
         settings.storage,
-    )  # fmt: skip
+    )
 
 
 @dataclass
@@ -304,9 +317,13 @@ class PartitionExtraction:
         plan = plan_extraction(rows, layout, self.blobs.has)
         needed = check_disk_budget(plan, layout, self.blobs)
         logger.info(
-            "%d rows: %d cached, %d to request (%d tokens, ~%s)", len(plan.rows),
-            plan.cache_hits, len(plan.missing), plan.missing_tokens, human_bytes(needed),
-        )  # fmt: skip
+            "%d rows: %d cached, %d to request (%d tokens, ~%s)",
+            len(plan.rows),
+            plan.cache_hits,
+            len(plan.missing),
+            plan.missing_tokens,
+            human_bytes(needed),
+        )
         report = ExtractionReport(layout, plan, engine.describe(), self.blobs.dir)
         if plan.missing:
             report.requests = self._request_missing(engine, plan, layout)
@@ -316,9 +333,11 @@ class PartitionExtraction:
             "hidden_states_manifest", self.partition, report.stored.count(listed), schemas.MANIFEST
         )
         self.tables.write(
-            "hidden_states_rejections", self.partition, report.requests.rejections,
+            "hidden_states_rejections",
+            self.partition,
+            report.requests.rejections,
             schemas.REJECTIONS,
-        )  # fmt: skip
+        )
         return report
 
     def _request_missing(

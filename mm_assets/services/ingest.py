@@ -86,8 +86,10 @@ def _listed_files(directory: Path, data_files: list[str]) -> list[Path]:
         matches = (
             sorted(p for p in directory.glob(entry) if p.is_file())
             if any(c in entry for c in "*?[")
-            else [directory / entry] if (directory / entry).is_file() else []
-        )  # fmt: skip
+            else [directory / entry]
+            if (directory / entry).is_file()
+            else []
+        )
         if not matches:
             raise FileNotFoundError(
                 f"data_files entry {entry!r} names no file under {directory}; fix the entry's "
@@ -268,9 +270,13 @@ def load_rows(spec: DatasetSpec, images: EmbeddedImageWriter | None = None) -> L
     keep = build_filter(spec)  # an unknown filter fails before a hub download
     loaded = select_rows(spec, keep, source_reader(spec, images))
     logger.info(
-        "%s: %d rows in %s, %d after the filter, %d kept", spec.name, loaded.total,
-        spec.hub or spec.resolved_path(), loaded.after_filter, len(loaded.rows),
-    )  # fmt: skip
+        "%s: %d rows in %s, %d after the filter, %d kept",
+        spec.name,
+        loaded.total,
+        spec.hub or spec.resolved_path(),
+        loaded.after_filter,
+        len(loaded.rows),
+    )
     return loaded
 
 
@@ -293,10 +299,14 @@ def load_raw_dataset(spec: DatasetSpec, tables: TableStore, embedded_dir: Path) 
     loaded = load_rows(spec, images)
     references = Counter(ref for r in loaded.rows for ref in embedded_references(r.record))
     rows = (
-        {"source_index": r.source_index, "record": r.record_json(),
-         "parse_error": r.parse_error, "source_file": r.source_file}
+        {
+            "source_index": r.source_index,
+            "record": r.record_json(),
+            "parse_error": r.parse_error,
+            "source_file": r.source_file,
+        }
         for r in loaded.rows
-    )  # fmt: skip
+    )
     written = tables.write("raw_dataset", spec.name, rows, schemas.RAW_DATASET)
     return RawDatasetReport(
         written,

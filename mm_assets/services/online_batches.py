@@ -107,9 +107,15 @@ class _FetchJob:
 
     def write(self, item: _Fetch, answer: Any, final: bool) -> Outcome:
         return store_outcome(
-            item.request, answer, final, item.key, self.states.layout, item.dest,
-            self.path_map, item.mask,
-        )  # fmt: skip
+            item.request,
+            answer,
+            final,
+            item.key,
+            self.states.layout,
+            item.dest,
+            self.path_map,
+            item.mask,
+        )
 
 
 class OnlineBatches:
@@ -243,9 +249,13 @@ class OnlineBatches:
                 raise RuntimeError("a row's stored states went missing during training; rerun")
             return
         await request_all(
-            self.client, self._items(run), self.job, self.report.requests, self.storers,
+            self.client,
+            self._items(run),
+            self.job,
+            self.report.requests,
+            self.storers,
             on_done=lambda item, outcome: self._done(run, item, outcome),
-        )  # fmt: skip
+        )
 
     async def _items(self, run: _Pass) -> AsyncIterator[_Fetch]:
         """The requests of each group, a group only once the window has room for it."""

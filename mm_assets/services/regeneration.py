@@ -65,8 +65,14 @@ class RegenerationReport(StageReport):
 
 
 def _passthrough(row: dict[str, Any]) -> dict[str, Any]:
-    return {**row, "responses": "dataset", "response_key": None, "reply_turns": [],
-            "reply_token_ids": [], "finish_reasons": []}  # fmt: skip
+    return {
+        **row,
+        "responses": "dataset",
+        "response_key": None,
+        "reply_turns": [],
+        "reply_token_ids": [],
+        "finish_reasons": [],
+    }
 
 
 @dataclass(frozen=True)
@@ -85,18 +91,19 @@ class TargetRegeneration:
         report = RegenerationReport(mode=mode, server=self._engine.describe())
         if mode == "dataset":
             rows = (_passthrough(r) for r in self.tables.iter_rows(SOURCE, self.partition))
-            report.kept = self.tables.write(TABLE, self.partition, rows,
-                                               schemas.TARGET_RESPONSES)  # fmt: skip
-            report.quarantine = self.tables.write(f"{TABLE}_quarantine", self.partition, [],
-                                                  schemas.QUARANTINE)  # fmt: skip
+            report.kept = self.tables.write(TABLE, self.partition, rows, schemas.TARGET_RESPONSES)
+            report.quarantine = self.tables.write(
+                f"{TABLE}_quarantine", self.partition, [], schemas.QUARANTINE
+            )
             report.conversations = report.kept.num_rows
             return report
         columns = ["sample_id", "turns", "image_hashes"]
         keys = {row["sample_id"]: self._key(row) for row in self._rows(columns)}
         missing = {sid for sid, key in keys.items() if not self.store.has(key)}
         report.conversations, report.cache_hits = len(keys), len(keys) - len(missing)
-        logger.info("%d conversations: %d cached, %d to ask", len(keys), report.cache_hits,
-                    len(missing))  # fmt: skip
+        logger.info(
+            "%d conversations: %d cached, %d to ask", len(keys), report.cache_hits, len(missing)
+        )
         unstored: dict[str, Regeneration] = {}
         if missing:
             job = ReplyJob(keys, self.store, self.settings, self._turns, unstored)
@@ -123,9 +130,12 @@ class TargetRegeneration:
     def _key(self, row: dict[str, Any]) -> str:
         turns = json.loads(row["turns"])
         return response_key(
-            self.target.fingerprint, self._engine.options.dtype, self.settings, turns,
+            self.target.fingerprint,
+            self._engine.options.dtype,
+            self.settings,
+            turns,
             row["image_hashes"],
-        )  # fmt: skip
+        )
 
     def _write_table(
         self, keys: dict[str, str], unstored: dict[str, Regeneration], report: RegenerationReport

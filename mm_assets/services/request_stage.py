@@ -169,9 +169,14 @@ def make_client(
     """A client for `base_urls` with a stage's request settings."""
     s = settings
     return client_type(
-        base_urls, s.concurrency, s.request_timeout_s, s.max_retries, s.breaker_failures,
-        api_key, probe_after_s=s.probe_after_s,
-    )  # fmt: skip
+        base_urls,
+        s.concurrency,
+        s.request_timeout_s,
+        s.max_retries,
+        s.breaker_failures,
+        api_key,
+        probe_after_s=s.probe_after_s,
+    )
 
 
 @dataclass(frozen=True)

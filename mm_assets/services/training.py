@@ -92,9 +92,15 @@ class SpeculatorJob:
         against the target); decided there, once, and never chosen again here."""
         layer_ids = online.layout.layer_ids if online else draft_layer_ids(tables, draft)
         return cls(
-            draft.name, storage_root, target.local_dir, target.config, target.fingerprint,
-            layer_ids, settings, online,
-        )  # fmt: skip
+            draft.name,
+            storage_root,
+            target.local_dir,
+            target.config,
+            target.fingerprint,
+            layer_ids,
+            settings,
+            online,
+        )
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -186,9 +192,16 @@ def training_key(job: SpeculatorJob, draft: DraftSpec, tables: TableStore) -> st
     }
     states = None if online is None else ["online", online.layout.dtype, online.layout.storage.name]
     return json_sha256(
-        [TRAINING_VERSION, sources, str(job.target_dir), job.target_fingerprint, job.layer_ids,
-         job.settings.model_dump(), states]
-    )  # fmt: skip
+        [
+            TRAINING_VERSION,
+            sources,
+            str(job.target_dir),
+            job.target_fingerprint,
+            job.layer_ids,
+            job.settings.model_dump(),
+            states,
+        ]
+    )
 
 
 def _reused_outcome(job: SpeculatorJob, key: str, data: TrainingSet) -> SpeculatorOutcome | None:
@@ -274,14 +287,28 @@ def _train(
     if not resume:
         states = _FromScratch(states)
     result = train(
-        model, train_refs, held_out, settings, states, full_lm_head=head.lm_head,
-        device=device, ranks=ranks, source=source,
-    )  # fmt: skip
+        model,
+        train_refs,
+        held_out,
+        settings,
+        states,
+        full_lm_head=head.lm_head,
+        device=device,
+        ranks=ranks,
+        source=source,
+    )
     outcome = SpeculatorOutcome(
-        job.checkpoint_dir, cfg, result, untrained.acceptance_length, len(train_refs),
-        held_out, untrained_replies, untrained_sha256=untrained_sha256,
-        sources=data.figures, duplicates=data.duplicates,
-    )  # fmt: skip
+        job.checkpoint_dir,
+        cfg,
+        result,
+        untrained.acceptance_length,
+        len(train_refs),
+        held_out,
+        untrained_replies,
+        untrained_sha256=untrained_sha256,
+        sources=data.figures,
+        duplicates=data.duplicates,
+    )
     return outcome, model
 
 
@@ -327,10 +354,13 @@ def _checkpoint_config(job: SpeculatorJob, cfg: Eagle3Config, extra: dict[str, A
         **extra,
     }
     return checkpoint_config(
-        cfg, job.layer_ids[:3], str(job.target_dir),
-        list(job.target_config.get("architectures") or []), job.settings.speculative_tokens,
+        cfg,
+        job.layer_ids[:3],
+        str(job.target_dir),
+        list(job.target_config.get("architectures") or []),
+        job.settings.speculative_tokens,
         provenance,
-    )  # fmt: skip
+    )
 
 
 def _save(job: SpeculatorJob, model: Eagle3Draft, outcome: SpeculatorOutcome, key: str) -> None:

@@ -24,8 +24,15 @@ if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
 
 # fsspec protocols whose uploads are atomic, and the package that implements each.
-ATOMIC_STORES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs",
-                 "abfs": "adlfs", "abfss": "adlfs"}  # fmt: skip
+ATOMIC_STORES = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+    "abfss": "adlfs",
+}
 ENV_VAR = "MM_ASSETS_OBJECT_STORE"
 PUBLISHED = "mm_assets_published.json"  # a published directory's files and their SHA-256
 

@@ -82,9 +82,11 @@ def resolve_reference(
         return _resolve_embedded(reference, embedded_dir)
     if reference[:5].lower() == "data:":
         return ImageProbe(
-            ref, None, ImageStatus.INVALID_REFERENCE,
+            ref,
+            None,
+            ImageStatus.INVALID_REFERENCE,
             "a data: URL that is not data:image/…; only images are read from data URLs",
-        )  # fmt: skip
+        )
     if reference.startswith("file://"):
         reference = reference[len("file://") :]
     elif "://" in reference:
@@ -110,14 +112,18 @@ def _resolve_embedded(reference: str, embedded_dir: Path | None) -> Path | Image
     digest = embedded_digest(reference)
     if digest is None:
         return ImageProbe(
-            reference, None, ImageStatus.INVALID_REFERENCE,
+            reference,
+            None,
+            ImageStatus.INVALID_REFERENCE,
             "a sha256: reference must be 'sha256:' followed by 64 lowercase hex digits",
-        )  # fmt: skip
+        )
     if embedded_dir is None:
         return ImageProbe(
-            reference, None, ImageStatus.INVALID_REFERENCE,
+            reference,
+            None,
+            ImageStatus.INVALID_REFERENCE,
             "an embedded image, but no embedded-image directory was given to resolve it in",
-        )  # fmt: skip
+        )
     return embedded_image_path(embedded_dir, digest)
 
 

@@ -115,9 +115,11 @@ def encode(
         tensors["aux_scale"], tensors["final_scale"] = aux_scale, final_scale
     errors = [*aux_error.amax(dim=0).tolist(), float(final_error.max()) if final.numel() else 0.0]
     metadata = {
-        "format": FORMAT_TAG, "dtype": fmt.dtype.value, "final_layer": fmt.final_layer.value,
+        "format": FORMAT_TAG,
+        "dtype": fmt.dtype.value,
+        "final_layer": fmt.final_layer.value,
         ERROR_KEY: json.dumps([float(f"{e:.4g}") for e in errors]),
-    }  # fmt: skip
+    }
     return tensors, metadata
 
 

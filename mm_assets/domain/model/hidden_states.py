@@ -61,9 +61,11 @@ def text_config_facts(config: Mapping) -> TextConfigFacts:
     dtype = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or "float32"
     image = config.get("image_token_id", config.get("image_token_index"))
     return TextConfigFacts(
-        int(text["num_hidden_layers"]), int(text["hidden_size"]), str(dtype),
+        int(text["num_hidden_layers"]),
+        int(text["hidden_size"]),
+        str(dtype),
         None if image is None else int(image),
-    )  # fmt: skip
+    )
 
 
 def cache_key(

@@ -287,9 +287,14 @@ def train(
     for epoch in range(start, settings.epochs):
         steps.epoch(batches, epoch, result, source)
         if ranks.rank == 0:
-            state = {"fingerprint": fingerprint, "epoch": epoch + 1, "model": model.state_dict(),
-                     "optimizer": optimizer.state_dict(), "epoch_losses": result.epoch_losses,
-                     "batch_losses": result.batch_losses}  # fmt: skip
+            state = {
+                "fingerprint": fingerprint,
+                "epoch": epoch + 1,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "epoch_losses": result.epoch_losses,
+                "batch_losses": result.batch_losses,
+            }
             states.save(state)
             crash_point("after_epoch")
         after_epoch(epoch + 1)

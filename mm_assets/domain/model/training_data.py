@@ -136,6 +136,11 @@ def load_batch(refs: Sequence[SampleRef]) -> Batch:
         pos.append(torch.arange(1, n))
         seg.append(torch.full((n - 1,), index))
     return Batch(
-        torch.cat(ids), torch.cat(masks), torch.cat(aux), torch.cat(last), torch.cat(pos),
-        torch.cat(seg), [ref.row_id for ref in refs],
-    )  # fmt: skip
+        torch.cat(ids),
+        torch.cat(masks),
+        torch.cat(aux),
+        torch.cat(last),
+        torch.cat(pos),
+        torch.cat(seg),
+        [ref.row_id for ref in refs],
+    )

@@ -123,8 +123,7 @@ def _part_image_ref(part: Any) -> str | None:
     if not isinstance(part, dict):
         return None
     if part.get("type") == "image":
-        return next((_as_reference(part[k]) for k in _INLINE_KEYS if part.get(k) is not None),
-                    None)  # fmt: skip
+        return next((_as_reference(part[k]) for k in _INLINE_KEYS if part.get(k) is not None), None)
     if part.get("type") == "image_url":
         url = part.get("image_url")
         return url.get("url") if isinstance(url, dict) else url
@@ -266,8 +265,10 @@ def _prompts(
     for index, text in enumerate(prompts):
         content: str | list[dict[str, Any]] = text
         if index == 0 and images:
-            content = [*({"type": "image", "path": p.path} for p in images),
-                       {"type": "text", "text": text}]  # fmt: skip
+            content = [
+                *({"type": "image", "path": p.path} for p in images),
+                {"type": "text", "text": text},
+            ]
         turns.append({"role": "user", "content": content})
         if answers:
             turns.append({"role": "assistant", "content": answers[index]})
