@@ -25,7 +25,13 @@ from mm_assets.clients.vllm_metrics import counters_after, server_counters
 from mm_assets.clients.vllm_server import death_explained
 from mm_assets.common.crashpoints import crash_point
 from mm_assets.common.hashing import file_sha256, json_sha256
-from mm_assets.domain.model.acceptance import OVERALL, Acceptance, combine, summarize
+from mm_assets.domain.model.acceptance import (
+    OVERALL,
+    Acceptance,
+    WithAcceptance,
+    combine,
+    summarize,
+)
 from mm_assets.domain.model.draft_set import SEPARATOR, source_of
 from mm_assets.domain.model.settings import MeasurementSettings
 from mm_assets.domain.prep.conversations import reply_prompts, to_vllm_messages
@@ -41,25 +47,13 @@ TABLE = "draft_measurements"
 
 
 @dataclass(frozen=True)
-class Measurement:
+class Measurement(WithAcceptance):
     acceptance: Acceptance
     prompts: list[list[dict[str, Any]]] = field(default_factory=list)
     """The chat prompts generated from (held-out, images as `file://` URLs)."""
     generations: list[list[int]] = field(default_factory=list)
     """Token ids vLLM generated with the draft, one list per prompt."""
     reused: bool = False
-
-    @property
-    def acceptance_length(self) -> float | None:
-        return self.acceptance.acceptance_length
-
-    @property
-    def per_position(self) -> list[float]:
-        return self.acceptance.per_position
-
-    @property
-    def drafts(self) -> int:
-        return self.acceptance.drafts
 
     @classmethod
     def combined(cls, parts: list[Measurement]) -> Measurement:

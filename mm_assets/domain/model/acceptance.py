@@ -69,6 +69,25 @@ class Acceptance:
         )
 
 
+class WithAcceptance:
+    """The figures a user reads, for a record that holds vLLM's counts as `acceptance`
+    (a measurement, a benchmark row)."""
+
+    acceptance: Acceptance
+
+    @property
+    def acceptance_length(self) -> float | None:
+        return self.acceptance.acceptance_length
+
+    @property
+    def per_position(self) -> list[float]:
+        return self.acceptance.per_position
+
+    @property
+    def drafts(self) -> int:
+        return self.acceptance.drafts
+
+
 def combine(parts: Iterable[Acceptance]) -> Acceptance:
     """Several sets of counts as one: every count summed (acceptance weighted by drafts)."""
     return sum(parts, Acceptance())

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mm_assets.domain.model.acceptance import OVERALL, Acceptance, combine
+from mm_assets.domain.model.acceptance import OVERALL, Acceptance, WithAcceptance, combine
 
 Turn = dict[str, Any]
 Method = Literal["none", "ngram", "eagle3"]
@@ -107,7 +107,7 @@ class Answer:
 
 
 @dataclass(frozen=True)
-class BenchmarkFigures:
+class BenchmarkFigures(WithAcceptance):
     """One method on one category (or all of them: `OVERALL`), as vLLM counted it.
 
     The fields are counter sums; the figures a user reads are properties of them."""
@@ -128,18 +128,6 @@ class BenchmarkFigures:
     which is the reference)."""
     compared: int = 0
     """Requests the lossless count is out of."""
-
-    @property
-    def acceptance_length(self) -> float | None:
-        return self.acceptance.acceptance_length
-
-    @property
-    def per_position(self) -> list[float]:
-        return self.acceptance.per_position
-
-    @property
-    def drafts(self) -> int:
-        return self.acceptance.drafts
 
     @property
     def tokens_per_s(self) -> float:
