@@ -126,7 +126,7 @@ def client_cost_at_real_width(tokens: int = 1000, hidden_size: int = 3584, rows:
 
     from mm_assets.domain.model.hidden_state_format import FinalLayer, StorageDtype, StorageFormat
     from mm_assets.domain.model.hidden_states import HiddenStatesLayout
-    from mm_assets.services.extraction import store_response
+    from mm_assets.services.extraction import StatesDestination, store_response
     from mm_assets.storage.blobs import BlobStore
 
     @dataclass
@@ -153,10 +153,9 @@ def client_cost_at_real_width(tokens: int = 1000, hidden_size: int = 3584, rows:
                 hidden = torch.randn(tokens, 4, hidden_size).to(torch.bfloat16)
                 save_file({"hidden_states": hidden, "token_ids": torch.tensor(ids)}, str(source))
                 started = time.process_time()
-                store_response(
-                    Request(ids), Response(str(source), ids), f"{i:02d}{name[:2]}", layout,
-                    blobs, loss_mask=mask,
-                )  # fmt: skip
+                dest = StatesDestination(layout, blobs)
+                key = f"{i:02d}{name[:2]}"
+                store_response(Request(ids), Response(str(source), ids), key, dest, mask)
                 cost[name].append((time.process_time() - started) * 1e6 / tokens)
     return {name: round(statistics.median(c), 1) for name, c in cost.items()}
 

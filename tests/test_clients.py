@@ -48,6 +48,7 @@ from mm_assets.clients.vllm_server import (
     extraction_args,
     speculative_decoding_args,
 )
+from mm_assets.common.request_settings import RequestSettings
 
 BASE_URL = "http://vllm.test/v1"
 HIDDEN_STATES_PATH = "/tmp/x.safetensors"
@@ -115,7 +116,10 @@ class FakeVllm:
 def _client(fake: FakeVllm, **kwargs) -> HiddenStatesClient:
     transport = httpx.MockTransport(fake)
     return HiddenStatesClient(
-        [BASE_URL], http_client=httpx.AsyncClient(transport=transport), backoff_s=0.001, **kwargs
+        [BASE_URL],
+        RequestSettings(**kwargs),
+        http_client=httpx.AsyncClient(transport=transport),
+        backoff_s=0.001,
     )
 
 
@@ -260,7 +264,9 @@ def _fleet(hosts: dict[str, FakeVllm], **kwargs) -> HiddenStatesClient:
 
     transport = httpx.AsyncClient(transport=httpx.MockTransport(route))
     urls = [f"http://{host}/v1" for host in hosts]
-    return HiddenStatesClient(urls, http_client=transport, backoff_s=0.001, **kwargs)
+    return HiddenStatesClient(
+        urls, RequestSettings(**kwargs), http_client=transport, backoff_s=0.001
+    )
 
 
 def test_a_dead_server_leaves_the_rotation_and_its_requests_go_to_the_others(

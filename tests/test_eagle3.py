@@ -25,6 +25,7 @@ from mm_assets.domain.model.settings import SpeculatorSettings
 from mm_assets.domain.model.trainer import (
     Ranks,
     StoredBatches,
+    TrainingRun,
     batch_plan_sha256,
     evaluate,
     rank_batches,
@@ -319,7 +320,7 @@ def test_interrupted_training_resumes_to_the_same_result(tmp_path: Path) -> None
             refs[6:],
             settings,
             _states(tmp_path / "resumed"),
-            after_epoch=stop_after_first,
+            run=TrainingRun(after_epoch=stop_after_first),
         )
     resumed = _model(seed=5)  # a fresh process: nothing carried over but the saved state
     result = train(resumed, refs[:6], refs[6:], settings, _states(tmp_path / "resumed"))
@@ -370,7 +371,8 @@ def test_the_loop_asks_its_source_for_the_planned_batches_of_its_rank(tmp_path: 
     refs = _write_refs(tmp_path, [9, 14, 7, 11, 13, 8, 10, 12, 6, 9])
     settings = SpeculatorSettings(epochs=2, learning_rate=2e-3, batch_tokens=24, ttt_steps=2)
     source = _Recorded()
-    result = train(_model(), refs[:8], refs[8:], settings, _states(tmp_path), source=source)
+    run = TrainingRun(source=source)
+    result = train(_model(), refs[:8], refs[8:], settings, _states(tmp_path), run=run)
     batches = pack(refs[:8], settings.batch_tokens)
     asked = dict(source.passes)
     for epoch in range(settings.epochs):

@@ -31,7 +31,7 @@ from mm_assets.domain.model.hidden_state_format import (
 )
 from mm_assets.domain.model.hidden_states import HiddenStatesLayout
 from mm_assets.domain.model.training_data import SampleRef, load_batch
-from mm_assets.services.extraction import store_response
+from mm_assets.services.extraction import StatesDestination, store_response
 from mm_assets.storage.blobs import BlobStore
 
 FP8_NEEDED = StorageFormat(StorageDtype.FP8_E4M3, FinalLayer.NEEDED)
@@ -205,10 +205,8 @@ def test_a_received_file_is_stored_compactly_with_its_error(tmp_path: Path) -> N
     mask = [0, 0, 0, 1, 1, 0]
     request = ExtractionRequest("r", list(range(6)))
     key = layout.key(request.input_ids, [], mask)
-    path = store_response(
-        request, ExtractionResponse(list(range(6)), str(source)), key, layout, blobs,
-        loss_mask=mask,
-    )  # fmt: skip
+    response = ExtractionResponse(list(range(6)), str(source))
+    path = store_response(request, response, key, StatesDestination(layout, blobs), mask)
     with safe_open(str(path), framework="pt") as blob:
         assert set(blob.keys()) == {
             "aux", "aux_scale", "final", "final_scale", "final_runs", "token_ids",

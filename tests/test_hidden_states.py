@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from mm_assets.assets.resources import StorageResource, VllmResource
 from mm_assets.clients.vllm_client import HiddenStatesClient
+from mm_assets.common.request_settings import RequestSettings
 from mm_assets.domain.model.hidden_state_format import FP8_ERROR_BOUND
 from mm_assets.domain.model.hidden_state_plan import plan_extraction
 from mm_assets.domain.model.hidden_states import (
@@ -172,7 +173,7 @@ def test_token_mismatch_is_rejected_and_nothing_stored(
     blobs = BlobStore(tmp_path)
     settings = _settings(demo_dir)
     plan = plan_extraction(rows, settings, blobs.has)
-    client = HiddenStatesClient([vllm_server.base_url], concurrency=1)
+    client = HiddenStatesClient([vllm_server.base_url], RequestSettings(concurrency=1))
     (request,) = requests_for(rows, {row["row_id"]}, image_token)
     assert request.image_urls and request.prompt_ids.count(image_token) == 1
     report = run_extraction(client, [request], plan, settings, blobs)

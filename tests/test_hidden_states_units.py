@@ -20,6 +20,7 @@ from mm_assets.clients.vllm_client import (
     parse_response,
 )
 from mm_assets.clients.vllm_server import extraction_configs
+from mm_assets.common.request_settings import RequestSettings
 from mm_assets.domain.model.hidden_state_checks import (
     HiddenStatesProblem,
     HiddenStatesRejected,
@@ -35,6 +36,7 @@ from mm_assets.domain.model.hidden_states import (
 )
 from mm_assets.services.extraction import (
     DiskBudgetError,
+    StatesDestination,
     check_disk_budget,
     run_extraction,
     store_response,
@@ -251,8 +253,8 @@ def test_store_response_moves_a_valid_file_into_the_blob_store(tmp_path: Path) -
     source = _response_file(tmp_path, tensors)
     request = ExtractionRequest("r", [0, 1, 2, 3, 4])
     key = layout.key(request.input_ids, [], [0, 0, 1, 1, 1])
-    stored = store_response(request, ExtractionResponse(list(range(5)), str(source)), key,
-                            layout, blobs)  # fmt: skip
+    response = ExtractionResponse(list(range(5)), str(source))
+    stored = store_response(request, response, key, StatesDestination(layout, blobs))
     assert stored == blobs.path(key) and blobs.has(key)
     assert torch.equal(load_file(str(stored))["hidden_states"], tensors["hidden_states"])
     assert not source.exists() and not Path(f"{source}.lock").exists()
@@ -265,9 +267,8 @@ def test_store_response_keeps_the_rows_prefix_of_an_untruncated_render(tmp_path:
     tensors = _tensors(7)
     source = _response_file(tmp_path, tensors)
     request = ExtractionRequest("r", [0, 1, 2, 3])  # the row was truncated to 4 tokens
-    stored = store_response(
-        request, ExtractionResponse(list(range(7)), str(source)), "k" * 64, layout, blobs
-    )
+    response = ExtractionResponse(list(range(7)), str(source))
+    stored = store_response(request, response, "k" * 64, StatesDestination(layout, blobs))
     kept = load_file(str(stored))
     assert kept["hidden_states"].shape == (4, 4, 8) and kept["token_ids"].tolist() == [0, 1, 2, 3]
     assert torch.equal(kept["hidden_states"], tensors["hidden_states"][:4])
@@ -289,8 +290,8 @@ def test_store_response_rejects_and_discards_what_it_cannot_use(
     source = _response_file(tmp_path, tensors)
     request = ExtractionRequest("r", [0, 1, 2])
     with pytest.raises(HiddenStatesRejected) as info:
-        store_response(request, ExtractionResponse(prompt_ids, str(source)), "k" * 64, layout,
-                       blobs)  # fmt: skip
+        response = ExtractionResponse(prompt_ids, str(source))
+        store_response(request, response, "k" * 64, StatesDestination(layout, blobs))
     assert info.value.reason == problem
     assert not source.exists() and not any(blobs.dir.rglob("*.safetensors"))
 
@@ -386,7 +387,9 @@ def test_counts_of_many_concurrent_stores_equal_the_manifest(tmp_path: Path) -> 
         blobs = BlobStore(tmp_path / "root")
         plan = plan_extraction(rows, layout, blobs.has)
         client = HiddenStatesClient(
-            ["http://vllm.test/v1"], concurrency=32, http_client=_completions_server(tmp_path)
+            ["http://vllm.test/v1"],
+            RequestSettings(concurrency=32),
+            http_client=_completions_server(tmp_path),
         )
         requests = [ExtractionRequest(r["row_id"], r["input_ids"]) for r in rows]
         tally = run_extraction(client, requests, plan, layout, blobs)

@@ -108,6 +108,28 @@ def test_asset_bodies_are_short_and_no_function_is_long() -> None:
     assert not long_assets and not long_functions
 
 
+def test_no_function_takes_more_than_seven_parameters() -> None:
+    """Seven at most (self and cls not counted): a longer list is an object to pass whole.
+    The one exception is the draft's `forward`, whose parameters are the packed batch's
+    six tensors as a torch module takes them (DistributedDataParallel passes them on)."""
+    exempt = {"domain/model/eagle3.py:Eagle3Draft.forward"}
+    long = []
+    for path, tree in _modules(PACKAGE):
+        for owner in ast.walk(tree):
+            body = getattr(owner, "body", [])
+            for function in body if isinstance(body, list) else []:
+                if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                    continue
+                a = function.args
+                names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+                count = len(names) - (names[:1] in (["self"], ["cls"]))
+                prefix = f"{owner.name}." if isinstance(owner, ast.ClassDef) else ""
+                where = f"{path.relative_to(PACKAGE)}:{prefix}{function.name}"
+                if count > 7 and where not in exempt:
+                    long.append(f"{where} ({count})")
+    assert not long
+
+
 def test_the_formatter_shapes_every_line() -> None:
     """No `# fmt: skip`: a call too long for the formatter's lines takes fewer arguments
     (an object passed whole), not a hand-kept shape."""

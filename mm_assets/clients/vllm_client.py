@@ -155,7 +155,7 @@ class VllmClient:
     rotation (see the module's docstring). `http_client` replaces the `openai` client's
     own (tests inject an `httpx.MockTransport`); `backoff_s` is the first retry's mean
     wait when no other server can take it, doubling with each further try. The other
-    knobs are `RequestSettings`', with its defaults."""
+    knobs are `settings` (`RequestSettings`, its defaults unless given)."""
 
     clock: Callable[[], float] = staticmethod(time.monotonic)
     """Seconds for the rotation's probe waits (tests set a clock they advance)."""
@@ -163,24 +163,21 @@ class VllmClient:
     def __init__(
         self,
         base_urls: Sequence[str],
-        concurrency: int = DEFAULT.concurrency,
-        timeout_s: float = DEFAULT.request_timeout_s,
-        max_retries: int = DEFAULT.max_retries,
-        breaker_failures: int = DEFAULT.breaker_failures,
+        settings: RequestSettings = DEFAULT,
         api_key: str = "EMPTY",
         http_client: httpx.AsyncClient | None = None,
         backoff_s: float = 0.5,
-        probe_after_s: float = DEFAULT.probe_after_s,
     ) -> None:
         if not base_urls:
             raise ValueError("no vLLM base URL to send requests to")
+        timeout_s = settings.request_timeout_s
         self.servers = [_Server(url, api_key, timeout_s, http_client) for url in base_urls]
-        self.concurrency = concurrency
-        self.in_flight = asyncio.Semaphore(concurrency)
-        self.max_retries = max_retries
+        self.concurrency = settings.concurrency
+        self.in_flight = asyncio.Semaphore(settings.concurrency)
+        self.max_retries = settings.max_retries
         self.backoff_s = backoff_s
-        self.breaker_failures = breaker_failures
-        self.probe_after_s = probe_after_s
+        self.breaker_failures = settings.breaker_failures
+        self.probe_after_s = settings.probe_after_s
         self.requests_sent = 0
         self._given_up_in_a_row = 0
 

@@ -12,13 +12,16 @@ import asyncio
 from typing import Any
 
 from mm_assets.clients.vllm_client import ChatClient, ChatReply
+from mm_assets.common.request_settings import RequestSettings
 
 
 def generate_greedy_replies(
     base_url: str, prompts: list[list[dict[str, Any]]], max_tokens: int = 64, concurrency: int = 4
 ) -> list[ChatReply]:
     """Greedy replies (text and token ids) for chat prompts, in prompt order."""
-    client = ChatClient([base_url], concurrency=concurrency)  # bounds requests in flight
+    client = ChatClient(
+        [base_url], RequestSettings(concurrency=concurrency)
+    )  # bounds requests in flight
     sampling = {"max_tokens": max_tokens, "temperature": 0.0}
 
     async def main() -> list[ChatReply]:

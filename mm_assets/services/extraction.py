@@ -102,21 +102,30 @@ def check_disk_budget(plan: Plan, layout: HiddenStatesLayout, blobs: BlobStore) 
     return needed
 
 
+@dataclass(frozen=True)
+class StatesDestination:
+    """Where answers' states go: what they must be (`layout`), the store they are moved
+    into, and how a path the server reported reads on this machine."""
+
+    layout: HiddenStatesLayout
+    blobs: BlobStore
+    path_map: Callable[[str], str] = lambda p: p
+
+
 def store_response(
     request: ExtractionRequest,
     response: ExtractionResponse,
     key: str,
-    layout: HiddenStatesLayout,
-    blobs: BlobStore,
-    path_map: Callable[[str], str] = lambda p: p,
-    lock_timeout_s: float = LOCK_TIMEOUT_S,
+    dest: StatesDestination,
     loss_mask: list[int] | None = None,
+    lock_timeout_s: float = LOCK_TIMEOUT_S,
 ) -> Path:
     """Verify one response and its file, then move the file into the blob store — in
     another storage format, encoded once here, with its decoding error recorded."""
     from safetensors.torch import load_file
 
-    source = Path(path_map(response.hidden_states_path))
+    layout, blobs = dest.layout, dest.blobs
+    source = Path(dest.path_map(response.hidden_states_path))
     try:
         check_prompt_ids(response.prompt_token_ids, request.input_ids)
         wait_for_writer(source, lock_timeout_s)
@@ -182,16 +191,8 @@ class HiddenStatesJob:
         """Store one response (`store_outcome`). A row's mask is held only while it is asked."""
         masks = self.loss_masks if self.loss_masks is not None else {}
         mask = masks.pop(request.row_id, None)
-        outcome = store_outcome(
-            request,
-            answer,
-            final,
-            self.keys[request.row_id],
-            self.layout,
-            self.blobs,
-            self.path_map,
-            mask,
-        )
+        dest = StatesDestination(self.layout, self.blobs, self.path_map)
+        outcome = store_outcome(request, answer, final, self.keys[request.row_id], dest, mask)
         if outcome is ASK_AGAIN and mask is not None:
             masks[request.row_id] = mask
         return outcome
@@ -202,9 +203,7 @@ def store_outcome(
     answer: ExtractionResponse | Exception,
     final: bool,
     key: str,
-    layout: HiddenStatesLayout,
-    blobs: BlobStore,
-    path_map: Callable[[str], str],
+    dest: StatesDestination,
     loss_mask: list[int] | None,
 ) -> Outcome:
     """Store one response under `key` (`store_response`), or say why its row is rejected;
@@ -212,7 +211,7 @@ def store_outcome(
     if isinstance(answer, Exception):
         return Unusable(request.row_id, "request_refused", str(answer))
     try:
-        path = store_response(request, answer, key, layout, blobs, path_map, loss_mask=loss_mask)
+        path = store_response(request, answer, key, dest, loss_mask)
     except HiddenStatesRejected as exc:
         return Unusable(request.row_id, exc.reason.value, exc.detail)
     except (OSError, TimeoutError, ValueError) as exc:

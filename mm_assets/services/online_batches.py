@@ -34,7 +34,7 @@ from typing import Any
 from mm_assets.clients.vllm_client import CircuitOpen, ExtractionRequest, HiddenStatesClient
 from mm_assets.clients.vllm_server import ManagedVllmServer, unavailable
 from mm_assets.domain.model.training_data import Batch, SampleRef, load_batch
-from mm_assets.services.extraction import FILE_RETRIES, store_outcome
+from mm_assets.services.extraction import FILE_RETRIES, StatesDestination, store_outcome
 from mm_assets.services.online_states import FetchReport, OnlineStates, PassReport
 from mm_assets.services.request_stage import (
     Outcome,
@@ -106,16 +106,8 @@ class _FetchJob:
         return await client.extract(item.request)
 
     def write(self, item: _Fetch, answer: Any, final: bool) -> Outcome:
-        return store_outcome(
-            item.request,
-            answer,
-            final,
-            item.key,
-            self.states.layout,
-            item.dest,
-            self.path_map,
-            item.mask,
-        )
+        dest = StatesDestination(self.states.layout, item.dest, self.path_map)
+        return store_outcome(item.request, answer, final, item.key, dest, item.mask)
 
 
 class OnlineBatches:

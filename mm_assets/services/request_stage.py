@@ -167,16 +167,7 @@ def make_client(
     client_type: type[Client], base_urls: list[str], settings: RequestSettings, api_key: str
 ) -> Client:
     """A client for `base_urls` with a stage's request settings."""
-    s = settings
-    return client_type(
-        base_urls,
-        s.concurrency,
-        s.request_timeout_s,
-        s.max_retries,
-        s.breaker_failures,
-        api_key,
-        probe_after_s=s.probe_after_s,
-    )
+    return client_type(base_urls, settings, api_key)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from mm_assets.domain.model.trainer import (
     Ranks,
     StateStore,
     StoredBatches,
+    TrainingRun,
     TrainResult,
     evaluate,
     replies_of,
@@ -293,9 +294,7 @@ def _train(
         settings,
         states,
         full_lm_head=head.lm_head,
-        device=device,
-        ranks=ranks,
-        source=source,
+        run=TrainingRun(device, ranks, source),
     )
     outcome = SpeculatorOutcome(
         job.checkpoint_dir,

@@ -258,19 +258,29 @@ def batch_plan_sha256(
     )
 
 
+@dataclass(frozen=True)
+class TrainingRun:
+    """How one training runs, apart from what it learns: the device, this process's
+    rank among the ranks, where each batch's states come from (the stored files unless
+    a source fetches them), and what to do after each saved epoch."""
+
+    device: str = "auto"
+    ranks: Ranks = field(default_factory=Ranks)
+    source: BatchSource | None = None
+    after_epoch: Callable[[int], None] = lambda epoch: None
+
+
 def train(
     model: Eagle3Draft,
     train_refs: Sequence[SampleRef],
     held_out_refs: Sequence[SampleRef],
     settings: SpeculatorSettings,
     states: StateStore,
-    after_epoch: Callable[[int], None] = lambda epoch: None,
     full_lm_head: torch.Tensor | None = None,
-    device: str = "auto",
-    ranks: Ranks = Ranks(),
-    source: BatchSource | None = None,
+    run: TrainingRun = TrainingRun(),
 ) -> TrainResult:
     """Train `model` in place; resumes from `states` when they hold a matching state."""
+    device, ranks, after_epoch = run.device, run.ranks, run.after_epoch
     torch_device = resolve_device(device)
     model.to(torch_device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -282,7 +292,7 @@ def train(
     start = _resume(states, fingerprint, model, optimizer, result, torch_device)
     batches = pack(train_refs, settings.batch_tokens)
     result.batch_plan_sha256 = batch_plan_sha256(batches, settings, ranks)
-    source = source or StoredBatches()
+    source = run.source or StoredBatches()
     started = time.perf_counter()
     for epoch in range(start, settings.epochs):
         steps.epoch(batches, epoch, result, source)
