@@ -214,7 +214,7 @@ def test_a_row_vllm_tokenizes_differently_is_rejected_in_each_pass_and_counted(
     )  # fmt: skip
     assert not failed.success
     message = _failure(failed)
-    assert f"1/{len(rows)} rows were rejected" in message and "token_mismatch" in message
+    assert f"1/{len(rows)} rows rejected" in message and "token_mismatch" in message
 
 
 @pytest.mark.long

@@ -63,3 +63,19 @@ def test_a_small_partition_is_judged_at_the_end_and_a_tiny_one_never() -> None:
 def test_an_unexpected_exception_names_the_row() -> None:
     error = failed_on("tokenizing sample abc", KeyError("input_ids"))
     assert "tokenizing sample abc failed with KeyError: 'input_ids'" in str(error)
+
+
+def test_one_rule_judges_rejected_hidden_states_offline_and_online() -> None:
+    """The ratio is against the limit (equal passes); the description counts, names the
+    first three and explains token mismatches only when there are some."""
+    from mm_assets.domain.rejection import StateRejections
+
+    first = [{"row_id": f"r{i}", "reason": "token_mismatch", "detail": "d"} for i in range(5)]
+    at_limit = StateRejections(1, 10, 0.1, first[:1])
+    assert at_limit.ratio == 0.1 and not at_limit.too_many
+    over = StateRejections(5, 10, 0.1, first, token_mismatches=True)
+    text = over.describe()
+    assert over.too_many and text.startswith("5/10 rows rejected (50.00%); allowed 10.00%.")
+    assert "r2: token_mismatch (d)" in text and "r3" not in text and "placeholder" in text
+    assert "placeholder" not in StateRejections(0, 0, 0.0).describe()
+    assert not StateRejections(0, 0, 0.0).too_many  # no rows: nothing rejected

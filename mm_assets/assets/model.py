@@ -168,28 +168,26 @@ def extraction_metadata(report: "ExtractionReport") -> dict[str, Any]:
 
 def rejection_check(report: "ExtractionReport", max_ratio: float) -> dg.AssetCheckResult:
     """Fails when vLLM rejected more than `max_ratio` of the rows; names the first few."""
+    from mm_assets.domain.rejection import StateRejections
+
     rejections, reasons = report.requests.rejections, report.requests.rejections_by_reason
-    ratio = report.rejection_ratio
-    stored = report.manifest.num_rows if report.manifest else 0
-    first = "; ".join(f"{r['row_id']}: {r['reason']} ({r['detail']})" for r in rejections[:3])
-    description = (
-        f"{len(rejections)}/{len(report.plan.rows)} rows rejected ({ratio:.2%}); allowed "
-        f"{max_ratio:.2%}. " + (f"First: {first}" if first else "")
+    judged = StateRejections(
+        len(rejections),
+        len(report.plan.rows),
+        max_ratio,
+        rejections,
+        bool(reasons.get("token_mismatch")),
     )
+    stored = report.manifest.num_rows if report.manifest else 0
+    description = judged.describe()
     if not stored:
         description = "No row has hidden states: nothing to train on. " + description
-    if reasons.get("token_mismatch"):
-        description += (
-            " Token mismatches mean vLLM expanded the stored input_ids differently (every "
-            "row is sent as its ids): check the image placeholder counts, i.e. that the "
-            "processor and its image size limits match the served model."
-        )
     return dg.AssetCheckResult(
         check_name=REJECTION_CHECK,
-        passed=bool(stored) and ratio <= max_ratio,
+        passed=bool(stored) and not judged.too_many,
         description=description,
         metadata=rounded(
-            {"rejection_ratio": ratio, **{f"rejected_{k}": v for k, v in reasons.items()}}
+            {"rejection_ratio": judged.ratio, **{f"rejected_{k}": v for k, v in reasons.items()}}
         ),
     )
 

@@ -3,6 +3,8 @@ the person reading the quarantine table."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -78,3 +80,38 @@ def failed_on(row: str, exc: Exception) -> RuntimeError:
         f"{row} failed with {type(exc).__name__}: {exc} — not a known data problem, so the "
         "step stops instead of quarantining the rest of the partition like it"
     )
+
+
+@dataclass(frozen=True)
+class StateRejections:
+    """The rows whose hidden states vLLM's answers failed (token ids, shapes, values),
+    judged by one rule offline (the `hidden_states` check) and online (each pass)."""
+
+    rejected: int
+    rows: int
+    allowed: float  # `max_rejection_ratio`
+    first: Sequence[Mapping[str, str]] = ()  # the first rejection rows (row_id, reason, detail)
+    token_mismatches: bool = False
+
+    @property
+    def ratio(self) -> float:
+        return self.rejected / max(self.rows, 1)
+
+    @property
+    def too_many(self) -> bool:
+        return self.ratio > self.allowed
+
+    def describe(self) -> str:
+        """The count against the limit, the first few, and what token mismatches mean."""
+        first = "; ".join(f"{r['row_id']}: {r['reason']} ({r['detail']})" for r in self.first[:3])
+        text = (
+            f"{self.rejected}/{self.rows} rows rejected ({self.ratio:.2%}); allowed "
+            f"{self.allowed:.2%}." + (f" First: {first}." if first else "")
+        )
+        if self.token_mismatches:
+            text += (
+                " Token mismatches mean vLLM expanded the stored input_ids differently (every "
+                "row is sent as its ids): check the image placeholder counts, i.e. that the "
+                "processor and its image size limits match the served model."
+            )
+        return text

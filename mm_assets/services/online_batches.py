@@ -34,6 +34,7 @@ from typing import Any
 from mm_assets.clients.vllm_client import CircuitOpen, ExtractionRequest, HiddenStatesClient
 from mm_assets.clients.vllm_server import ManagedVllmServer, unavailable
 from mm_assets.domain.model.training_data import Batch, SampleRef, load_batch
+from mm_assets.domain.rejection import StateRejections
 from mm_assets.services.extraction import FILE_RETRIES, StatesDestination, store_outcome
 from mm_assets.services.online_states import FetchReport, OnlineStates, PassReport
 from mm_assets.services.request_stage import (
@@ -341,18 +342,17 @@ class OnlineBatches:
     def _check(self, report: PassReport) -> None:
         """Fail like the offline check when more of the partition's rows than
         `max_rejection_ratio` allows have failed (in any pass so far)."""
-        rejected, rows = len(self._rejected_rows), max(len(self.keys), 1)
-        allowed = self.states.extraction.max_rejection_ratio
-        if rejected / rows > allowed:
-            first = "; ".join(
-                f"{r['row_id']}: {r['reason']} ({r['detail']})"
-                for r in self.report.requests.rejections[:3]
-            )
+        judged = StateRejections(
+            len(self._rejected_rows),
+            len(self.keys),
+            self.states.extraction.max_rejection_ratio,
+            self.report.requests.rejections,
+            bool(self.report.requests.rejections_by_reason.get("token_mismatch")),
+        )
+        if judged.too_many:
             raise TooManyRejections(
-                f"{report.label}: the hidden states of {rejected}/{rows} rows were rejected "
-                f"({rejected / rows:.2%}; max_rejection_ratio {allowed:.2%}): "
-                f"{dict(report.rejected)}. First: {first}. Token mismatches mean the served "
-                "processor or its image limits differ from the ones that tokenized the rows."
+                f"{report.label}: hidden states (max_rejection_ratio): {judged.describe()} "
+                f"By reason: {dict(report.rejected)}."
             )
 
 
