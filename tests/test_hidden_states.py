@@ -26,7 +26,8 @@ from mm_assets.domain.model.hidden_states import (
     text_config_facts,
 )
 from mm_assets.domain.model.training_data import read_states
-from mm_assets.services.extraction import requests_for, run_extraction
+from mm_assets.services.extraction import HiddenStatesJob, requests_for
+from mm_assets.services.request_stage import run_requests
 from mm_assets.services.target import target_fingerprint
 from mm_assets.storage.blobs import BlobStore
 from tests.conftest import PREP_ASSETS, SESSION_HOME, materialize
@@ -176,7 +177,8 @@ def test_token_mismatch_is_rejected_and_nothing_stored(
     client = HiddenStatesClient([vllm_server.base_url], RequestSettings(concurrency=1))
     (request,) = requests_for(rows, {row["row_id"]}, image_token)
     assert request.image_urls and request.prompt_ids.count(image_token) == 1
-    report = run_extraction(client, [request], plan, settings, blobs)
+    job = HiddenStatesJob(plan.keys(), settings, blobs)
+    report = run_requests(client, [request], job, len(plan.missing))
     assert report.stored == 0 and len(report.rejections) == 1
     assert report.rejections[0]["reason"] == "token_mismatch"
     assert (

@@ -36,12 +36,13 @@ from mm_assets.domain.model.hidden_states import (
 )
 from mm_assets.services.extraction import (
     DiskBudgetError,
+    HiddenStatesJob,
     StatesDestination,
     check_disk_budget,
-    run_extraction,
     store_response,
     stored_blobs,
 )
+from mm_assets.services.request_stage import run_requests
 from mm_assets.services.target import target_fingerprint
 from mm_assets.storage.blobs import BlobStore
 
@@ -335,7 +336,8 @@ def test_a_row_answered_without_a_readable_file_is_requested_again(tmp_path: Pat
     transport = httpx.AsyncClient(transport=httpx.MockTransport(server))
     client = HiddenStatesClient(["http://vllm.test/v1"], http_client=transport)
     requests = [ExtractionRequest(r["row_id"], r["input_ids"]) for r in rows]
-    tally = run_extraction(client, requests, plan, layout, blobs)
+    job = HiddenStatesJob(plan.keys(), layout, blobs)
+    tally = run_requests(client, requests, job, len(plan.missing))
     assert tally.stored == 1 and blobs.has(plan.rows[0].key)
     assert asked.count([1, 2, 3]) == 2 and asked.count([4, 5, 6]) == 3
     (rejection,) = tally.rejections
@@ -392,7 +394,8 @@ def test_counts_of_many_concurrent_stores_equal_the_manifest(tmp_path: Path) -> 
             http_client=_completions_server(tmp_path),
         )
         requests = [ExtractionRequest(r["row_id"], r["input_ids"]) for r in rows]
-        tally = run_extraction(client, requests, plan, layout, blobs)
+        job = HiddenStatesJob(plan.keys(), layout, blobs)
+        tally = run_requests(client, requests, job, len(plan.missing))
     finally:
         sys.setswitchinterval(previous)
     manifest = list(manifest_rows(plan, set(), layout, stored_blobs(blobs, layout)))

@@ -42,7 +42,6 @@ from mm_assets.services.request_stage import (
     RequestStage,
     Stored,
     Unusable,
-    run_requests,
 )
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, WrittenTable, schemas
@@ -225,23 +224,6 @@ def store_outcome(
             "local_path_prefix?)",
         )
     return Stored(request.num_tokens, os.path.getsize(path))
-
-
-def run_extraction(
-    client: HiddenStatesClient,
-    requests: Iterable[ExtractionRequest],
-    plan: Plan,
-    layout: HiddenStatesLayout,
-    blobs: BlobStore,
-    path_map: Callable[[str], str] = lambda p: p,
-    loss_masks: dict[str, list[int]] | None = None,
-) -> RequestReport:
-    """Send the missing rows through `client` and store what comes back (see
-    `HiddenStatesJob`); a dead server raises `CircuitOpen`. For callers that bring
-    their own client (the tests of the store rules)."""
-    job = HiddenStatesJob(plan.keys(), layout, blobs, path_map, loss_masks)
-    with _one_torch_thread():
-        return run_requests(client, requests, job, len(plan.missing))
 
 
 @contextlib.contextmanager
