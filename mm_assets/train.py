@@ -30,13 +30,12 @@ from typing import Any, Literal, get_args, get_origin
 import torch
 import torch.distributed as dist
 
-from mm_assets.assets.partitions import ALL_DRAFTS, REGISTRY
-from mm_assets.assets.resources import vllm_resource
 from mm_assets.common import paths
 from mm_assets.domain.model.hidden_states import ExtractionSettings
 from mm_assets.domain.model.settings import OnlineSettings, SpeculatorSettings
-from mm_assets.registry import DraftSpec
-from mm_assets.services.engine import Serving
+from mm_assets.registry import DatasetSpec, DraftSpec
+from mm_assets.services import settings as settings_of
+from mm_assets.services.engine import Serving, VllmEngine
 from mm_assets.services.media import sources_media_root
 from mm_assets.services.online_states import OnlineStates
 from mm_assets.services.target import TargetModel
@@ -82,22 +81,9 @@ def _device(world: int) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def cli_settings(
-    entry: Mapping[str, Any], given: Mapping[str, Any]
-) -> tuple[SpeculatorSettings, OnlineSettings]:
-    """The defaults, then the registry entry's `trained_speculator` settings, then the
-    options given."""
-    values = {**entry, **given}
-    return (
-        SpeculatorSettings(
-            **{k: v for k, v in values.items() if k in SpeculatorSettings.model_fields}
-        ),
-        OnlineSettings(**{k: v for k, v in values.items() if k in OnlineSettings.model_fields}),
-    )
-
-
 def _online(
     draft: DraftSpec,
+    registry: Mapping[str, DatasetSpec],
     online: OnlineSettings,
     target: TargetModel,
     root: Path,
@@ -109,14 +95,14 @@ def _online(
     started here."""
     if online.hidden_states == "stored":
         return None
-    engine = vllm_resource().engine()
+    engine = VllmEngine.from_environment()
     if engine.managed and world > 1:
         sys.exit(
             "online hidden states under torchrun need a fleet every rank shares: start vLLM "
             "extraction servers and set MM_ASSETS_VLLM_URLS (each rank fetches its batches)"
         )
-    sources = [REGISTRY[name] for name in draft.sources]
-    extraction = ExtractionSettings(**sources[0].settings.get("hidden_states", {}))
+    sources = [registry[name] for name in draft.sources]
+    extraction = settings_of.resolve(sources[0], "hidden_states", ExtractionSettings, {})
     tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
     log = root / "logs" / f"vllm_online_train_rank{rank}.log"
     serving = Serving.for_target(
@@ -128,11 +114,14 @@ def _online(
 def main() -> None:
     args = vars(parser().parse_args())
     partition, retrain = args.pop("partition"), args.pop("retrain")
-    if partition not in ALL_DRAFTS:
-        known = ", ".join(sorted(ALL_DRAFTS))
+    registry = settings_of.datasets()
+    drafts = settings_of.drafts(registry)
+    if partition not in drafts:
+        known = ", ".join(sorted(drafts))
         sys.exit(f"unknown draft {partition!r}; a dataset or a drafts: entry: {known}")
-    draft = ALL_DRAFTS[partition]
-    settings, online = cli_settings(draft.settings.get("trained_speculator", {}), args)
+    draft = drafts[partition]
+    settings = settings_of.resolve(draft, "trained_speculator", SpeculatorSettings, args)
+    online = settings_of.resolve(draft, "trained_speculator", OnlineSettings, args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = _device(world)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -141,7 +130,7 @@ def main() -> None:
     target = TargetModel(paths.default_target_model())
     root = paths.home()
     tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
-    states = _online(draft, online, target, root, rank, world)
+    states = _online(draft, registry, online, target, root, rank, world)
     job = SpeculatorJob.for_draft(draft, root, target, settings, tables, states)
     outcome = train_speculator(job, draft, tables, not retrain, device)
     if rank == 0:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from mm_assets.assets.config import STAGE_SETTINGS
 from mm_assets.domain.model.draft_set import SourceRows, draft_set, prompt_key, source_of
 from mm_assets.domain.model.settings import SpeculatorSettings
 from mm_assets.domain.model.training_data import SampleRef
 from mm_assets.registry import DatasetSpec, load_drafts, load_registry
 from mm_assets.registry.drafts import parse_drafts
+from mm_assets.services.settings import STAGE_SETTINGS
 
 DATASETS = {
     name: DatasetSpec(name=name, path="x", format="sharegpt", settings=settings)

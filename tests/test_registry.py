@@ -274,7 +274,7 @@ def test_a_renamed_key_is_refused_with_its_new_name(
 def test_stage_settings_are_checked_against_the_stages_models() -> None:
     """An entry's `settings` are validated like launch config: the stage must exist, each
     key must be one of its settings (a typo is named with the closest), values are typed."""
-    from mm_assets.assets.config import STAGE_SETTINGS
+    from mm_assets.services.settings import STAGE_SETTINGS
 
     good = {"path": "x", "format": "sharegpt", "settings": {
         "target_responses": {"max_tokens": 64},
@@ -308,7 +308,7 @@ def test_the_demo_entries_carry_the_demo_settings(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """`make demo`, the UI and the CLI read the same entry, so they train the same draft."""
-    from mm_assets.assets.config import STAGE_SETTINGS
+    from mm_assets.services.settings import STAGE_SETTINGS
 
     monkeypatch.setenv("MM_ASSETS_DATASETS", str(tmp_path / "absent.yaml"))
     registry = load_registry(STAGE_SETTINGS)

@@ -10,15 +10,16 @@ import pydantic
 import pytest
 
 from mm_assets.assets.benchmarks import BenchmarkConfig
-from mm_assets.assets.config import STAGE_SETTINGS, stage_settings
+from mm_assets.assets.config import stage_settings
 from mm_assets.assets.model import HiddenStatesConfig, SpeculatorConfig
 from mm_assets.assets.prep import TokenizationConfig
 from mm_assets.assets.resources import VllmResource, vllm_resource
 from mm_assets.assets.responses import ResponsesConfig
 from mm_assets.clients.vllm_server import EngineOptions
 from mm_assets.domain.model.settings import OnlineSettings, SpeculatorSettings
-from mm_assets.registry import DatasetSpec
-from mm_assets.train import cli_settings, parser
+from mm_assets.registry import DatasetSpec, DraftSpec
+from mm_assets.services.settings import STAGE_SETTINGS, resolve
+from mm_assets.train import parser
 
 CONFIGS = {
     "tokenized_samples": TokenizationConfig,
@@ -116,7 +117,10 @@ def test_training_cli_options_are_the_settings() -> None:
     assert given == {"partition": "p", "retrain": False, "learning_rate": 0.01,
                      "hidden_states": "online"}  # fmt: skip
     given.pop("partition"), given.pop("retrain")
-    settings, online = cli_settings({"learning_rate": 3e-3, "batch_tokens": 512}, given)
+    entry = {"trained_speculator": {"learning_rate": 3e-3, "batch_tokens": 512}}
+    draft = DraftSpec(name="p", sources={"p": {}}, settings=entry)
+    settings = resolve(draft, "trained_speculator", SpeculatorSettings, given)
+    online = resolve(draft, "trained_speculator", OnlineSettings, given)
     assert (settings.learning_rate, settings.batch_tokens, settings.epochs) == (0.01, 512, 8)
     assert (online.hidden_states, online.online_cache) == ("online", "keep")
     with pytest.raises(SystemExit):

@@ -19,27 +19,10 @@ import dagster as dg
 from pydantic import BaseModel, create_model
 from pydantic.fields import FieldInfo
 
-from mm_assets.domain.model.benchmark import BenchmarkSettings
-from mm_assets.domain.model.hidden_states import ExtractionSettings
-from mm_assets.domain.model.responses import ResponseSettings
-from mm_assets.domain.model.settings import (
-    MeasurementSettings,
-    OnlineSettings,
-    SpeculatorSettings,
-)
-from mm_assets.domain.prep.settings import TokenizationSettings
 from mm_assets.registry import DatasetSpec, DraftSpec
+from mm_assets.services.settings import resolve
 
 M = TypeVar("M", bound=BaseModel)
-
-# The stages a registry entry may set settings of, and the models those come from.
-STAGE_SETTINGS: dict[str, tuple[type[BaseModel], ...]] = {
-    "tokenized_samples": (TokenizationSettings,),
-    "target_responses": (ResponseSettings,),
-    "hidden_states": (ExtractionSettings,),
-    "trained_speculator": (SpeculatorSettings, OnlineSettings, MeasurementSettings),
-    "speculator_benchmark": (BenchmarkSettings,),
-}
 
 
 def config_class(
@@ -70,13 +53,12 @@ def stage_settings(
     model: type[M],
     op: str | None = None,
 ) -> M:
-    """`model`'s settings of `stage` for this run: its defaults, then the registry
-    entry's, then the keys the run launched that stage's step with (read from the run's
-    config, without Dagster's defaults). A step may read another stage's settings: the
-    `hidden_states` step reads whether `trained_speculator` fetches states online. `op`:
-    the step launched with the stage's settings, when it is not named after the stage
-    (`trained_draft` takes `trained_speculator` settings)."""
+    """`model`'s settings of `stage` for this run (`services.settings.resolve`), the
+    launched keys read from the run's config without Dagster's defaults. A step may
+    read another stage's settings: the `hidden_states` step reads whether
+    `trained_speculator` fetches states online. `op`: the step launched with the
+    stage's settings, when it is not named after the stage (`trained_draft` takes
+    `trained_speculator` settings)."""
     ops: Mapping[str, Any] = context.run.run_config.get("ops") or {}
     launched = (ops.get(op or stage) or {}).get("config") or {}
-    values = {**spec.settings.get(stage, {}), **launched}
-    return model(**{key: value for key, value in values.items() if key in model.model_fields})
+    return resolve(spec, stage, model, launched)

@@ -10,10 +10,10 @@ from typing import Any
 import dagster as dg
 
 from mm_assets.assets.automation import materialize_on_change
-from mm_assets.assets.config import STAGE_SETTINGS
 from mm_assets.assets.executors import accelerator_step_tags
 from mm_assets.orchestration.wiring import WATCH_KEY, taking_watch, watch_resource
-from mm_assets.registry import DatasetSpec, DraftSpec, load_drafts, load_registry
+from mm_assets.registry import DatasetSpec, DraftSpec
+from mm_assets.services import settings
 
 # Steps that hold the accelerator (a vLLM server, training) share one pool; its limit is
 # the instance's `concurrency.pools` setting (dagster.yaml: one at a time by default).
@@ -22,12 +22,12 @@ ACCELERATOR_POOL = "accelerator"
 # resource key to mean the same object everywhere.
 ACCELERATOR_WATCH = watch_resource([ACCELERATOR_POOL])
 
-REGISTRY = load_registry(STAGE_SETTINGS)
+REGISTRY = settings.datasets()
 dataset_partitions = dg.StaticPartitionsDefinition(sorted(REGISTRY))
 # Drafts of several datasets (`trained_draft`); each dataset's own is `trained_speculator`.
 # Their own partitions: Dagster runs one partitions definition per run, so a dataset's
 # chain (`*trained_speculator`) stays one run.
-ALL_DRAFTS = load_drafts(REGISTRY, STAGE_SETTINGS)
+ALL_DRAFTS = settings.drafts(REGISTRY)
 DRAFTS = {n: d for n, d in ALL_DRAFTS.items() if not d.is_dataset}
 DATASET_DRAFTS = {n: d for n, d in ALL_DRAFTS.items() if d.is_dataset}
 draft_partitions = dg.StaticPartitionsDefinition(sorted(DRAFTS))

@@ -14,7 +14,14 @@ from mm_assets.assets.config import resource_base
 from mm_assets.clients.vllm_server import EngineOptions
 from mm_assets.common import paths
 from mm_assets.domain.ingest.embedded_images import embedded_images_dir
-from mm_assets.services.engine import Serving, VllmEngine
+from mm_assets.services.engine import (
+    API_KEY_ENV,
+    RESPONSE_URLS_ENV,
+    URLS_ENV,
+    Serving,
+    VllmEngine,
+    env_list,
+)
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import ObjectStore, TableStore, open_tables
 from mm_assets.storage.blobs import BlobStore
@@ -71,25 +78,18 @@ class TargetModelResource(dg.ConfigurableResource):
         return TargetModel(self.path, self.trust_remote_code)
 
 
-def _env_list(name: str) -> list[str]:
-    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
-
-
-API_KEY_ENV = "MM_ASSETS_VLLM_API_KEY"
-
-
 class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignore[misc]
     """The vLLM engine: started per step (managed, default) or already running elsewhere
     (external, when `base_urls` is set). How a managed server runs the target comes from
     `EngineOptions`, declared there once."""
 
     base_urls: list[str] = Field(
-        default_factory=lambda: _env_list("MM_ASSETS_VLLM_URLS"),
+        default_factory=lambda: env_list(URLS_ENV),
         description="External servers (…/v1), started with the extraction config; "
         "empty = start a managed server. Default $MM_ASSETS_VLLM_URLS (comma-separated).",
     )
     response_urls: list[str] = Field(
-        default_factory=lambda: _env_list("MM_ASSETS_VLLM_RESPONSE_URLS"),
+        default_factory=lambda: env_list(RESPONSE_URLS_ENV),
         description="External servers (…/v1) that generate `target_responses` (plain "
         "serving, no extraction config); empty = start a managed server. Default "
         "$MM_ASSETS_VLLM_RESPONSE_URLS (comma-separated).",

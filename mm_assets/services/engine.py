@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -33,6 +34,15 @@ class ServerSession:
     managed: ManagedVllmServer | None = None
 
 
+URLS_ENV = "MM_ASSETS_VLLM_URLS"  # external extraction servers, comma-separated
+RESPONSE_URLS_ENV = "MM_ASSETS_VLLM_RESPONSE_URLS"  # external plain servers (target replies)
+API_KEY_ENV = "MM_ASSETS_VLLM_API_KEY"
+
+
+def env_list(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
 @dataclass(frozen=True)
 class VllmEngine:
     base_urls: tuple[str, ...] = ()
@@ -42,6 +52,12 @@ class VllmEngine:
     api_key: str = "EMPTY"
     server_path_prefix: str = ""
     local_path_prefix: str = ""
+
+    @classmethod
+    def from_environment(cls) -> VllmEngine:
+        """The extraction engine outside Dagster, as the `vllm` resource's defaults make
+        it: the fleet at $MM_ASSETS_VLLM_URLS (managed when unset), its API key."""
+        return cls(tuple(env_list(URLS_ENV)), api_key=os.environ.get(API_KEY_ENV) or "EMPTY")
 
     @property
     def managed(self) -> bool:

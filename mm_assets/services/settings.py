@@ -1,0 +1,49 @@
+"""A stage's settings for a dataset or a draft, resolved one way for every caller (the
+assets, `python -m mm_assets.train`): the settings model's defaults, then the registry
+entry's (`settings: {stage: {...}}`, a draft entry's top-level keys), then the keys
+launched with (the run's config, the CLI's options) — last wins. The registry is read
+here too, against the stages' models, so a misspelt setting fails at load."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from mm_assets.domain.model.benchmark import BenchmarkSettings
+from mm_assets.domain.model.hidden_states import ExtractionSettings
+from mm_assets.domain.model.responses import ResponseSettings
+from mm_assets.domain.model.settings import MeasurementSettings, OnlineSettings, SpeculatorSettings
+from mm_assets.domain.prep.settings import TokenizationSettings
+from mm_assets.registry import DatasetSpec, DraftSpec, load_drafts, load_registry
+
+M = TypeVar("M", bound=BaseModel)
+
+# The stages a registry entry may set settings of, and the models those come from.
+STAGE_SETTINGS: dict[str, tuple[type[BaseModel], ...]] = {
+    "tokenized_samples": (TokenizationSettings,),
+    "target_responses": (ResponseSettings,),
+    "hidden_states": (ExtractionSettings,),
+    "trained_speculator": (SpeculatorSettings, OnlineSettings, MeasurementSettings),
+    "speculator_benchmark": (BenchmarkSettings,),
+}
+
+
+def resolve(
+    spec: DatasetSpec | DraftSpec, stage: str, model: type[M], launched: Mapping[str, Any]
+) -> M:
+    """`model`'s settings of `stage`: its defaults < the entry's < `launched` (only the
+    keys actually given: a launch that fills in every default would hide the entry)."""
+    values = {**spec.settings.get(stage, {}), **launched}
+    return model(**{key: value for key, value in values.items() if key in model.model_fields})
+
+
+def datasets() -> dict[str, DatasetSpec]:
+    """Every registered dataset (built-in entries, then the user's file)."""
+    return load_registry(STAGE_SETTINGS)
+
+
+def drafts(registered: Mapping[str, DatasetSpec]) -> dict[str, DraftSpec]:
+    """Every draft: each training dataset's own, then the `drafts:` entries."""
+    return load_drafts(registered, STAGE_SETTINGS)
