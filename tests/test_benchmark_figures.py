@@ -8,6 +8,7 @@ import pytest
 from mm_assets.domain.model.acceptance import OVERALL, Acceptance
 from mm_assets.domain.model.benchmark import (
     BenchmarkFigures,
+    Generation,
     benchmark_conversation,
     capped,
     combined,
@@ -114,9 +115,11 @@ def test_speedup_is_against_no_speculation_on_the_same_category() -> None:
     assert [r.category for r in rows[-2:]] == [OVERALL, OVERALL]
 
 
-def test_lossless_counts_identical_greedy_outputs() -> None:
-    assert lossless_count([[1, 2], [3], [4, 5]], [[1, 2], [3, 9], [4, 5]]) == 2
-    f = with_lossless(_figures("a", "eagle3"), [[1], [2]], [[1], [3]])
+def test_lossless_counts_identical_greedy_outputs_at_the_same_max_tokens() -> None:
+    pairs = [([1, 2], [1, 2]), ([3], [3, 9]), ([4, 5], [4, 5]), ([6, 7], [6, 8])]
+    limited = [(Generation.limited(a, 2), Generation.limited(b, 2)) for a, b in pairs]
+    assert lossless_count(limited) == 2  # an answer that ended early is not a cut one
+    f = with_lossless(_figures("a", "eagle3"), [[1], [2]], [[1], [3]], max_tokens=1)
     assert (f.lossless, f.compared) == (1, 2)
     assert speedup(f, [f]) is None  # no `none` row to compare with
     assert f.acceptance_length is None and f.tokens_per_s == 50.0

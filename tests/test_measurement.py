@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from mm_assets.domain.model.benchmark import Generation
 from mm_assets.services.measurement import HeldOutReply, held_out_replies, same_as_target
 from mm_assets.storage import TableStore
 
@@ -16,6 +17,7 @@ TURNS = pa.schema(
         ("turns", pa.string()),
         ("reply_turns", pa.list_(pa.int32())),
         ("reply_token_ids", pa.list_(pa.list_(pa.int32()))),
+        ("finish_reasons", pa.list_(pa.string())),
     ]
 )
 
@@ -41,6 +43,7 @@ def test_held_out_replies_pair_each_replayed_reply_with_its_prompt(tmp_path: Pat
             "turns": _conversation("b1", "b2"),
             "reply_turns": [1, 3],
             "reply_token_ids": [[5, 6], [7, 8, 9]],
+            "finish_reasons": ["stop", "length"],
         },
     ]
     tables.write("target_responses", "p", rows, TURNS)
@@ -55,12 +58,15 @@ def test_held_out_replies_pair_each_replayed_reply_with_its_prompt(tmp_path: Pat
     assert [m["content"] for m in a_second[1:]] == ["a1", "q0"]
     assert len(held_out_replies(tables, "p", replayed, limit=2)) == 2
     # the target's own reply to b's prompt rides along; a's replies are the dataset's
-    assert replies[0].target_ids == [7, 8, 9] and replies[1].target_ids is None
+    assert replies[0].target == Generation([7, 8, 9], cut=True) and replies[1].target is None
 
 
-def test_generations_compare_with_the_targets_replies_over_their_common_length() -> None:
-    b = HeldOutReply("b", 0, [], [7, 8, 9])
-    assert same_as_target([b], [[7, 8]]) == 1  # generated fewer tokens (max_tokens)
-    assert same_as_target([b], [[7, 8, 9, 4]]) == 1  # the target's reply was cut shorter
-    assert same_as_target([b], [[7, 5, 9]]) == 0
-    assert same_as_target([HeldOutReply("a", 0, [], None)], [[1]]) is None
+def test_generations_are_the_targets_replies_up_to_where_max_tokens_cut_either() -> None:
+    cut = HeldOutReply("b", 0, [], Generation([7, 8, 9], cut=True))
+    ended = HeldOutReply("c", 0, [], Generation([7, 8, 9], cut=False))
+    assert same_as_target([cut], [[7, 8]], max_tokens=2) == 1  # we generated fewer tokens
+    assert same_as_target([cut], [[7, 8, 9, 4]], max_tokens=8) == 1  # the target's was cut
+    assert same_as_target([ended], [[7, 8, 9, 4]], max_tokens=8) == 0  # it ended, we went on
+    assert same_as_target([ended], [[7, 8, 9]], max_tokens=8) == 1
+    assert same_as_target([cut], [[7, 5, 9]], max_tokens=3) == 0
+    assert same_as_target([HeldOutReply("a", 0, [], None)], [[1]], max_tokens=1) is None

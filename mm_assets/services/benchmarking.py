@@ -195,7 +195,7 @@ def run_method(
     return MethodRun(method, figures, answers, total)
 
 
-def _checked(run: MethodRun, reference: MethodRun) -> MethodRun:
+def _checked(run: MethodRun, reference: MethodRun, max_tokens: int) -> MethodRun:
     """The run's figures with their lossless counts against the reference's token ids."""
     if run.not_run is not None:
         return run
@@ -203,7 +203,7 @@ def _checked(run: MethodRun, reference: MethodRun) -> MethodRun:
     for f in run.figures:
         ours = [a.token_ids for conv in run.answers[f.category] for a in conv]
         theirs = [a.token_ids for conv in reference.answers[f.category] for a in conv]
-        figures.append(with_lossless(f, ours, theirs))
+        figures.append(with_lossless(f, ours, theirs, max_tokens))
     total = combined(figures)
     whole = run.whole_run and replace(
         run.whole_run, lossless=total.lossless, compared=total.compared
@@ -272,8 +272,10 @@ def benchmark(
         servers.start(plan.to_run)
 
         def run(method: str, reference: MethodRun | None) -> MethodRun:
-            answers = reference.answers if reference else None
-            return run_method(method, servers, conversations, answers, settings)
+            if reference is None:
+                return run_method(method, servers, conversations, None, settings)
+            measured = run_method(method, servers, conversations, reference.answers, settings)
+            return _checked(measured, reference, settings.max_tokens)
 
         none, ngram = _baselines(run, plan)
         runs = {"none": none, "ngram": ngram}
@@ -286,6 +288,7 @@ def benchmark(
     return BenchmarkReport(rows, runs, prompts)
 
 
+# A method's run; given the reference run, with its lossless counts against it.
 Runner = Callable[[str, MethodRun | None], MethodRun]
 
 
@@ -329,10 +332,7 @@ def _baselines(run: Runner, plan: _Plan) -> tuple[MethodRun, MethodRun]:
     """`none` and `ngram`, from their record when it is there, else measured."""
     cached = plan.base
     none = _from_record(cached["none"]) if "none" in cached else run("none", None)
-    if "ngram" in cached:
-        n_gram = _from_record(cached["ngram"])
-    else:
-        n_gram = _checked(run("ngram", none), none)
+    n_gram = _from_record(cached["ngram"]) if "ngram" in cached else run("ngram", none)
     if not (none.reused and n_gram.reused):
         record = {"none": _to_record(none), "ngram": _to_record(n_gram)}
         save_record(plan.base_record, plan.base_key, record)
@@ -344,7 +344,7 @@ def _draft_run(run: Runner, none: MethodRun, plan: _Plan) -> MethodRun:
     assert plan.draft_record is not None and plan.draft_key is not None
     if plan.draft:
         return _from_record(plan.draft)
-    measured = _checked(run("eagle3", none), none)
+    measured = run("eagle3", none)
     if measured.not_run is None:
         save_record(plan.draft_record, plan.draft_key, _to_record(measured))
     return measured

@@ -32,6 +32,7 @@ from mm_assets.domain.model.acceptance import (
     combine,
     summarize,
 )
+from mm_assets.domain.model.benchmark import Generation, lossless_count
 from mm_assets.domain.model.draft_set import SEPARATOR, source_of
 from mm_assets.domain.model.settings import MeasurementSettings
 from mm_assets.domain.prep.conversations import reply_prompts, to_vllm_messages
@@ -78,7 +79,7 @@ class HeldOutReply:
     reply: int
     """Index among the row's supervised replies (`TrainResult.held_out_replies`)."""
     prompt: list[dict[str, Any]]
-    target_ids: list[int] | None
+    target: Generation | None
     """What the target generated for this prompt without a draft (regenerated replies)."""
 
 
@@ -89,7 +90,7 @@ def held_out_replies(
     each with the chat prompt it answers, images included: the same replies the offline
     estimate covers, so the two compare like for like."""
     wanted = {sample_id_of(row_id) for row_id in replayed}
-    columns = ["sample_id", "turns", "reply_turns", "reply_token_ids"]
+    columns = ["sample_id", "turns", "reply_turns", "reply_token_ids", "finish_reasons"]
     conversations = {
         row["sample_id"]: row
         for row in tables.iter_rows("target_responses", partition, columns)
@@ -100,7 +101,15 @@ def held_out_replies(
         row = conversations.get(sample_id_of(row_id))
         if row is None:
             continue
-        generated = dict(zip(row["reply_turns"] or [], row["reply_token_ids"] or [], strict=True))
+        generated = {
+            turn: Generation(ids, reason == "length")
+            for turn, ids, reason in zip(
+                row["reply_turns"] or [],
+                row["reply_token_ids"] or [],
+                row["finish_reasons"] or [],
+                strict=True,
+            )
+        }
         prompts = reply_prompts(json.loads(row["turns"]), turn_index_of(row_id))
         for reply, (turn, prompt) in list(enumerate(prompts))[: len(walks)]:
             if prompt and len(replies) < limit:
@@ -123,15 +132,18 @@ def source_replies(
     return out
 
 
-def same_as_target(replies: list[HeldOutReply], generations: list[list[int]]) -> int | None:
-    """How many generations with the draft equal the target's own reply to the prompt
-    (over their common length: the two may stop at different `max_tokens`): lossless
-    speculative decoding, checked without serving the target again. None when the
-    replies are the dataset's, not the target's."""
-    pairs = [(r.target_ids, g) for r, g in zip(replies, generations, strict=True)]
-    if any(target is None for target, _ in pairs):
-        return None
-    return sum(target[: len(g)] == g[: len(target)] for target, g in pairs)
+def same_as_target(
+    replies: list[HeldOutReply], generations: list[list[int]], max_tokens: int
+) -> int | None:
+    """How many generations with the draft are the target's own reply to the prompt
+    (`same_generation`): lossless speculative decoding, checked without serving the
+    target again. None when the replies are the dataset's, not the target's."""
+    pairs = []
+    for reply, generated in zip(replies, generations, strict=True):
+        if reply.target is None:
+            return None
+        pairs.append((Generation.limited(generated, max_tokens), reply.target))
+    return lossless_count(pairs)
 
 
 def measurement_record(storage_root: Path, prompts_of: str, measured: str) -> Path:
@@ -245,7 +257,7 @@ def measure_draft(
             every += mine
             estimate = summarize(mine, ttt_steps, max_tokens) if walks is not None else None
             out[source] = SourceMeasurement(
-                m, estimate, same_as_target(replies[source], m.generations)
+                m, estimate, same_as_target(replies[source], m.generations, max_tokens)
             )
         overall = summarize(every, ttt_steps, max_tokens) if walks is not None else None
         same = [f.same_as_target for f in out.values()]

@@ -13,7 +13,7 @@ them would: acceptance weighted by drafts, tokens per second as Σ tokens ÷ Σ 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -163,16 +163,46 @@ def combined(figures: Sequence[BenchmarkFigures], category: str = OVERALL) -> Be
     )
 
 
-def lossless_count(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> int:
-    """Requests whose greedy token ids equal the no-speculation ones (same prompt, same
-    `max_tokens`: they must be identical)."""
-    return sum(list(a) == list(b) for a, b in zip(outputs, reference, strict=True))
+@dataclass(frozen=True)
+class Generation:
+    """A greedy generation's token ids, and whether `max_tokens` stopped it (rather than
+    the model ending its reply)."""
+
+    token_ids: Sequence[int]
+    cut: bool
+
+    @classmethod
+    def limited(cls, token_ids: Sequence[int], max_tokens: int) -> Generation:
+        return cls(token_ids, len(token_ids) >= max_tokens)
+
+
+def same_generation(a: Generation, b: Generation) -> bool:
+    """What "lossless" means everywhere: the same token ids, except that a generation cut
+    by `max_tokens` only has to agree with the other up to its cut (more tokens would have
+    continued it). So a benchmark's runs (same `max_tokens`) must be identical, and a
+    measurement's generations are compared with the target's stored replies whichever
+    was given fewer tokens; a reply that ended early never matches a longer one."""
+    ends = [len(g.token_ids) for g in (a, b) if g.cut]
+    n = min(ends) if ends else None
+    return list(a.token_ids[:n]) == list(b.token_ids[:n])
+
+
+def lossless_count(pairs: Iterable[tuple[Generation, Generation]]) -> int:
+    """Pairs that are the same generation (`same_generation`)."""
+    return sum(same_generation(a, b) for a, b in pairs)
 
 
 def with_lossless(
-    figures: BenchmarkFigures, outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]
+    figures: BenchmarkFigures,
+    outputs: Sequence[Sequence[int]],
+    reference: Sequence[Sequence[int]],
+    max_tokens: int,
 ) -> BenchmarkFigures:
-    return replace(figures, lossless=lossless_count(outputs, reference), compared=len(reference))
+    pairs = [
+        (Generation.limited(a, max_tokens), Generation.limited(b, max_tokens))
+        for a, b in zip(outputs, reference, strict=True)
+    ]
+    return replace(figures, lossless=lossless_count(pairs), compared=len(reference))
 
 
 def speedup(figures: BenchmarkFigures, rows: Sequence[BenchmarkFigures]) -> float | None:
