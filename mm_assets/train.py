@@ -42,6 +42,7 @@ from mm_assets.services.target import TargetModel
 from mm_assets.services.training import SpeculatorJob, train_speculator
 from mm_assets.storage import open_tables
 from mm_assets.storage.blobs import BlobStore
+from mm_assets.storage.layout import StorageLayout
 from mm_assets.storage.object_store import ENV_VAR as OBJECT_STORE_ENV
 
 
@@ -104,7 +105,7 @@ def _online(
     sources = [registry[name] for name in draft.sources]
     extraction = settings_of.resolve(sources[0], "hidden_states", ExtractionSettings, {})
     tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
-    log = root / "logs" / f"vllm_online_train_rank{rank}.log"
+    log = StorageLayout(root).log(f"vllm_online_train_rank{rank}")
     serving = Serving.for_target(
         engine, target.local_dir, sources_media_root(sources, tables, root), log
     )

@@ -30,6 +30,7 @@ from mm_assets.assets.resources import StorageResource, TargetModelResource, Vll
 from mm_assets.domain.model.acceptance import OVERALL
 from mm_assets.domain.model.benchmark import BENCHMARK_VERSION, BenchmarkSettings
 from mm_assets.services.media import media_root
+from mm_assets.storage.layout import StorageLayout, has_weights
 
 if TYPE_CHECKING:
     from mm_assets.services.benchmarking import BenchmarkReport
@@ -117,8 +118,8 @@ def benchmark_step(
         return dg.MaterializeResult(
             metadata={"benchmarks": "none: list some under its sources' `benchmarks:`"}
         )
-    draft_dir = root / "speculators" / spec.name
-    if not (draft_dir / "model.safetensors").is_file():
+    draft_dir = StorageLayout(root).draft(spec.name)
+    if not has_weights(draft_dir):
         trains = "trained_speculator" if spec.is_dataset else "trained_draft"
         raise FileNotFoundError(f"no draft at {draft_dir}: materialize {trains} for {spec.name}")
     draft, target = DraftUnderTest.at(draft_dir), target_model.model()
@@ -128,7 +129,7 @@ def benchmark_step(
         prompts = load_benchmark(tables, name, settings.max_prompts_per_category)
         log = storage.log_path(f"vllm_bench_{name}_{context.run.run_id}")
         serving = vllm.serving(target.local_dir, media_root(REGISTRY[name], tables, root), log)
-        records = root / "benchmarks" / "records"
+        records = StorageLayout(root).benchmark_records()
         report = benchmark(
             serving, prompts.categories, draft, settings, records, reuse=not config.remeasure
         )

@@ -27,6 +27,7 @@ from mm_assets.domain.model.settings import (
     SpeculatorSettings,
 )
 from mm_assets.services.media import sources_media_root
+from mm_assets.storage.layout import DRAFTS, StorageLayout, has_weights
 from mm_assets.storage.object_store import publish_directory
 
 if TYPE_CHECKING:
@@ -86,8 +87,8 @@ def trained_draft(
     metadata = training_metadata(outcome, job.layer_ids) | sources_metadata(outcome)
     metadata |= fetch_metadata(online, outcome.fetch)
     if measure.measure_in_vllm:
-        own = {s: root / "speculators" / s for s in draft.sources}
-        others = {s: d for s, d in own.items() if (d / "model.safetensors").is_file()}
+        own = {s: StorageLayout(root).draft(s) for s in draft.sources}
+        others = {s: d for s, d in own.items() if has_weights(d)}
         log = storage.log_path(f"vllm_draft_{context.run.run_id}")
         sources = [REGISTRY[s] for s in draft.sources]
         serving = vllm.serving(target.local_dir, sources_media_root(sources, tables, root), log)
@@ -98,7 +99,7 @@ def trained_draft(
         metadata |= by_source_metadata(draft.name, measured)
         metadata |= table_links(tables, "draft_measurements", draft.name)
     if (store := storage.checkpoint_store()) is not None:
-        url, uploaded = publish_directory(store, outcome.checkpoint, "speculators", draft.name)
+        url, uploaded = publish_directory(store, outcome.checkpoint, DRAFTS, draft.name)
         metadata["checkpoint_url"] = dg.MetadataValue.path(url)
         metadata["checkpoint_files_uploaded"] = uploaded
     assert outcome.weights_sha256 is not None

@@ -27,6 +27,7 @@ from mm_assets.domain.model.settings import (
     SpeculatorSettings,
 )
 from mm_assets.services.media import media_root
+from mm_assets.storage.layout import DRAFTS
 from mm_assets.storage.object_store import publish_directory
 
 if TYPE_CHECKING:
@@ -250,7 +251,7 @@ def trained_speculator(
             metadata |= measurement_metadata(figures.untrained[spec.name], "untrained_")
         metadata |= table_links(tables, "draft_measurements", spec.name)
     if (store := storage.checkpoint_store()) is not None:
-        url, uploaded = publish_directory(store, outcome.checkpoint, "speculators", spec.name)
+        url, uploaded = publish_directory(store, outcome.checkpoint, DRAFTS, spec.name)
         metadata["checkpoint_url"] = dg.MetadataValue.path(url)
         metadata["checkpoint_files_uploaded"] = uploaded
     metadata["per_position_acceptance"] = acceptance_plot(

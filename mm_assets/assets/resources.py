@@ -25,6 +25,7 @@ from mm_assets.services.engine import (
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import ObjectStore, TableStore, open_tables
 from mm_assets.storage.blobs import BlobStore
+from mm_assets.storage.layout import StorageLayout
 from mm_assets.storage.object_store import ENV_VAR as OBJECT_STORE_ENV
 
 
@@ -60,7 +61,7 @@ class StorageResource(dg.ConfigurableResource):
         return embedded_images_dir(Path(self.root))
 
     def log_path(self, name: str) -> Path:
-        return Path(self.root) / "logs" / f"{name}.log"
+        return StorageLayout(Path(self.root)).log(name)
 
 
 class TargetModelResource(dg.ConfigurableResource):

@@ -24,6 +24,7 @@ from mm_assets.clients.vllm_server import (
     speculative_decoding_args,
 )
 from mm_assets.domain.model.hidden_states import TextConfigFacts, resolve_dtype, text_config_facts
+from mm_assets.storage.layout import weights
 
 
 @dataclass
@@ -128,9 +129,7 @@ class DraftUnderTest:
         from mm_assets.domain.model.checkpoint import speculative_tokens
 
         config = json.loads((directory / "config.json").read_text())
-        return cls(
-            directory, file_sha256(directory / "model.safetensors"), speculative_tokens(config)
-        )
+        return cls(directory, file_sha256(weights(directory)), speculative_tokens(config))
 
     def serve_args(self) -> list[str]:
         return speculative_decoding_args(self.dir, self.speculative_tokens)

@@ -41,6 +41,8 @@ from mm_assets.services.engine import DraftUnderTest, Serving
 from mm_assets.services.result_tables import write_results
 from mm_assets.services.training import SpeculatorJob, SpeculatorOutcome
 from mm_assets.storage import TableStore
+from mm_assets.storage.layout import StorageLayout
+from mm_assets.storage.layout import weights as weights_file
 from mm_assets.storage.records import load_record, save_record
 
 MEASUREMENT_VERSION = "2"  # 2: grouped by source, under measurements/, counts recorded
@@ -149,7 +151,7 @@ def same_as_target(
 def measurement_record(storage_root: Path, prompts_of: str, measured: str) -> Path:
     """Where the figures of `measured` (a draft's name, `<name>.untrained` for its
     baseline) on the held-out prompts of the draft `prompts_of` are recorded."""
-    return storage_root / "measurements" / prompts_of / f"{measured}.json"
+    return StorageLayout(storage_root).measurements(prompts_of) / f"{measured}.json"
 
 
 def measured_groups(
@@ -243,7 +245,7 @@ def measure_draft(
     labels = {"trained": job.partition, "untrained": f"{job.partition}.untrained"}
 
     def measure(name: str, directory: Path, weights: str | None) -> dict[str, Measurement]:
-        served[name] = weights = weights or file_sha256(directory / "model.safetensors")
+        served[name] = weights = weights or file_sha256(weights_file(directory))
         draft = DraftUnderTest(directory, weights, job.settings.speculative_tokens)
         record = measurement_record(job.storage_root, job.partition, labels.get(name, name))
         return measured_groups(serving, draft, groups, max_tokens, record, reuse)

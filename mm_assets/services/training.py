@@ -57,6 +57,7 @@ from mm_assets.services.target import TargetModel
 from mm_assets.services.target_weights import load_target_head
 from mm_assets.storage import TableStore
 from mm_assets.storage.checkpoints import TrainStateFile, read_checkpoint, write_checkpoint
+from mm_assets.storage.layout import StorageLayout, weights
 from mm_assets.storage.records import load_record, save_record
 
 OUTCOME_RECORD = "mm_assets_outcome.json"
@@ -104,18 +105,22 @@ class SpeculatorJob:
         )
 
     @property
+    def layout(self) -> StorageLayout:
+        return StorageLayout(self.storage_root)
+
+    @property
     def checkpoint_dir(self) -> Path:
-        return self.storage_root / "speculators" / self.partition
+        return self.layout.draft(self.partition)
 
     @property
     def untrained_dir(self) -> Path:
         """The draft as initialised, before any step: the baseline the trained draft is
         measured against on the same prompts (a draft that learned nothing stays there)."""
-        return self.storage_root / "untrained_speculators" / self.partition
+        return self.layout.untrained_draft(self.partition)
 
     @property
     def state_dir(self) -> Path:
-        return self.storage_root / "train_state" / self.partition
+        return self.layout.train_state(self.partition)
 
 
 @dataclass
@@ -207,13 +212,13 @@ def training_key(job: SpeculatorJob, draft: DraftSpec, tables: TableStore) -> st
 
 def _reused_outcome(job: SpeculatorJob, key: str, data: TrainingSet) -> SpeculatorOutcome | None:
     record = load_record(job.checkpoint_dir / OUTCOME_RECORD, key)
-    weights = job.checkpoint_dir / "model.safetensors"
-    if record is None or not weights.is_file():
+    stored = weights(job.checkpoint_dir)
+    if record is None or not stored.is_file():
         return None
-    weights_sha256 = file_sha256(weights)
+    weights_sha256 = file_sha256(stored)
     if weights_sha256 != record.get("weights_sha256"):  # replaced since: train again
         return None
-    untrained = job.untrained_dir / "model.safetensors"
+    untrained = weights(job.untrained_dir)
     if not untrained.is_file() or file_sha256(untrained) != record.get("untrained_sha256"):
         return None
     return SpeculatorOutcome(
@@ -283,7 +288,7 @@ def _train(
     if ranks.rank == 0:
         config = _checkpoint_config(job, cfg, {"untrained": True})
         save_checkpoint(model.cpu(), config, job.untrained_dir)
-        untrained_sha256 = file_sha256(job.untrained_dir / "model.safetensors")
+        untrained_sha256 = file_sha256(weights(job.untrained_dir))
     states: StateStore = TrainStateFile(job.state_dir / "train_state.pt")
     if not resume:
         states = _FromScratch(states)
@@ -369,7 +374,7 @@ def _save(job: SpeculatorJob, model: Eagle3Draft, outcome: SpeculatorOutcome, ke
     save_checkpoint(
         model.cpu(), _checkpoint_config(job, outcome.config, estimate), job.checkpoint_dir
     )
-    outcome.weights_sha256 = file_sha256(job.checkpoint_dir / "model.safetensors")
+    outcome.weights_sha256 = file_sha256(weights(job.checkpoint_dir))
     record = {
         "untrained_sha256": outcome.untrained_sha256,
         "weights_sha256": outcome.weights_sha256,

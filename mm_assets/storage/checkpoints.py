@@ -12,19 +12,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mm_assets.common.files import atomic_directory, atomic_path
+from mm_assets.storage.layout import WEIGHTS
 
 
 def write_checkpoint(out_dir: Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> Path:
     """config.json + model.safetensors in `out_dir`, replacing it atomically."""
     with atomic_directory(out_dir) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
     return out_dir
 
 
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     config = json.loads((path / "config.json").read_text())
-    return config, load_file(str(path / "model.safetensors"))
+    return config, load_file(str(path / WEIGHTS))
 
 
 @dataclass(frozen=True)
