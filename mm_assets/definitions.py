@@ -4,7 +4,9 @@
 `dagster dev`, `dg dev`, `dagster asset materialize -m mm_assets.definitions` and
 `dg launch` load this module. Loading it imports neither torch nor transformers: the
 steps that need them import them (see `assets/__init__.py`), so a CLI run or a UI reload
-starts in about a second.
+starts in about a second. Loading it changes nothing: the instance (`DAGSTER_HOME`) is
+the caller's (`make`'s targets and `python -m mm_assets.demo` give it the project's
+instance config, `paths.ensure_dagster_home`).
 """
 
 import dagster as dg
@@ -15,12 +17,9 @@ from mm_assets.assets.executors import step_executor
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
 from mm_assets.assets.model import hidden_states, trained_speculator
 from mm_assets.assets.prep import normalized_conversations, tokenized_samples
-from mm_assets.assets.resources import StorageResource, TargetModelResource, vllm_resource
+from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
 from mm_assets.assets.responses import target_responses
 from mm_assets.assets.schedules import refresh_raw_datasets, refresh_raw_datasets_job
-from mm_assets.common import paths
-
-paths.ensure_dagster_home()
 
 # One run covers one partitioning: a dataset's chain, or a draft of several datasets.
 dataset_chain_job = dg.define_asset_job(
@@ -55,6 +54,6 @@ defs = dg.Definitions(
     resources={
         "storage": StorageResource(),
         "target_model": TargetModelResource(),
-        "vllm": vllm_resource(),
+        "vllm": VllmResource(),
     },
 )

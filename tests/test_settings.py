@@ -3,6 +3,7 @@ settings models, with the same names, defaults and bounds."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -13,7 +14,7 @@ from mm_assets.assets.benchmarks import BenchmarkConfig
 from mm_assets.assets.config import stage_settings
 from mm_assets.assets.model import HiddenStatesConfig, SpeculatorConfig
 from mm_assets.assets.prep import TokenizationConfig
-from mm_assets.assets.resources import VllmResource, vllm_resource
+from mm_assets.assets.resources import StorageResource, VllmResource
 from mm_assets.assets.responses import ResponsesConfig
 from mm_assets.clients.vllm_server import EngineOptions
 from mm_assets.domain.model.settings import OnlineSettings, SpeculatorSettings
@@ -48,11 +49,14 @@ def test_the_vllm_resource_has_every_engine_option_with_its_default() -> None:
     assert options == EngineOptions(dtype="float32", kv_cache_gib=1.0)
 
 
-def test_the_api_key_is_an_env_var_not_a_config_value(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The key reaches the engine, yet the resource's config names only the variable."""
+def test_the_api_key_is_read_when_the_step_runs_never_kept_in_config(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The resource is built (as the code location loads) before the key is set; the
+    step still serves with it, and the resource's config never holds it."""
+    monkeypatch.delenv("MM_ASSETS_VLLM_API_KEY", raising=False)
+    resource = VllmResource()
     monkeypatch.setenv("MM_ASSETS_VLLM_API_KEY", "s3cret")
-    resource = vllm_resource()
-    assert isinstance(resource.api_key, dg.EnvVar)
     assert "s3cret" not in repr(resource) and "s3cret" not in str(resource.model_dump())
     seen: dict[str, str] = {}
 
@@ -63,7 +67,19 @@ def test_the_api_key_is_an_env_var_not_a_config_value(monkeypatch: pytest.Monkey
     assert dg.materialize([probe], resources={"vllm": resource}).success
     assert seen["key"] == "s3cret"
     monkeypatch.delenv("MM_ASSETS_VLLM_API_KEY")
-    assert vllm_resource().api_key == "EMPTY"
+    assert VllmResource().engine().api_key == "EMPTY"
+
+
+def test_the_storage_root_and_fleet_are_the_environment_of_the_step(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    storage, vllm = StorageResource(), VllmResource()  # built before the variables are set
+    monkeypatch.setenv("MM_ASSETS_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MM_ASSETS_VLLM_URLS", "http://a:8000/v1, http://b:8000/v1")
+    assert storage.root_dir() == tmp_path / "home" and storage.tables().root == tmp_path / "home"
+    assert vllm.engine().base_urls == ("http://a:8000/v1", "http://b:8000/v1")
+    assert vllm.engine("responses").managed
+    assert StorageResource(root=str(tmp_path / "mine")).root_dir() == tmp_path / "mine"
 
 
 def _settings_seen(spec: DatasetSpec, run_config: dict[str, Any]) -> SpeculatorSettings:

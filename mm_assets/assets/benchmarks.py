@@ -6,7 +6,6 @@ assets only because Dagster runs one partitioning per run; one body."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
@@ -111,7 +110,7 @@ def benchmark_step(
     from mm_assets.services.engine import DraftUnderTest
     from mm_assets.services.result_tables import write_results
 
-    spec, tables, root = draft_spec(context), storage.tables(), Path(storage.root)
+    spec, tables, root = draft_spec(context), storage.tables(), storage.root_dir()
     step = context.asset_key.to_user_string()
     settings = stage_settings(context, spec, "speculator_benchmark", BenchmarkSettings, step)
     if not spec.benchmarks:

@@ -3,7 +3,6 @@ of the registry, reading its sources' stored hidden states."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
@@ -70,7 +69,7 @@ def trained_draft(
     from mm_assets.services.measurement import measure_draft
     from mm_assets.services.training import SpeculatorJob, train_speculator
 
-    draft, tables, root = draft_spec(context), storage.tables(), Path(storage.root)
+    draft, tables, root = draft_spec(context), storage.tables(), storage.root_dir()
     settings = stage_settings(
         context, draft, "trained_speculator", SpeculatorSettings, "trained_draft"
     )

@@ -1,6 +1,5 @@
 """Model stage: hidden states from a real vLLM server, and the trained EAGLE-3 speculator."""
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
@@ -81,7 +80,7 @@ def hidden_states(
     spec, tables, target = dataset_spec(context), storage.tables(), target_model.model()
     settings = stage_settings(context, spec, "hidden_states", ExtractionSettings)
     log = storage.log_path(f"vllm_{context.run.run_id}")
-    serving = vllm.serving(target.local_dir, media_root(spec, tables, storage.root), log)
+    serving = vllm.serving(target.local_dir, media_root(spec, tables, storage.root_dir()), log)
     extraction = PartitionExtraction(spec.name, tables, storage.blobs(), target, serving, settings)
     online = stage_settings(context, spec, "trained_speculator", OnlineSettings)
     if online.hidden_states == "online":
@@ -237,13 +236,13 @@ def trained_speculator(
     states = None
     if online.hidden_states == "online":
         states = online_states(context, draft, storage, target, vllm, online)
-    job = SpeculatorJob.for_draft(draft, Path(storage.root), target, settings, tables, states)
+    job = SpeculatorJob.for_draft(draft, storage.root_dir(), target, settings, tables, states)
     outcome = train_speculator(job, draft, tables, reuse=not config.retrain)
     metadata = training_metadata(outcome, job.layer_ids) | fetch_metadata(online, outcome.fetch)
     measured = None
     if measure.measure_in_vllm and outcome.result.held_out_replies:
         log = storage.log_path(f"vllm_spec_{context.run.run_id}")
-        serving = vllm.serving(target.local_dir, media_root(spec, tables, storage.root), log)
+        serving = vllm.serving(target.local_dir, media_root(spec, tables, storage.root_dir()), log)
         figures = measure_draft(job, outcome, tables, serving, measure, not config.retrain)
         measured = figures.trained[spec.name].measured
         metadata |= measurement_metadata(figures.trained[spec.name])
@@ -279,7 +278,7 @@ def online_states(
 
     sources = [REGISTRY[name] for name in draft.sources]
     extraction = stage_settings(context, sources[0], "hidden_states", ExtractionSettings)
-    images = sources_media_root(sources, storage.tables(), storage.root)
+    images = sources_media_root(sources, storage.tables(), storage.root_dir())
     log = storage.log_path(f"vllm_online_{context.run.run_id}")
     serving = vllm.serving(target.local_dir, images, log)
     return OnlineStates.for_target(target, serving, extraction, online, storage.blobs())

@@ -1,6 +1,10 @@
 """Dagster resources: where data lives, which target model the pipeline serves, and how
 vLLM is reached. Each is configuration that hands a plain service object to the assets
-(`tables()`, `model()`, `engine()`), so the services never see Dagster."""
+(`tables()`, `model()`, `engine()`), so the services never see Dagster.
+
+A value left empty comes from the environment when the step runs (the worker's
+environment, not the one the code location was loaded in), so a setting changed with
+an environment variable needs no reload, and the config a run records holds no secret."""
 
 from __future__ import annotations
 
@@ -34,49 +38,58 @@ class StorageResource(dg.ConfigurableResource):
     `object_store`, tables and trained checkpoints go to S3/GCS/Azure instead."""
 
     root: str = Field(
-        default_factory=lambda: str(paths.home()),
-        description="Storage root (default $MM_ASSETS_HOME, else ./.mm_assets). Hidden-state "
-        "blobs, the catalog and logs live here: on a cluster, a filesystem every worker mounts.",
+        default="",
+        description="Storage root; empty: $MM_ASSETS_HOME when the step runs, else "
+        "./.mm_assets. Hidden-state blobs, the catalog and logs live here: on a cluster, a "
+        "filesystem every worker mounts.",
     )
     object_store: str = Field(
-        default_factory=lambda: os.environ.get(OBJECT_STORE_ENV, ""),
-        description="s3://bucket/prefix (or gs://, az://) for tables and checkpoints; empty = "
-        f"under the root. Default ${OBJECT_STORE_ENV}.",
+        default="",
+        description="s3://bucket/prefix (or gs://, az://) for tables and checkpoints; empty: "
+        f"${OBJECT_STORE_ENV} when the step runs, else under the root.",
     )
 
+    def root_dir(self) -> Path:
+        return Path(self.root).expanduser().resolve() if self.root else paths.home()
+
+    def _object_store(self) -> str | None:
+        return self.object_store or os.environ.get(OBJECT_STORE_ENV) or None
+
     def tables(self) -> TableStore:
-        return open_tables(Path(self.root), self.object_store or None)
+        return open_tables(self.root_dir(), self._object_store())
 
     def checkpoint_store(self) -> ObjectStore | None:
         """Where trained checkpoints are published besides the root, if anywhere."""
-        return ObjectStore(self.object_store) if self.object_store else None
+        url = self._object_store()
+        return ObjectStore(url) if url else None
 
     def blobs(self, kind: str = "hidden_states") -> BlobStore:
         """Hidden-state files (safetensors) or target responses (JSON)."""
         suffix = ".json" if kind == "responses" else ".safetensors"
-        return BlobStore(Path(self.root), kind, suffix)
+        return BlobStore(self.root_dir(), kind, suffix)
 
     def embedded_images_dir(self) -> Path:
         """Where images taken out of dataset rows are written, by content hash."""
-        return embedded_images_dir(Path(self.root))
+        return embedded_images_dir(self.root_dir())
 
     def log_path(self, name: str) -> Path:
-        return StorageLayout(Path(self.root)).log(name)
+        return StorageLayout(self.root_dir()).log(name)
 
 
 class TargetModelResource(dg.ConfigurableResource):
     """The model the speculator is trained for: a local directory or a hub id."""
 
     path: str = Field(
-        default_factory=paths.default_target_model,
-        description="Model directory or hub id (default $MM_ASSETS_TARGET_MODEL, else the demo).",
+        default="",
+        description="Model directory or hub id; empty: $MM_ASSETS_TARGET_MODEL when the step "
+        "runs, else the demo's.",
     )
     trust_remote_code: bool = Field(
         default=False, description="Run the model repository's own Python code (off by default)."
     )
 
     def model(self) -> TargetModel:
-        return TargetModel(self.path, self.trust_remote_code)
+        return TargetModel(self.path or paths.default_target_model(), self.trust_remote_code)
 
 
 class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignore[misc]
@@ -85,24 +98,24 @@ class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignor
     `EngineOptions`, declared there once."""
 
     base_urls: list[str] = Field(
-        default_factory=lambda: env_list(URLS_ENV),
-        description="External servers (…/v1), started with the extraction config; "
-        "empty = start a managed server. Default $MM_ASSETS_VLLM_URLS (comma-separated).",
+        default=[],
+        description="External servers (…/v1), started with the extraction config; empty: "
+        f"${URLS_ENV} (comma-separated) when the step runs, else a managed server.",
     )
     response_urls: list[str] = Field(
-        default_factory=lambda: env_list(RESPONSE_URLS_ENV),
+        default=[],
         description="External servers (…/v1) that generate `target_responses` (plain "
-        "serving, no extraction config); empty = start a managed server. Default "
-        "$MM_ASSETS_VLLM_RESPONSE_URLS (comma-separated).",
+        f"serving, no extraction config); empty: ${RESPONSE_URLS_ENV} (comma-separated) "
+        "when the step runs, else a managed server.",
     )
     connector: str = Field(
         default="auto", description="auto | cpu | stock hidden-states connector."
     )
     startup_timeout_s: float = 600.0
     api_key: str = Field(
-        default="EMPTY",
-        description=f"The servers' API key: set it as dg.EnvVar({API_KEY_ENV!r}) (what "
-        f"`definitions` does when ${API_KEY_ENV} is set), never as a value.",
+        default="",
+        description=f"The servers' API key; empty: ${API_KEY_ENV} when the step runs. Set "
+        "it in the environment (or as a dg.EnvVar), never as a value: run config is stored.",
     )
     server_path_prefix: str = Field(
         default="", description="External mode: prefix of the paths the servers report…"
@@ -111,7 +124,10 @@ class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignor
 
     def engine(self, fleet: str = "extraction") -> VllmEngine:
         """The engine of one fleet: `extraction` (hidden states) or `responses`."""
-        urls = self.base_urls if fleet == "extraction" else self.response_urls
+        if fleet == "extraction":
+            urls = self.base_urls or env_list(URLS_ENV)
+        else:
+            urls = self.response_urls or env_list(RESPONSE_URLS_ENV)
         options = EngineOptions(
             **{name: getattr(self, name) for name in EngineOptions.model_fields}
         )
@@ -120,7 +136,7 @@ class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignor
             options,
             self.connector,
             self.startup_timeout_s,
-            self.api_key,
+            self.api_key or os.environ.get(API_KEY_ENV) or "EMPTY",
             self.server_path_prefix,
             self.local_path_prefix,
         )
@@ -128,11 +144,3 @@ class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignor
     def serving(self, target_dir: Path, image_root: Path | None, log_path: Path) -> Serving:
         """What a step serves the target with (the extraction fleet's engine), whole."""
         return Serving.for_target(self.engine(), target_dir, image_root, log_path)
-
-
-def vllm_resource() -> VllmResource:
-    """The `vllm` resource, its API key read from the environment by Dagster at run time
-    (an `EnvVar` shows in the UI as the variable's name, not its value)."""
-    if os.environ.get(API_KEY_ENV):
-        return VllmResource(api_key=dg.EnvVar(API_KEY_ENV))
-    return VllmResource()

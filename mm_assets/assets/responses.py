@@ -58,7 +58,7 @@ def target_responses(
         target_model.model(),
         vllm.engine("responses"),
         settings,
-        media_root(spec, tables, storage.root),
+        media_root(spec, tables, storage.root_dir()),
         storage.log_path(f"vllm_responses_{context.run.run_id}"),
     ).run(spec.responses)
     assert report.kept is not None and report.quarantine is not None
