@@ -113,7 +113,7 @@ def test_a_draft_of_several_datasets_is_benchmarked_through_the_same_path(
     recorded one (no server starts) and the rows are written under the draft's name."""
     from mm_assets.assets.resources import StorageResource
 
-    root = Path(StorageResource().root) / "speculators"
+    root = StorageResource().root_dir() / "speculators"
     shutil.copytree(root / PARTITION, root / DRAFT, dirs_exist_ok=True)
     launched = {k: v for k, v in CONFIG.items() if k != "max_tokens"}  # the entry sets it
     result = materialize(
