@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mm_assets.domain.model.checkpoint import checkpoint_config
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
+from mm_assets.domain.model.losses import LossRecipe
 from mm_assets.domain.model.training_data import SampleRef, load_batch
 from mm_assets.services.target_weights import load_target_head
 from mm_assets.services.training import save_checkpoint
@@ -103,12 +104,12 @@ def test_speculators_loads_our_checkpoint_and_computes_our_loss(
         for k in ("input_ids", "aux_hidden", "last_hidden", "loss_mask", "position_ids", "segment")
     }
     for _ in range(3):
-        loss, _ = model(**fields, ttt_steps=3, decay=0.8)
+        loss, _ = model(**fields, ttt_steps=3, loss=LossRecipe(decay=0.8))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     with torch.no_grad():
-        ours, _ = model(**fields, ttt_steps=3, decay=0.8)
+        ours, _ = model(**fields, ttt_steps=3, loss=LossRecipe(decay=0.8))
 
     ckpt = tmp_path / "draft"
     config = checkpoint_config(cfg, [1, 2, 3], str(verifier), ["LlamaForCausalLM"], 3, {})

@@ -380,7 +380,8 @@ def test_the_loop_asks_its_source_for_the_planned_batches_of_its_rank(tmp_path: 
         assert asked[f"epoch {epoch + 1}"] == [[r.row_id for r in g] for g in planned]
     assert sorted(map(sorted, asked["epoch 1"])) == sorted(map(sorted, asked["epoch 2"]))
     assert asked["epoch 1"] != asked["epoch 2"]  # reshuffled each epoch
-    assert asked["held-out (trained)"] == [["row8", "row9"]]
+    # the held-out rows after every epoch (the kept epoch's figures are the result's)
+    assert asked["held-out (epoch 1)"] == asked["held-out (epoch 2)"] == [["row8", "row9"]]
     assert result.batch_plan_sha256 == batch_plan_sha256(batches, settings, Ranks())
     # the plan names rows, not where their states are
     moved = [SampleRef(r.row_id, "elsewhere", r.input_ids, r.loss_mask) for r in refs[:8]]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from mm_assets.assets.metadata import (
@@ -10,6 +12,7 @@ from mm_assets.assets.metadata import (
     length_histogram,
     loss_curve,
 )
+from mm_assets.domain.model.trainer import TrainResult
 from tests.plots import PLOT_SIZE, decode_plot
 
 
@@ -23,9 +26,13 @@ def test_plots_are_pngs_that_depend_on_their_data() -> None:
     assert decode_plot(short).size == decode_plot(long).size == PLOT_SIZE
     assert np.abs(_pixels(short) - _pixels(long)).sum() > 0
 
-    falling = loss_curve([5.0 / (i + 1) for i in range(60)], [2.0, 1.0, 0.5], 0.7)
-    rising = loss_curve([0.1 * i for i in range(60)], [1.0, 2.0, 3.0], float("nan"))
-    assert np.abs(_pixels(falling) - _pixels(rising)).sum() > 0
+    falling = TrainResult([2.0, 1.0, 0.5], [5.0 / (i + 1) for i in range(60)])
+    falling.epoch_held_out_losses, falling.epoch_acceptance = [2.1, 1.2, 0.7], [1.5, 1.9, 1.8]
+    rising = TrainResult([1.0, 2.0, 3.0], [0.1 * i for i in range(60)])
+    assert np.abs(_pixels(loss_curve(falling)) - _pixels(loss_curve(rising))).sum() > 0
+    kept_last = loss_curve(dataclasses.replace(falling, kept_epoch=3))
+    kept_best = loss_curve(dataclasses.replace(falling, kept_epoch=2))
+    assert np.abs(_pixels(kept_last) - _pixels(kept_best)).sum() > 0  # the kept epoch shows
 
     estimate_only = acceptance_plot([0.8, 0.5, 0.3])
     with_vllm = acceptance_plot([0.8, 0.5, 0.3], [0.7, 0.4, 0.1])
@@ -37,7 +44,7 @@ def test_plots_are_pngs_that_depend_on_their_data() -> None:
 
 def test_empty_inputs_say_so_instead_of_plotting() -> None:
     assert length_histogram([]).value == "(no rows)"
-    assert "no batches" in loss_curve([], [], float("nan")).value
+    assert "no batches" in loss_curve(TrainResult()).value
 
 
 def test_counts_table_lists_largest_first() -> None:

@@ -101,6 +101,13 @@ def _kill_after_first_epoch(monkeypatch: pytest.MonkeyPatch, doomed) -> list[int
     return killed
 
 
+def _rows_fetched(trained: dict) -> int:
+    """With `discard`, every pass fetches its rows: each epoch's training rows, and the
+    held-out rows for the untrained draft's replay and after every epoch."""
+    epochs = TRAINING["epochs"]
+    return epochs * trained["train_rows"] + (epochs + 1) * trained["held_out_rows"]
+
+
 def _blobs(root: Path) -> dict[str, Path]:
     return {p.stem: p for p in (root / "blobs").rglob("*.safetensors")}
 
@@ -247,7 +254,7 @@ def test_discard_through_the_cli_starts_its_server_and_leaves_no_blob(
     assert proc.returncode == 0, proc.stderr[-3000:]
     trained = _latest_metadata(env, "trained_speculator")
     assert isinstance(trained["online_server_startup_s"], float)
-    passes = TRAINING["epochs"] * trained["train_rows"] + 2 * trained["held_out_rows"]
+    passes = _rows_fetched(trained)
     assert trained["online_rows_fetched"] == passes and trained["online_cache_hits"] == 0
     assert trained["batch_plan_sha256"] == _offline_plan()
     peak, largest = trained["online_disk_peak_bytes"], trained["online_largest_batch_bytes"]
@@ -301,7 +308,7 @@ def test_on_a_fleet_training_goes_on_when_a_server_dies(
         result = _run(root, fleet, {**ONLINE, "online_cache": "discard"})
     trained = _meta(result, "trained_speculator")
     assert killed and trained.get("online_rejected_request_refused") is None
-    passes = TRAINING["epochs"] * trained["train_rows"] + 2 * trained["held_out_rows"]
+    passes = _rows_fetched(trained)
     assert trained["online_rows_fetched"] == passes
     rows = {line.split("|")[1].strip(): line for line in trained["online_servers"].splitlines()}
     assert "| 1 | no |" in rows[doomed.base_url]  # taken out once, out of rotation

@@ -6,7 +6,6 @@ draft measured on it per category beside no speculation and n-gram, the rows in 
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 

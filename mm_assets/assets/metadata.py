@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # matplotlib loads inside the steps that plot, not with the d
     from matplotlib.figure import Figure
 
     from mm_assets.domain.model.benchmark import BenchmarkFigures
+    from mm_assets.domain.model.trainer import TrainResult
     from mm_assets.services.online_states import FetchReport
 
 
@@ -129,26 +130,38 @@ def length_stats(lengths: Sequence[int]) -> dict[str, int]:
     }
 
 
-def loss_curve(
-    batch_losses: Sequence[float], epoch_losses: Sequence[float], held_out_loss: float
-) -> dg.MetadataValue:
-    """Training loss per batch (and a running mean), epoch ends, and the held-out loss."""
-    if not batch_losses:
+def loss_curve(result: TrainResult) -> dg.MetadataValue:
+    """Training loss per batch (and a running mean) with the epoch ends; after each epoch,
+    the held-out loss and, on the right axis, the held-out acceptance estimate, the kept
+    epoch marked."""
+    if not result.batch_losses:
         return dg.MetadataValue.md("(no batches: the checkpoint was resumed complete)")
-    losses = np.asarray(batch_losses, dtype=float)
+    losses = np.asarray(result.batch_losses, dtype=float)
     fig, ax = _figure()
     steps = np.arange(1, len(losses) + 1)
     ax.plot(steps, losses, color="#4c72b0", alpha=0.35, label="batch")
     window = max(1, len(losses) // 20)
     smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
     ax.plot(steps[window - 1 :], smooth, color="#4c72b0", label=f"mean of {window}")
-    per_epoch = len(losses) // max(len(epoch_losses), 1)
-    for epoch in range(1, len(epoch_losses)):
-        ax.axvline(epoch * per_epoch + 0.5, color="grey", linewidth=0.6)
-    if np.isfinite(held_out_loss):
-        ax.axhline(held_out_loss, color="#dd8452", linestyle="--", label="held-out, after training")
+    per_epoch = len(losses) / max(len(result.epoch_losses), 1)
+    ends = [round(e * per_epoch) for e in range(1, len(result.epoch_held_out_losses) + 1)]
+    for end in ends[:-1]:
+        ax.axvline(end + 0.5, color="grey", linewidth=0.6)
+    if ends:
+        ax.plot(ends, result.epoch_held_out_losses, "o--", color="#dd8452", label="held-out")
     ax.set(xlabel="batch", ylabel="loss (summed over draft steps)", title="training loss")
-    ax.legend()
+    ax.legend(loc="upper center")
+    known = [(end, a) for end, a in zip(ends, result.epoch_acceptance, strict=True) if a]
+    if known:
+        right = ax.twinx()
+        right.plot(*zip(*known, strict=True), "s-", color="#55a868", label="acceptance estimate")
+        if result.kept_epoch:
+            kept = result.epoch_acceptance[result.kept_epoch - 1]
+            label = f"kept: epoch {result.kept_epoch}"
+            at = ends[result.kept_epoch - 1]
+            right.plot([at], [kept], "*", markersize=14, color="#c44e52", label=label)
+        right.set_ylabel("held-out acceptance estimate")
+        right.legend(loc="upper right")
     return png_markdown(fig, "loss curve")
 
 

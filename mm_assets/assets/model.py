@@ -303,7 +303,12 @@ def training_metadata(outcome: "SpeculatorOutcome", layer_ids: list[int]) -> dic
         "resumed_from_epoch": result.resumed_from_epoch,
         "batch_plan_sha256": result.batch_plan_sha256,
         "reused_checkpoint": outcome.reused,
-        "loss_curve": loss_curve(result.batch_losses, result.epoch_losses, result.held_out_loss),
+        "kept_epoch": result.kept_epoch,
+        "kept_because": result.kept_because,
+        "held_out_acceptance_per_epoch": [
+            None if a is None else round(a, 4) for a in result.epoch_acceptance
+        ],
+        "loss_curve": loss_curve(result),
     }
 
 

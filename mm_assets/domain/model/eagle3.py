@@ -11,8 +11,9 @@ draft's own output of step s-1 at the same position, with the ground-truth token
 positions further, and attends to every step-0 key of its sample up to its position plus
 its own keys of steps 1..s (what the draft sees at inference). The teacher is the
 target's final norm + `lm_head` rows of the draft vocabulary applied to the last layer's
-hidden state; each step's loss is forward KL(teacher || draft) over supervised
-positions, decayed by `decay**s` and summed over steps. Batches are pre-shifted as in
+hidden state; each step's loss (forward KL(teacher || draft) unless the recipe says
+otherwise, `losses.py`) is averaged over supervised positions, weighted `decay**s` and
+summed over steps. Batches are pre-shifted as in
 speculators: tokens x[1:], aux states g[:-1], last-layer states y[1:], mask l[1:].
 Positions whose step-s target would belong to the next packed sample are not counted.
 """
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mm_assets.domain.model.draft_vocab import DraftVocab
+from mm_assets.domain.model.losses import KL, LossRecipe
 
 
 @dataclass(frozen=True)
@@ -268,7 +270,7 @@ class Eagle3Draft(nn.Module):
         position_ids: torch.Tensor,
         segment: torch.Tensor,
         ttt_steps: int = 3,
-        decay: float = 1.0,
+        loss: LossRecipe = KL,
         target_greedy: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[StepStats]]:
         """Total loss and per-step statistics for one pre-shifted packed batch.
@@ -297,9 +299,8 @@ class Eagle3Draft(nn.Module):
             if self.cfg.norm_output:
                 hidden = self.norm(hidden)
             rows = teacher.slot[shifted[at]]
-            log_p = teacher.log_p[rows]
-            kl = (log_p.exp() * (log_p - F.log_softmax(logits, dim=-1))).sum(-1)
-            step_loss = kl.sum() / (at.numel() + 1e-5) * decay**step
+            per_position = loss.at_positions(teacher.log_p[rows], logits)
+            step_loss = per_position.sum() / (at.numel() + 1e-5) * loss.decay**step
             total = total + step_loss
             proposed = logits.argmax(-1)
             correct = torch.zeros_like(valid)

@@ -10,9 +10,33 @@ and training reads them from the states it trains on.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+LOSSES = ("kl", "rkl", "jsd", "tv", "nla", "ce")  # what each computes: losses.py
+
+
+def parse_loss(recipe: str) -> dict[str, float]:
+    """`kl` → {kl: 1}; `kl=0.5,tv=0.5` → both, weighted. Refuses unknown names and
+    weights that are negative or all zero, saying which."""
+    weights: dict[str, float] = {}
+    for part in recipe.replace(" ", "").split(","):
+        name, _, weight = part.partition("=")
+        if name not in LOSSES:
+            raise ValueError(f"loss {name!r} in {recipe!r}: use one of {', '.join(LOSSES)}")
+        try:
+            value = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"loss weight {weight!r} in {recipe!r} is not a number") from None
+        if value < 0 or not math.isfinite(value) or name in weights:
+            raise ValueError(f"loss {recipe!r}: each name once, with a finite weight ≥ 0")
+        weights[name] = value
+    if not any(weights.values()):
+        raise ValueError(f"loss {recipe!r}: at least one weight must be above 0")
+    return weights
+
 
 # Bump when a change makes training produce something else from the same inputs: it is
 # the `trained_speculator` code version and part of the reuse key, so both notice.
@@ -31,6 +55,43 @@ class SpeculatorSettings(BaseModel):
     step_loss_decay: float = Field(
         default=1.0, gt=0, description="Weight of draft step k's loss is decay**k."
     )
+    loss: str = Field(
+        default="kl",
+        description="kl | rkl | jsd | tv | nla | ce, or a weighted mix such as kl=1,tv=1 "
+        "(what each computes: mm_assets/domain/model/losses.py).",
+    )
+    optimizer: Literal["adamw", "muon"] = Field(
+        default="adamw",
+        description="adamw; muon: torch's Muon on the layer's matrices, AdamW on the rest.",
+    )
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        default="constant", description="How the learning rate moves after the warmup."
+    )
+    warmup_ratio: float = Field(
+        default=0.0, ge=0, lt=1, description="Share of the steps the rate rises over from 0."
+    )
+    min_lr_ratio: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="linear / cosine: the last step's rate, as a share of learning_rate.",
+    )
+    noise_std: float = Field(
+        default=0.0,
+        ge=0,
+        description="Gaussian noise on the target's auxiliary states while training, as a "
+        "share of each state's RMS (0: none).",
+    )
+    keep: Literal["last", "best_acceptance"] = Field(
+        default="last",
+        description="Which epoch's draft to keep: the last, or the one whose held-out "
+        "acceptance estimate (replayed after every epoch) is highest.",
+    )
+    early_stop_patience: int = Field(
+        default=0,
+        ge=0,
+        description="Stop after this many epochs without a higher held-out estimate (0: never).",
+    )
     grad_clip: float = Field(default=1.0, gt=0, description="Gradient norm clipping.")
     seed: int = Field(default=0, description="Initialisation, batch order and held-out split.")
     draft_vocab_size: int = Field(
@@ -42,6 +103,12 @@ class SpeculatorSettings(BaseModel):
     speculative_tokens: int = Field(
         default=3, ge=1, description="Draft tokens per step when vLLM serves the checkpoint."
     )
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        parse_loss(value)
+        return value
 
 
 class MeasurementSettings(BaseModel):

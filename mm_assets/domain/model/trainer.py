@@ -2,8 +2,10 @@
 training state after every epoch, resume from it, and held-out evaluation.
 
 Deterministic for a seed: the model is initialised under the seed, the batch order of
-epoch e is a seeded shuffle, and nothing else draws random numbers, so a run resumed from
-an epoch checkpoint ends with the same weights as an uninterrupted one.
+epoch e is a seeded shuffle, and the state noise (`noise_std`) draws from a generator
+seeded per epoch, so a run resumed from an epoch checkpoint ends with the same weights as
+an uninterrupted one. The recipe (loss, optimizer, schedule, which epoch is kept) is the
+settings': `losses`, `optimization`, `selection`.
 
 Devices: CPU in fp32 (sdpa attention); on CUDA, bf16 autocast. Several GPUs: run the same
 code under `torchrun`; the caller hands in the process group as `Ranks` (each rank takes
@@ -31,6 +33,9 @@ from mm_assets.common.hashing import json_sha256
 from mm_assets.common.progress import Progress
 from mm_assets.domain.model.acceptance import replay_runs, summarize
 from mm_assets.domain.model.eagle3 import Eagle3Draft, leading_correct
+from mm_assets.domain.model.losses import LossRecipe
+from mm_assets.domain.model.optimization import Optimizers, optimizers
+from mm_assets.domain.model.selection import EpochChoice, Evaluation
 from mm_assets.domain.model.settings import SpeculatorSettings
 from mm_assets.domain.model.training_data import Batch, SampleRef, load_batch, pack
 
@@ -82,6 +87,12 @@ def resolve_device(device: str = "auto") -> torch.device:
 class TrainResult:
     epoch_losses: list[float] = field(default_factory=list)
     batch_losses: list[float] = field(default_factory=list)
+    batch_learning_rates: list[float] = field(default_factory=list)
+    epoch_held_out_losses: list[float] = field(default_factory=list)
+    epoch_acceptance: list[float | None] = field(default_factory=list)
+    """The held-out replay's estimate after each epoch run."""
+    kept_epoch: int = 0
+    kept_because: str = ""
     held_out_acceptance: float | None = None
     """Estimated by replaying speculative decoding over the held-out replies (None: no
     held-out reply)."""
@@ -146,7 +157,7 @@ def evaluate(
                 loss, steps = model(
                     **batch,
                     ttt_steps=settings.ttt_steps,
-                    decay=settings.step_loss_decay,
+                    loss=LossRecipe.of(settings.loss, settings.step_loss_decay),
                     target_greedy=greedy,
                 )
             losses.append(float(loss))
@@ -161,12 +172,12 @@ def evaluate(
 def _resume(
     states: StateStore,
     fingerprint: str,
-    model: Eagle3Draft,
-    optimizer: torch.optim.Optimizer,
+    steps: _Steps,
     result: TrainResult,
-    device: torch.device,
+    choice: EpochChoice,
 ) -> int:
     """Load the saved state when it belongs to this run; the epoch to start from."""
+    model, optimizer, device = steps.model, steps.optimizer, steps.device
     state = states.load(device)
     if state is None:
         return 0
@@ -175,7 +186,9 @@ def _resume(
         return 0
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    choice.load_state_dict(state["choice"])
     result.epoch_losses, result.batch_losses = state["epoch_losses"], state["batch_losses"]
+    result.batch_learning_rates = state["batch_learning_rates"]
     result.resumed_from_epoch = state["epoch"]
     logger.info("resuming after epoch %s from %s", state["epoch"], states)
     return state["epoch"]
@@ -185,19 +198,25 @@ def _resume(
 class _Steps:
     """Optimizer steps over packed batches on this rank (every world-th batch)."""
 
+    model: Eagle3Draft
     runner: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: Optimizers
     settings: SpeculatorSettings
     device: torch.device
-    rank: int
-    world: int
+    ranks: Ranks
+    seconds: float = 0.0  # spent stepping, evaluation apart
+
+    def __post_init__(self) -> None:
+        self.noise = torch.Generator(device=self.device)
 
     def epoch(
         self, batches: list[list[SampleRef]], epoch: int, result: TrainResult, source: BatchSource
     ) -> None:
-        settings = self.settings
-        mine = rank_batches(batches, settings.seed, epoch, self.rank, self.world)
+        settings, rank, world = self.settings, self.ranks.rank, self.ranks.world
+        mine = rank_batches(batches, settings.seed, epoch, rank, world)
+        self.noise.manual_seed(settings.seed * 1_000_003 + epoch * 1_009 + rank)
         losses = []
+        started = time.perf_counter()
         progress = Progress(
             logger.info, f"epoch {epoch + 1}/{settings.epochs}: batch", len(mine), 60.0
         )
@@ -205,30 +224,47 @@ class _Steps:
             progress.update(position)
             if batch is not None:
                 losses.append(self.step(batch, result))
-            elif self.world > 1:  # the other ranks would wait for this one's gradients
+            elif world > 1:  # the other ranks would wait for this one's gradients
                 raise RuntimeError(
                     f"epoch {epoch + 1}: no row of batch {position} could be had on rank "
-                    f"{self.rank}, and under torchrun every rank must step together; see "
+                    f"{rank}, and under torchrun every rank must step together; see "
                     "the rejections in the log, then rerun (it resumes from the last epoch)"
                 )
+        self.seconds += time.perf_counter() - started
         result.batch_losses.extend(losses)
         result.epoch_losses.append(sum(losses) / max(len(losses), 1))
         logger.info("epoch %d/%d: loss %.4f", epoch + 1, settings.epochs, result.epoch_losses[-1])
 
     def step(self, batch: Batch, result: TrainResult) -> float:
+        settings, tensors = self.settings, _batch_to(batch, self.device)
+        if settings.noise_std:
+            parts = self.model.cfg.num_aux
+            aux = noisy(tensors["aux_hidden"], settings.noise_std, parts, self.noise)
+            tensors["aux_hidden"] = aux
         with _autocast(self.device):
             loss, _ = self.runner(
-                **_batch_to(batch, self.device),
-                ttt_steps=self.settings.ttt_steps,
-                decay=self.settings.step_loss_decay,
+                **tensors,
+                ttt_steps=settings.ttt_steps,
+                loss=LossRecipe.of(settings.loss, settings.step_loss_decay),
             )
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         loss.backward()
         params = [p for p in self.runner.parameters() if p.requires_grad]
-        torch.nn.utils.clip_grad_norm_(params, self.settings.grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
+        result.batch_learning_rates.append(self.optimizer.lr)
         self.optimizer.step()
         result.trained_tokens += batch.num_tokens
         return loss.item()
+
+
+def noisy(aux: torch.Tensor, std: float, parts: int, generator: torch.Generator) -> torch.Tensor:
+    """`aux` ([N, parts·H]: the states side by side) plus Gaussian noise of `std` times
+    each state's RMS at each position, so one setting means the same at every layer."""
+    n, width = aux.shape
+    states = aux.float().view(n, parts, width // parts)
+    rms = states.pow(2).mean(-1, keepdim=True).sqrt()
+    noise = torch.randn(states.shape, generator=generator, device=aux.device)
+    return (states + std * rms * noise).to(aux.dtype).view(n, width)
 
 
 def rank_batches(
@@ -279,44 +315,76 @@ def train(
     full_lm_head: torch.Tensor | None = None,
     run: TrainingRun = TrainingRun(),
 ) -> TrainResult:
-    """Train `model` in place; resumes from `states` when they hold a matching state."""
-    device, ranks, after_epoch = run.device, run.ranks, run.after_epoch
-    torch_device = resolve_device(device)
+    """Train `model` in place; resumes from `states` when they hold a matching state.
+    After every epoch the held-out rows are replayed; the weights left in `model` are the
+    kept epoch's (`settings.keep`), and the result's held-out figures are that epoch's."""
+    ranks, torch_device = run.ranks, resolve_device(run.device)
     model.to(torch_device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=0.0)
-    steps = _Steps(ranks.wrap(model), optimizer, settings, torch_device, ranks.rank, ranks.world)
-
-    result = TrainResult()
-    fingerprint = _fingerprint(settings, train_refs, model)
-    start = _resume(states, fingerprint, model, optimizer, result, torch_device)
     batches = pack(train_refs, settings.batch_tokens)
+    per_epoch = len(rank_batches(batches, settings.seed, 0, ranks.rank, ranks.world))
+    schedule = (settings.lr_schedule, settings.warmup_ratio, settings.min_lr_ratio)
+    optimizer = optimizers(
+        model, settings.optimizer, settings.learning_rate, per_epoch * settings.epochs, schedule
+    )
+    steps = _Steps(model, ranks.wrap(model), optimizer, settings, torch_device, ranks)
+    result, choice = TrainResult(), EpochChoice(settings.keep, settings.early_stop_patience)
+    fingerprint = _fingerprint(settings, train_refs, model)
+    start = _resume(states, fingerprint, steps, result, choice)
     result.batch_plan_sha256 = batch_plan_sha256(batches, settings, ranks)
     source = run.source or StoredBatches()
-    started = time.perf_counter()
     for epoch in range(start, settings.epochs):
+        if choice.stop():
+            break
         steps.epoch(batches, epoch, result, source)
+        label = f"held-out (epoch {epoch + 1})"
+        loss, replies = evaluate(
+            model, held_out_refs, settings, full_lm_head, run.device, source, label
+        )
+        choice.record(_evaluation(epoch + 1, loss, replies, settings.ttt_steps), model)
         if ranks.rank == 0:
-            state = {
-                "fingerprint": fingerprint,
-                "epoch": epoch + 1,
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "epoch_losses": result.epoch_losses,
-                "batch_losses": result.batch_losses,
-            }
-            states.save(state)
+            states.save(_state(fingerprint, epoch + 1, steps, choice, result))
             crash_point("after_epoch")
-        after_epoch(epoch + 1)
-    elapsed = time.perf_counter() - started
-    result.tokens_per_s = result.trained_tokens / elapsed if elapsed > 0 else 0.0
-    result.held_out_loss, result.held_out_replies = evaluate(
-        model, held_out_refs, settings, full_lm_head, device, source, "held-out (trained)"
-    )
-    summary = summarize(replies_of(result.held_out_replies), settings.ttt_steps)
-    result.held_out_acceptance = summary.acceptance_length
-    result.held_out_per_position = summary.per_position
+        run.after_epoch(epoch + 1)
+    if steps.seconds > 0:
+        result.tokens_per_s = result.trained_tokens / steps.seconds
+    choice.restore(model)
+    kept = choice.kept()
+    result.epoch_held_out_losses = [e.loss for e in choice.evaluations]
+    result.epoch_acceptance = [e.acceptance for e in choice.evaluations]
+    result.kept_epoch, result.kept_because = kept.epoch, choice.because()
+    result.held_out_loss, result.held_out_replies = kept.loss, kept.replies
+    result.held_out_acceptance, result.held_out_per_position = kept.acceptance, kept.per_position
+    logger.info("kept epoch %d (%s)", kept.epoch, result.kept_because)
     return result
+
+
+def _evaluation(
+    epoch: int, loss: float, replies: dict[str, list[list[int]]], ttt_steps: int
+) -> Evaluation:
+    summary = summarize(replies_of(replies), ttt_steps)
+    logger.info(
+        "epoch %d: held-out loss %.4f, acceptance estimate %s",
+        epoch,
+        loss,
+        summary.acceptance_length,
+    )
+    return Evaluation(epoch, loss, summary.acceptance_length, summary.per_position, replies)
+
+
+def _state(
+    fingerprint: str, epoch: int, steps: _Steps, choice: EpochChoice, result: TrainResult
+) -> dict[str, Any]:
+    """What `_resume` needs to go on after `epoch` as if never stopped."""
+    return {
+        "fingerprint": fingerprint,
+        "epoch": epoch,
+        "model": steps.model.state_dict(),
+        "optimizer": steps.optimizer.state_dict(),
+        "choice": choice.state_dict(),
+        "epoch_losses": result.epoch_losses,
+        "batch_losses": result.batch_losses,
+        "batch_learning_rates": result.batch_learning_rates,
+    }
 
 
 def replies_of(walks: dict[str, list[list[int]]]) -> list[list[int]]:

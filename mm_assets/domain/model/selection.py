@@ -1,0 +1,102 @@
+"""Which epoch's draft a run keeps, and when it stops.
+
+After every epoch the held-out rows are replayed (`acceptance`): no server, a forward
+pass over a tenth of the rows. Loss keeps falling after acceptance peaks, so `keep:
+best_acceptance` keeps the weights of the epoch with the highest estimate (the earliest
+of equals), and `early_stop_patience` stops once that many epochs in a row found none
+higher. The held-out rows then chose the epoch too, so their estimate of the kept draft
+leans optimistic by the noise of that choice; vLLM's measurement uses their prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Evaluation:
+    """One epoch's held-out figures: loss, the replay's acceptance estimate (None: no
+    held-out reply) and, per row, the draft tokens accepted at each verification."""
+
+    epoch: int
+    loss: float
+    acceptance: float | None
+    per_position: list[float] = field(default_factory=list)
+    replies: dict[str, list[list[int]]] = field(default_factory=dict)
+
+
+@dataclass
+class EpochChoice:
+    keep: Literal["last", "best_acceptance"] = "last"
+    patience: int = 0
+    evaluations: list[Evaluation] = field(default_factory=list)
+    best: int = 0  # the best evaluation's index
+    best_weights: dict[str, torch.Tensor] | None = None
+
+    def record(self, evaluation: Evaluation, model: nn.Module) -> None:
+        """Add an epoch's evaluation; remember its weights when it is the best so far."""
+        self.evaluations.append(evaluation)
+        if len(self.evaluations) == 1 or _above(evaluation, self.evaluations[self.best]):
+            self.best = len(self.evaluations) - 1
+            if self.keep == "best_acceptance":
+                self.best_weights = {
+                    name: p.detach().to("cpu", copy=True)
+                    for name, p in model.named_parameters()
+                    if p.requires_grad
+                }
+
+    def stop(self) -> bool:
+        """Whether `patience` epochs in a row have passed without a higher estimate."""
+        since = len(self.evaluations) - 1 - self.best
+        return self.patience > 0 and since >= self.patience
+
+    def kept(self) -> Evaluation:
+        return self.evaluations[self.best if self.keep == "best_acceptance" else -1]
+
+    def restore(self, model: nn.Module) -> None:
+        """Put the kept epoch's trained weights back into `model` (the frozen ones never
+        changed)."""
+        if self.keep != "best_acceptance" or self.best == len(self.evaluations) - 1:
+            return
+        assert self.best_weights is not None
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name in self.best_weights:
+                    param.copy_(self.best_weights[name].to(param.device))
+
+    def because(self) -> str:
+        kept, last = self.kept(), self.evaluations[-1]
+        if self.keep == "last":
+            return f"keep: last (epoch {last.epoch})"
+        if kept is last:
+            return f"keep: best_acceptance: epoch {kept.epoch}, the last, has the highest estimate"
+        return (
+            f"keep: best_acceptance: epoch {kept.epoch}'s held-out estimate "
+            f"{_shown(kept.acceptance)} is above the last epoch's ({last.epoch}: "
+            f"{_shown(last.acceptance)})"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "evaluations": [asdict(e) for e in self.evaluations],
+            "best": self.best,
+            "best_weights": self.best_weights,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.evaluations = [Evaluation(**e) for e in state["evaluations"]]
+        self.best, self.best_weights = state["best"], state["best_weights"]
+
+
+def _above(a: Evaluation, b: Evaluation) -> bool:
+    if a.acceptance is None:
+        return False
+    return b.acceptance is None or a.acceptance > b.acceptance
+
+
+def _shown(value: float | None) -> str:
+    return "none" if value is None else f"{value:.3f}"
