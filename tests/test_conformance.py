@@ -21,10 +21,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mm_assets.domain.model.checkpoint import checkpoint_config
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
-from mm_assets.domain.model.losses import LossRecipe
+from mm_assets.domain.model.losses import LOSSES, LossRecipe, position_losses
 from mm_assets.domain.model.training_data import SampleRef, load_batch
 from mm_assets.services.target_weights import load_target_head
 from mm_assets.services.training import save_checkpoint
+from mm_assets.services.warm_start import locate, warm_draft
+from mm_assets.storage.layout import StorageLayout
 
 ORACLE = Path(sys.prefix) / "speculators-oracle"
 LOSS_TOLERANCE = 1e-5  # fp32; measured |diff| 4.8e-7 on a loss of 5.7
@@ -137,3 +139,94 @@ def test_speculators_loads_our_checkpoint_and_computes_our_loss(
     print(f"conformance: ours {mine:.8f} speculators {theirs['loss']:.8f} |diff| {difference:.2e}")
     assert float(ours) > 0.01  # a real loss, not a degenerate zero
     assert difference < LOSS_TOLERANCE
+
+
+LOSSES_SCRIPT = r"""
+import json, sys, torch
+from safetensors.torch import load_file
+from speculators.losses import resolve_loss_config
+
+t = load_file(sys.argv[1])
+out = {}
+for name in json.loads(sys.argv[2]):
+    ((fn, _),) = resolve_loss_config(name, "eager").values()
+    out[name] = fn(t["logits"][None], t["teacher"][None])[0].tolist()
+print(json.dumps(out))
+"""
+
+
+def test_each_loss_computes_what_speculators_computes(tmp_path: Path) -> None:
+    """Per position, on peaked and flat distributions alike: speculators' eager losses
+    (its `kl_div` is our `kl`) and ours give the same values."""
+    if not (ORACLE / "speculators").is_dir():
+        pytest.fail(f"speculators oracle missing at {ORACLE}; run `make setup`")
+    g = torch.Generator().manual_seed(3)
+    scale = torch.tensor([[0.3], [1.0], [4.0], [9.0]]).repeat(4, 1)
+    logits, teacher = torch.randn(16, 48, generator=g) * scale, torch.randn(16, 48, generator=g)
+    teacher = teacher * scale.flip(0)
+    save_file({"logits": logits, "teacher": teacher}, str(tmp_path / "t.safetensors"))
+    names = {name: "kl_div" if name == "kl" else name for name in LOSSES}
+    env = {**os.environ, "PYTHONPATH": str(ORACLE)}
+    proc = subprocess.run(
+        [sys.executable, "-c", LOSSES_SCRIPT, str(tmp_path / "t.safetensors"),
+         json.dumps(sorted(names.values()))],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    log_p = torch.log_softmax(teacher, dim=-1)
+    for ours_name, their_name in names.items():
+        ours = position_losses(log_p, logits, {ours_name: 1.0}).tolist()
+        assert ours == pytest.approx(theirs[their_name], rel=1e-4, abs=1e-6), ours_name
+
+
+RESAVE_SCRIPT = r"""
+import json, sys, torch
+from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+source, out = sys.argv[1], sys.argv[2]
+cfg = Eagle3SpeculatorConfig.from_pretrained(source)
+model = Eagle3DraftModel.from_pretrained(source, config=cfg)
+with torch.no_grad():
+    model.fc.weight.add_(0.5)  # trained further, as a published draft would be
+model.save_pretrained(out)
+print(json.dumps({"fc": model.fc.weight.flatten()[:5].tolist()}))
+"""
+
+
+def test_a_draft_saved_by_speculators_starts_a_training_here(
+    verifier: Path, tmp_path: Path
+) -> None:
+    """speculators' own `save_pretrained` writes the draft (as published drafts are
+    written); `init_from` reads it back with its weights and vocabulary, and refuses it,
+    saying why, for layer ids the states are not extracted with."""
+    if not (ORACLE / "speculators").is_dir():
+        pytest.fail(f"speculators oracle missing at {ORACLE}; run `make setup`")
+    target_config = json.loads((verifier / "config.json").read_text())
+    cfg = Eagle3Config.from_target(target_config, draft_vocab_size=48)
+    torch.manual_seed(4)
+    model = Eagle3Draft(cfg)
+    head = load_target_head(verifier)
+    vocab = build_draft_vocab({i: 200 - i for i in range(0, 90, 3)}, cfg.vocab_size, 48)
+    model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
+    ours = tmp_path / "ours"
+    config = checkpoint_config(cfg, [1, 2, 3], str(verifier), ["LlamaForCausalLM"], 3, {})
+    save_checkpoint(model, config, ours)
+    env = {**os.environ, "PYTHONPATH": str(ORACLE)}
+    published = tmp_path / "published"
+    proc = subprocess.run(
+        [sys.executable, "-c", RESAVE_SCRIPT, str(ours), str(published)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    source = locate(str(published), StorageLayout(tmp_path))
+    warm, warm_vocab = warm_draft(source, cfg, [1, 2, 3, 4], head.embed_tokens)
+    assert warm.fc.weight.flatten()[:5].tolist() == pytest.approx(theirs["fc"], abs=0)
+    assert torch.equal(warm_vocab.selected, vocab.selected)
+    assert torch.equal(
+        warm.layers[0].self_attn.q_proj.weight, model.layers[0].self_attn.q_proj.weight
+    )
+    with pytest.raises(ValueError, match=r"auxiliary layer ids \[1, 2, 3\] ≠ \[2, 3, 4\]"):
+        warm_draft(source, cfg, [2, 3, 4, 5], head.embed_tokens)

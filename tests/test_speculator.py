@@ -13,6 +13,7 @@ import dagster as dg
 import pytest
 
 from mm_assets.clients.vllm_generation import generate_greedy
+from mm_assets.common.hashing import file_sha256
 from mm_assets.services.measurement import measurement_record
 from tests.conftest import SESSION_HOME
 from tests.plots import PLOT_SIZE, decode_plot
@@ -32,12 +33,12 @@ CONFIG = {
 }  # fmt: skip
 
 
-def _train(**overrides) -> dict:
+def _train(partition: str = PARTITION, **overrides) -> dict:
     from mm_assets.definitions import defs
 
     result = dg.materialize(
         [defs.get_assets_def("trained_speculator")],
-        partition_key=PARTITION,
+        partition_key=partition,
         resources=defs.resources,
         instance=dg.DagsterInstance.get(),
         run_config={"ops": {"trained_speculator": {"config": {**CONFIG, **overrides}}}},
@@ -181,3 +182,18 @@ def test_a_rerun_with_identical_inputs_reuses_checkpoint_and_measurement(trained
     assert len(_table_rows()) == 4  # the reused measurement is not written twice
     changed = _train(epochs=1, measure_in_vllm=False)
     assert changed["reused_checkpoint"] is False and weights.stat().st_mtime_ns != before
+
+
+def test_a_draft_starts_from_another_datasets_draft(trained: dict, demo_hidden_states) -> None:
+    """`init_from` names the draft trained here on another dataset: the new draft starts
+    from its weights (its replay on this dataset's held-out rows, before any step, is far
+    above a random draft's) and its vocabulary, and records what it started from."""
+    start = Path(trained["checkpoint"])
+    warm = _train("demo_sharegpt4v_coco", init_from=PARTITION, epochs=1, measure_in_vllm=False)
+    weights = start / "model.safetensors"
+    assert warm["init_from"] == PARTITION and warm["init_sha256"] == file_sha256(weights)
+    assert warm["draft_vocab_size"] == trained["draft_vocab_size"]
+    config = json.loads((Path(warm["checkpoint"]) / "config.json").read_text())
+    assert config["mm_assets"]["init_sha256"] == warm["init_sha256"]
+    random_start = trained["untrained_acceptance_length_estimate"]
+    assert warm["untrained_acceptance_length_estimate"] > random_start + 0.1

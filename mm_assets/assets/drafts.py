@@ -83,7 +83,7 @@ def trained_draft(
         states = online_states(context, draft, storage, target, vllm, online)
     job = SpeculatorJob.for_draft(draft, root, target, settings, tables, states)
     outcome = train_speculator(job, draft, tables, reuse=not config.retrain)
-    metadata = training_metadata(outcome, job.layer_ids) | sources_metadata(outcome)
+    metadata = training_metadata(job, outcome) | sources_metadata(outcome)
     metadata |= fetch_metadata(online, outcome.fetch)
     if measure.measure_in_vllm:
         own = {s: StorageLayout(root).draft(s) for s in draft.sources}

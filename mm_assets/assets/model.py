@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from mm_assets.services.measurement import SourceMeasurement
     from mm_assets.services.online_states import OnlineStates
     from mm_assets.services.target import TargetModel
-    from mm_assets.services.training import SpeculatorOutcome
+    from mm_assets.services.training import SpeculatorJob, SpeculatorOutcome
 
 REJECTION_CHECK = "token_id_rejections"
 
@@ -238,7 +238,7 @@ def trained_speculator(
         states = online_states(context, draft, storage, target, vllm, online)
     job = SpeculatorJob.for_draft(draft, storage.root_dir(), target, settings, tables, states)
     outcome = train_speculator(job, draft, tables, reuse=not config.retrain)
-    metadata = training_metadata(outcome, job.layer_ids) | fetch_metadata(online, outcome.fetch)
+    metadata = training_metadata(job, outcome) | fetch_metadata(online, outcome.fetch)
     measured = None
     if measure.measure_in_vllm and outcome.result.held_out_replies:
         log = storage.log_path(f"vllm_spec_{context.run.run_id}")
@@ -284,15 +284,16 @@ def online_states(
     return OnlineStates.for_target(target, serving, extraction, online, storage.blobs())
 
 
-def training_metadata(outcome: "SpeculatorOutcome", layer_ids: list[int]) -> dict[str, Any]:
+def training_metadata(job: "SpeculatorJob", outcome: "SpeculatorOutcome") -> dict[str, Any]:
     result = outcome.result
-    return {
+    started = {"init_from": job.init.given, "init_sha256": job.init.sha256} if job.init else {}
+    return started | {
         "checkpoint": dg.MetadataValue.path(str(outcome.checkpoint)),
         "train_rows": outcome.train_rows,
         "held_out_rows": len(outcome.held_out),
         "draft_vocab_size": outcome.config.draft_vocab_size,
         "target_vocab_size": outcome.config.vocab_size,
-        "layer_ids": layer_ids,
+        "layer_ids": job.layer_ids,
         "final_train_loss": result.epoch_losses[-1] if result.epoch_losses else float("nan"),
         "held_out_loss": result.held_out_loss,
         "held_out_replies": sum(len(replies) for replies in result.held_out_replies.values()),

@@ -55,6 +55,7 @@ from mm_assets.services.online_batches import OnlineBatches
 from mm_assets.services.online_states import FetchReport, OnlineStates
 from mm_assets.services.target import TargetModel
 from mm_assets.services.target_weights import load_target_head
+from mm_assets.services.warm_start import InitSource, locate, warm_draft
 from mm_assets.storage import TableStore
 from mm_assets.storage.checkpoints import TrainStateFile, read_checkpoint, write_checkpoint
 from mm_assets.storage.layout import StorageLayout, weights
@@ -78,6 +79,8 @@ class SpeculatorJob:
     settings: SpeculatorSettings
     online: OnlineStates | None = None
     """How states are fetched while training; None: train on the stored ones."""
+    init: InitSource | None = None
+    """The draft training starts from (`init_from`); None: random weights."""
 
     @classmethod
     def for_draft(
@@ -93,6 +96,8 @@ class SpeculatorJob:
         `hidden_states` stored them with, or online, those its settings name (checked
         against the target); decided there, once, and never chosen again here."""
         layer_ids = online.layout.layer_ids if online else draft_layer_ids(tables, draft)
+        layout = StorageLayout(storage_root)
+        init = locate(settings.init_from, layout) if settings.init_from else None
         return cls(
             draft.name,
             storage_root,
@@ -102,6 +107,7 @@ class SpeculatorJob:
             layer_ids,
             settings,
             online,
+            init,
         )
 
     @property
@@ -206,6 +212,7 @@ def training_key(job: SpeculatorJob, draft: DraftSpec, tables: TableStore) -> st
             job.layer_ids,
             job.settings.model_dump(),
             states,
+            job.init and job.init.sha256,
         ]
     )
 
@@ -273,10 +280,15 @@ def _train(
     settings = job.settings
     torch.manual_seed(settings.seed)
     cfg = Eagle3Config.from_target(job.target_config, settings.draft_vocab_size)
-    vocab = build_draft_vocab(data.frequencies, cfg.vocab_size, cfg.draft_vocab_size)
-    model = Eagle3Draft(cfg)
     head = load_target_head(job.target_dir)
-    model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
+    if job.init is None:
+        vocab = build_draft_vocab(data.frequencies, cfg.vocab_size, cfg.draft_vocab_size)
+        model = Eagle3Draft(cfg)
+        model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
+    else:
+        model, vocab = warm_draft(job.init, cfg, job.layer_ids, head.embed_tokens)
+        model.attach_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
+        cfg = model.cfg
     train_refs, held_out = data.train, data.held_out
     # acceptance needs the target's own greedy token, over its whole vocabulary
     _, untrained_replies = evaluate(
@@ -355,6 +367,7 @@ def _checkpoint_config(job: SpeculatorJob, cfg: Eagle3Config, extra: dict[str, A
         "target_fingerprint": job.target_fingerprint,
         "ttt_steps": job.settings.ttt_steps,
         "epochs": job.settings.epochs,
+        **(job.init.provenance() if job.init else {}),
         **extra,
     }
     return checkpoint_config(

@@ -83,6 +83,33 @@ def speculative_tokens(config: dict[str, Any]) -> int:
     return int(methods[spec["default_proposal_method"]]["speculative_tokens"])
 
 
+def fit_problems(config: dict[str, Any], target: Eagle3Config, layer_ids: list[int]) -> list[str]:
+    """Why a draft's checkpoint cannot start a draft of this target (empty: it can): its
+    hidden size, vocabulary and auxiliary layer ids must be the target's and the states'."""
+    layer = config.get("transformer_layer_config") or {}
+    problems = []
+    if layer.get("hidden_size") != target.hidden_size:
+        problems.append(
+            f"hidden size {layer.get('hidden_size')} ≠ the target's {target.hidden_size}"
+        )
+    if layer.get("vocab_size") != target.vocab_size:
+        problems.append(f"vocabulary {layer.get('vocab_size')} ≠ the target's {target.vocab_size}")
+    aux = config.get("eagle_aux_hidden_state_layer_ids")
+    if aux is not None and list(aux) != list(layer_ids[: len(aux)]):
+        problems.append(
+            f"auxiliary layer ids {list(aux)} ≠ {list(layer_ids[: len(aux)])}, those the "
+            "hidden states are extracted with (hidden_states' layer_ids)"
+        )
+    for flag in ("fc_norm", "norm_before_fc"):
+        if config.get(flag):
+            problems.append(f"{flag} is set: drafts with that norm cannot be trained here yet")
+    if config.get("speculators_model_type") != "eagle3":
+        problems.append(
+            f"speculators_model_type {config.get('speculators_model_type')!r} ≠ 'eagle3'"
+        )
+    return problems
+
+
 def draft_state(model: Eagle3Draft) -> dict[str, torch.Tensor]:
     state = {
         k: v.detach().contiguous()

@@ -233,13 +233,24 @@ class Eagle3Draft(nn.Module):
         vocab: DraftVocab,
     ) -> None:
         """Frozen parts from the target; the draft head starts as the teacher's head."""
+        self.attach_target(embed, lm_head, final_norm, vocab)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head[vocab.selected])
+
+    def attach_target(
+        self,
+        embed: torch.Tensor,
+        lm_head: torch.Tensor,
+        final_norm: torch.Tensor,
+        vocab: DraftVocab,
+    ) -> None:
+        """The frozen parts from the target (embeddings, and the teacher: its final norm
+        and lm_head rows of `vocab`), leaving the trained weights as they are."""
         if vocab.size != self.cfg.draft_vocab_size:
             raise ValueError(f"draft vocab {vocab.size} != model's {self.cfg.draft_vocab_size}")
         with torch.no_grad():
             self.embed_tokens.weight.copy_(embed)
-            rows = lm_head[vocab.selected]
-            self.verifier_lm_head.weight.copy_(rows)
-            self.lm_head.weight.copy_(rows)
+            self.verifier_lm_head.weight.copy_(lm_head[vocab.selected])
             self.verifier_norm.weight.copy_(final_norm)
             self.t2d.copy_(vocab.t2d)
             self.d2t.copy_(vocab.d2t)

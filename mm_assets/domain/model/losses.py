@@ -1,7 +1,8 @@
 """What a draft step is trained to match, per supervised position: the teacher's
 distribution p (the target's final norm and lm_head over the draft vocabulary) against
 the draft's q. A recipe is one loss or a weighted mix (`kl`, `kl=0.5,tv=0.5`), applied
-at every unroll step with the step decay (a KL/D_LK hybrid is `kl=1,tv=1`).
+at every unroll step with the step decay. The names and definitions are speculators'
+(`kl` is its `kl_div`), and `test_conformance.py` checks each against its code.
 
 - `kl`  Σ p (log p − log q): forward KL, EAGLE-3's loss (and speculators' default).
 - `rkl` Σ q (log q − log p): reverse KL, mode-seeking (Gu et al. 2024, MiniLLM).
@@ -9,8 +10,11 @@ at every unroll step with the step decay (a KL/D_LK hybrid is `kl=1,tv=1`).
 - `tv`  ½ Σ |p − q|: total variation, the divergence D_LK of Leviathan, Kalman and
   Matias (2023), whose speculative sampling accepts a draft token with probability
   α = 1 − D_LK = Σ min(p, q): lowering it raises acceptance directly.
-- `nla` −log Σ min(p, q): the negative log of that acceptance probability (speculators'
-  `nla`); its gradient grows as acceptance falls, where `tv`'s stays flat.
+- `nla` −log Σ min(p, q): the negative log of that acceptance probability; its gradient
+  grows as acceptance falls, where `tv`'s stays flat (Samarin et al. 2026, "LK Losses:
+  Direct Acceptance Rate Optimization for Speculative Decoding", arXiv 2602.23881).
+- `lk_hybrid` λ·KL + (1 − λ)·TV with λ = exp(−3·α), α held constant: KL's strong gradient
+  while the draft is far off, TV once it overlaps (the same paper's hybrid, η = 3).
 - `ce`  −log q(argmax p): cross-entropy with the teacher's greedy token, the token greedy
   verification accepts.
 """
@@ -72,6 +76,11 @@ def _loss(
         return 0.5 * (p - q).abs().sum(-1)
     if name == "nla":
         return -torch.minimum(p, q).sum(-1).clamp_min(1e-12).log()
+    if name == "lk_hybrid":
+        accepted = torch.minimum(p, q).sum(-1)
+        weight = torch.exp(-3.0 * accepted.detach())
+        kl = (p * (log_p - log_q)).sum(-1)
+        return weight * kl + (1.0 - weight) * (1.0 - accepted)
     if name == "ce":
         return -log_q.gather(-1, log_p.argmax(-1, keepdim=True)).squeeze(-1)
     raise ValueError(f"loss {name!r}: use one of {', '.join(LOSSES)}")

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-LOSSES = ("kl", "rkl", "jsd", "tv", "nla", "ce")  # what each computes: losses.py
+LOSSES = ("kl", "rkl", "jsd", "tv", "nla", "lk_hybrid", "ce")  # what each computes: losses.py
 
 
 def parse_loss(recipe: str) -> dict[str, float]:
@@ -57,7 +57,8 @@ class SpeculatorSettings(BaseModel):
     )
     loss: str = Field(
         default="kl",
-        description="kl | rkl | jsd | tv | nla | ce, or a weighted mix such as kl=1,tv=1 "
+        description="kl | rkl | jsd | tv | nla | lk_hybrid | ce, or a weighted mix such as "
+        "kl=0.5,tv=0.5 "
         "(what each computes: mm_assets/domain/model/losses.py).",
     )
     optimizer: Literal["adamw", "muon"] = Field(
@@ -81,6 +82,12 @@ class SpeculatorSettings(BaseModel):
         ge=0,
         description="Gaussian noise on the target's auxiliary states while training, as a "
         "share of each state's RMS (0: none).",
+    )
+    init_from: str = Field(
+        default="",
+        description="Start from this EAGLE-3 draft (speculators format) instead of random "
+        "weights: a local directory, the name of a draft trained here, or a hub id. Its "
+        "draft vocabulary is kept (draft_vocab_size does not apply); the optimizer is new.",
     )
     keep: Literal["last", "best_acceptance"] = Field(
         default="last",

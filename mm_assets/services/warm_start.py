@@ -1,0 +1,89 @@
+"""Training from a published EAGLE-3 draft instead of random weights (`init_from`).
+
+Adapting a draft someone trained for the same target (RedHatAI and others publish them in
+the speculators format) to a domain costs a fraction of training one from scratch. The
+draft keeps its own vocabulary (`d2t`/`t2d`: the setting `draft_vocab_size` does not
+apply) and its trained weights; the frozen parts (embeddings, the teacher's norm and
+head) are the target's, and the optimizer starts fresh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mm_assets.common.hashing import file_sha256
+from mm_assets.domain.model.checkpoint import draft_from, fit_problems
+from mm_assets.domain.model.draft_vocab import DraftVocab, draft_vocab_from_mapping
+from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
+from mm_assets.storage.checkpoints import read_checkpoint
+from mm_assets.storage.layout import WEIGHTS, StorageLayout, has_weights, weights
+
+
+@dataclass(frozen=True)
+class InitSource:
+    """The draft a training starts from: what the setting said, where it is on disk, and
+    its weights' hash (part of the reuse key and recorded in the checkpoint)."""
+
+    given: str
+    path: Path
+    sha256: str
+
+    def provenance(self) -> dict[str, str]:
+        return {"init_from": self.given, "init_path": str(self.path), "init_sha256": self.sha256}
+
+
+def locate(init_from: str, layout: StorageLayout) -> InitSource:
+    """`init_from` as a local directory, else the name of a draft trained under this
+    storage root, else a hub repository (downloaded: its config and weights only)."""
+    local = Path(init_from).expanduser()
+    if local.is_dir():
+        path = local.resolve()
+    elif "/" not in init_from and has_weights(layout.draft(init_from)):
+        path = layout.draft(init_from)
+    else:
+        path = _download(init_from)
+    if not has_weights(path):
+        raise FileNotFoundError(
+            f"init_from {init_from!r}: {path} holds no {WEIGHTS}; give a speculators-format "
+            "EAGLE-3 draft (config.json and model.safetensors)"
+        )
+    return InitSource(init_from, path, file_sha256(weights(path)))
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["config.json", "*.safetensors"]))
+    except Exception as error:  # the hub's errors vary by cause; the message says it
+        raise FileNotFoundError(
+            f"init_from {repo_id!r} is not a local directory, not a draft trained under the "
+            f"storage root, and could not be fetched from the hub: {error}"
+        ) from error
+
+
+def warm_draft(
+    source: InitSource, target: Eagle3Config, layer_ids: list[int], embed: torch.Tensor
+) -> tuple[Eagle3Draft, DraftVocab]:
+    """The draft as `source` left it, refused when it was made for another target or
+    other states; its vocabulary. `embed` (the target's) fills in checkpoints that leave
+    the frozen embeddings out."""
+    config, state = read_checkpoint(source.path)
+    problems = fit_problems(config, target, layer_ids)
+    if problems:
+        raise ValueError(
+            f"init_from {source.given!r} ({source.path}) does not fit this target: "
+            f"{'; '.join(problems)}. Start from a draft trained for this target and these "
+            "layer ids, or leave init_from empty"
+        )
+    state.setdefault("embed_tokens.weight", embed)
+    model = draft_from(config, state, str(source.path))
+    d2t = state.get("d2t")
+    if d2t is None:
+        vocab = DraftVocab(torch.arange(target.vocab_size), target.vocab_size)
+    else:
+        vocab = draft_vocab_from_mapping(d2t, target.vocab_size)
+    return model, vocab
