@@ -7,6 +7,7 @@ site-packages, and runs in a subprocess so its imports never touch this process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -76,13 +77,20 @@ def verifier(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.parametrize(
+    "norms",
+    [{}, {"norm_before_fc": True}, {"fc_norm": True, "norm_output": True}],
+    ids=["eagle3", "norm_before_fc", "eagle3.1"],
+)
 def test_speculators_loads_our_checkpoint_and_computes_our_loss(
-    verifier: Path, tmp_path: Path
+    verifier: Path, tmp_path: Path, norms: dict[str, bool]
 ) -> None:
+    """With each of the norms vLLM and speculators read (speculators refuses
+    norm_before_fc with fc_norm), trained a few steps so the norms are not ones."""
     if not (ORACLE / "speculators").is_dir():
         pytest.fail(f"speculators oracle missing at {ORACLE}; run `make setup`")
     target_config = json.loads((verifier / "config.json").read_text())
-    cfg = Eagle3Config.from_target(target_config, draft_vocab_size=48)
+    cfg = dataclasses.replace(Eagle3Config.from_target(target_config, 48), **norms)
     torch.manual_seed(1)
     model = Eagle3Draft(cfg)
     head = load_target_head(verifier)

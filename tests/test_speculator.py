@@ -11,10 +11,13 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from mm_assets.clients.vllm_generation import generate_greedy
 from mm_assets.common.hashing import file_sha256
 from mm_assets.services.measurement import measurement_record
+from mm_assets.storage.layout import StorageLayout
 from tests.conftest import SESSION_HOME
 from tests.plots import PLOT_SIZE, decode_plot
 
@@ -123,8 +126,6 @@ def test_the_measurement_is_a_table_row_per_draft_served_and_source(trained: dic
         assert (overall["drafts"], overall["accepted"]) == (row["drafts"], row["accepted"])
     assert rows[("trained", PARTITION)]["lossless"] == trained["vllm_generations_same_as_target"]
     weights = Path(trained["checkpoint"]) / "model.safetensors"
-    from mm_assets.common.hashing import file_sha256
-
     assert rows[("trained", PARTITION)]["served_sha256"] == file_sha256(weights)
 
 
@@ -186,8 +187,8 @@ def test_a_rerun_with_identical_inputs_reuses_checkpoint_and_measurement(trained
 
 def test_a_draft_starts_from_another_datasets_draft(trained: dict, demo_hidden_states) -> None:
     """`init_from` names the draft trained here on another dataset: the new draft starts
-    from its weights (its replay on this dataset's held-out rows, before any step, is far
-    above a random draft's) and its vocabulary, and records what it started from."""
+    from its weights (the untrained baseline is that draft, and replays above a random
+    one on this dataset's held-out rows) and vocabulary, and records what it started from."""
     start = Path(trained["checkpoint"])
     warm = _train("demo_sharegpt4v_coco", init_from=PARTITION, epochs=1, measure_in_vllm=False)
     weights = start / "model.safetensors"
@@ -195,5 +196,28 @@ def test_a_draft_starts_from_another_datasets_draft(trained: dict, demo_hidden_s
     assert warm["draft_vocab_size"] == trained["draft_vocab_size"]
     config = json.loads((Path(warm["checkpoint"]) / "config.json").read_text())
     assert config["mm_assets"]["init_sha256"] == warm["init_sha256"]
+    untrained = StorageLayout(SESSION_HOME).untrained_draft("demo_sharegpt4v_coco")
+    baseline = load_file(str(untrained / "model.safetensors"))
+    init = load_file(str(weights))
+    for name in ("fc.weight", "layers.0.self_attn.q_proj.weight", "lm_head.weight", "d2t"):
+        assert torch.equal(baseline[name], init[name]), name
     random_start = trained["untrained_acceptance_length_estimate"]
-    assert warm["untrained_acceptance_length_estimate"] > random_start + 0.1
+    assert warm["untrained_acceptance_length_estimate"] > random_start
+
+
+def test_vllm_serves_the_eagle_3_1_norms_as_they_were_trained(trained: dict) -> None:
+    """A draft trained with EAGLE-3.1's norms (`fc_norm`, `norm_output`; vLLM 0.32 reads
+    them and `norm_before_fc`, whose loss `test_conformance` checks) is loaded by vLLM
+    with those weights, stays lossless, and vLLM accepts what the offline replay of our
+    own forward pass predicts (a norm vLLM applied otherwise would break the agreement)."""
+    norms = {"fc_norm": True, "norm_output": True}
+    variant = _train(**norms, measure_untrained_in_vllm=False)  # last: it replaces the draft
+    config = json.loads((Path(variant["checkpoint"]) / "config.json").read_text())
+    assert {name: config[name] for name in norms} == norms
+    measured, estimate = (
+        variant["vllm_acceptance_length"],
+        variant["vllm_acceptance_length_estimate"],
+    )
+    assert abs(estimate - measured) <= 0.1 * measured, (estimate, measured)
+    assert measured > trained["vllm_untrained_acceptance_length"]
+    assert variant["vllm_generations_same_as_target"] == variant["vllm_prompts"]

@@ -27,7 +27,7 @@ from mm_assets.domain.model.draft_set import (
     draft_set,
 )
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
-from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
+from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft, draft_config
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION
 from mm_assets.domain.model.settings import TRAINING_VERSION, SpeculatorSettings
 from mm_assets.domain.model.trainer import (
@@ -230,7 +230,7 @@ def _reused_outcome(job: SpeculatorJob, key: str, data: TrainingSet) -> Speculat
         return None
     return SpeculatorOutcome(
         job.checkpoint_dir,
-        Eagle3Config.from_target(job.target_config, job.settings.draft_vocab_size),
+        draft_config(job.target_config, job.settings),
         TrainResult(**record["result"]),
         record["untrained_acceptance"],
         record["train_rows"],
@@ -279,7 +279,7 @@ def _train(
 ) -> tuple[SpeculatorOutcome, Eagle3Draft]:
     settings = job.settings
     torch.manual_seed(settings.seed)
-    cfg = Eagle3Config.from_target(job.target_config, settings.draft_vocab_size)
+    cfg = draft_config(job.target_config, settings)
     head = load_target_head(job.target_dir)
     if job.init is None:
         vocab = build_draft_vocab(data.frequencies, cfg.vocab_size, cfg.draft_vocab_size)

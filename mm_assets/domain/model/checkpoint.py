@@ -54,8 +54,8 @@ def checkpoint_config(
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.hidden_size,
         "norm_before_residual": cfg.norm_before_residual,
-        "norm_before_fc": False,
-        "fc_norm": False,
+        "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": cfg.fc_norm,
         "norm_output": cfg.norm_output,
         "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
         "speculators_config": {
@@ -100,9 +100,6 @@ def fit_problems(config: dict[str, Any], target: Eagle3Config, layer_ids: list[i
             f"auxiliary layer ids {list(aux)} ≠ {list(layer_ids[: len(aux)])}, those the "
             "hidden states are extracted with (hidden_states' layer_ids)"
         )
-    for flag in ("fc_norm", "norm_before_fc"):
-        if config.get(flag):
-            problems.append(f"{flag} is set: drafts with that norm cannot be trained here yet")
     if config.get("speculators_model_type") != "eagle3":
         problems.append(
             f"speculators_model_type {config.get('speculators_model_type')!r} ≠ 'eagle3'"
@@ -132,6 +129,8 @@ def draft_from(config: dict[str, Any], state: dict[str, torch.Tensor], where: st
         num_aux=len(config["eagle_aux_hidden_state_layer_ids"]),
         norm_before_residual=config["norm_before_residual"],
         norm_output=config["norm_output"],
+        norm_before_fc=bool(config.get("norm_before_fc")),
+        fc_norm=bool(config.get("fc_norm")),
     )
     model = Eagle3Draft(cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -21,7 +21,7 @@ Positions whose step-s target would belong to the next packed sample are not cou
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from torch import nn
 
 from mm_assets.domain.model.draft_vocab import DraftVocab
 from mm_assets.domain.model.losses import KL, LossRecipe
+from mm_assets.domain.model.settings import SpeculatorSettings
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class Eagle3Config:
     num_aux: int = 3
     norm_before_residual: bool = True
     norm_output: bool = False
+    norm_before_fc: bool = False  # one RMSNorm over the auxiliary states side by side
+    fc_norm: bool = False  # an RMSNorm per auxiliary state (EAGLE-3.1)
     train_lm_head: bool = False
 
     @classmethod
@@ -71,6 +74,14 @@ class Eagle3Config:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def draft_config(target_config: dict[str, Any], settings: SpeculatorSettings) -> Eagle3Config:
+    """The draft a training builds for this target: one layer of its shape, with the
+    settings' vocabulary size and norms."""
+    cfg = Eagle3Config.from_target(target_config, settings.draft_vocab_size)
+    norms = {"norm_output", "norm_before_fc", "fc_norm"}
+    return replace(cfg, **{name: getattr(settings, name) for name in norms})
 
 
 class RMSNorm(nn.Module):
@@ -213,6 +224,11 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.fc = nn.Linear(cfg.num_aux * cfg.hidden_size, cfg.hidden_size, bias=False)
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(cfg.num_aux * cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            norms = [RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux)]
+            self.fc_norm = nn.ModuleList(norms)
         self.layers = nn.ModuleList([FirstLayer(cfg)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -255,6 +271,16 @@ class Eagle3Draft(nn.Module):
             self.t2d.copy_(vocab.t2d)
             self.d2t.copy_(vocab.d2t)
 
+    def aux_normed(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """The auxiliary states as `fc` reads them: under `norm_before_fc` one norm over
+        all of them, under `fc_norm` one per state, in the order vLLM applies them."""
+        if self.cfg.norm_before_fc:
+            aux_hidden = self.input_norm(aux_hidden)
+        if self.cfg.fc_norm:
+            chunks = aux_hidden.chunk(self.cfg.num_aux, dim=-1)
+            aux_hidden = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks, strict=True)], -1)
+        return aux_hidden
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.cfg.draft_vocab_size == self.cfg.vocab_size:
             return draft_ids
@@ -292,7 +318,7 @@ class Eagle3Draft(nn.Module):
         teacher's best token inside the draft vocabulary."""
         n = input_ids.shape[0]
         teacher = _Teacher.of(self, last_hidden, loss_mask)
-        hidden = self.fc(aux_hidden)
+        hidden = self.fc(self.aux_normed(aux_hidden))
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         ids = input_ids
         total = hidden.new_zeros((), dtype=torch.float32)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 LOSSES = ("kl", "rkl", "jsd", "tv", "nla", "lk_hybrid", "ce")  # what each computes: losses.py
 
@@ -83,11 +83,23 @@ class SpeculatorSettings(BaseModel):
         description="Gaussian noise on the target's auxiliary states while training, as a "
         "share of each state's RMS (0: none).",
     )
+    norm_before_fc: bool = Field(
+        default=False, description="An RMSNorm over the auxiliary states before fc."
+    )
+    fc_norm: bool = Field(
+        default=False, description="An RMSNorm on each auxiliary state before fc (EAGLE-3.1)."
+    )
+    norm_output: bool = Field(
+        default=False,
+        description="Feed each draft step's normed output to the next (EAGLE-3.1), not the "
+        "output before the final norm.",
+    )
     init_from: str = Field(
         default="",
         description="Start from this EAGLE-3 draft (speculators format) instead of random "
         "weights: a local directory, the name of a draft trained here, or a hub id. Its "
-        "draft vocabulary is kept (draft_vocab_size does not apply); the optimizer is new.",
+        "vocabulary and norms are kept (draft_vocab_size and the norm settings do not "
+        "apply); the optimizer is new.",
     )
     keep: Literal["last", "best_acceptance"] = Field(
         default="last",
@@ -116,6 +128,15 @@ class SpeculatorSettings(BaseModel):
     def _known_loss(cls, value: str) -> str:
         parse_loss(value)
         return value
+
+    @model_validator(mode="after")
+    def _one_norm_before_fc(self) -> SpeculatorSettings:
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError(
+                "norm_before_fc and fc_norm both norm fc's input (one norm over the "
+                "states, or one per state): set one of them, as speculators requires"
+            )
+        return self
 
 
 class MeasurementSettings(BaseModel):
