@@ -70,10 +70,11 @@ def _run(side: str, workdir: Path) -> float:
     torch.manual_seed(0)
     batches = [load_file(str(workdir / f"batch{b}.safetensors")) for b in range(BATCHES)]
     if side == "ours":
+        from mm_assets.domain.model.checkpoint import draft_from
         from mm_assets.services.target_weights import load_target_head
-        from mm_assets.services.training import load_checkpoint
+        from mm_assets.storage.checkpoints import read_checkpoint
 
-        model, _ = load_checkpoint(workdir / "draft")
+        model = draft_from(*read_checkpoint(workdir / "draft"), str(workdir / "draft"))
         head = load_target_head(workdir / "verifier")
         with torch.no_grad():
             model.verifier_norm.weight.copy_(head.final_norm)

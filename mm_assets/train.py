@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -32,13 +33,14 @@ import torch.distributed as dist
 
 from mm_assets.common import paths
 from mm_assets.domain.model.hidden_states import ExtractionSettings
-from mm_assets.domain.model.settings import OnlineSettings, SpeculatorSettings
+from mm_assets.domain.model.settings import OnlineSettings, SpeculatorSettings, TrackingSettings
 from mm_assets.registry import DatasetSpec, DraftSpec
 from mm_assets.services import settings as settings_of
 from mm_assets.services.engine import Serving, VllmEngine
 from mm_assets.services.media import sources_media_root
 from mm_assets.services.online_states import OnlineStates
 from mm_assets.services.target import TargetModel
+from mm_assets.services.tracking import Tracking
 from mm_assets.services.training import SpeculatorJob, train_speculator
 from mm_assets.storage import open_tables
 from mm_assets.storage.blobs import BlobStore
@@ -54,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument(
         "--partition", required=True, help="A dataset's name, or a drafts: entry's (registry)."
     )
-    for model in (SpeculatorSettings, OnlineSettings):
+    for model in (SpeculatorSettings, OnlineSettings, TrackingSettings):
         for name, info in model.model_fields.items():
             choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else None
             scalar = info.annotation in (int, float, str) or choices is not None
@@ -133,7 +135,9 @@ def main() -> None:
     tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
     states = _online(draft, registry, online, target, root, rank, world)
     job = SpeculatorJob.for_draft(draft, root, target, settings, tables, states)
-    outcome = train_speculator(job, draft, tables, not retrain, device)
+    tracked = settings_of.resolve(draft, "trained_speculator", TrackingSettings, args)
+    tracking = Tracking(tracked, f"torchrun-{time.strftime('%Y%m%dT%H%M%S')}")
+    outcome = train_speculator(job, draft, tables, not retrain, device, tracking)
     if rank == 0:
         trained, untrained = outcome.result.held_out_acceptance, outcome.untrained_acceptance
         print(

@@ -44,7 +44,7 @@ echo "setup: installing into $VENV (the first time takes a few minutes: vLLM's C
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # torch==2.13.0 resolves to the CPU wheel that lies on disk (PIP_FIND_LINKS / pip config).
-if ! "${pip[@]}" install -q -e '.[cpu,dev,cluster]' >"$VENV/pip-install.log" 2>&1; then
+if ! "${pip[@]}" install -q -e '.[cpu,dev,cluster,tracking]' >"$VENV/pip-install.log" 2>&1; then
     grep -v "is ignored: it is neither a file nor a directory" "$VENV/pip-install.log" | tail -40
     echo "setup: pip install failed (full log: $VENV/pip-install.log)" >&2
     exit 1

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mm_assets.domain.model.acceptance import Acceptance, combine, replay_runs, summarize
-from mm_assets.domain.model.checkpoint import checkpoint_config
+from mm_assets.domain.model.checkpoint import checkpoint_config, draft_from
 from mm_assets.domain.model.draft_vocab import build_draft_vocab, draft_vocab_from_mapping
 from mm_assets.domain.model.eagle3 import (
     Eagle3Config,
@@ -40,8 +40,8 @@ from mm_assets.domain.model.training_data import (
     pack,
     split,
 )
-from mm_assets.services.training import load_checkpoint, save_checkpoint
-from mm_assets.storage.checkpoints import TrainStateFile
+from mm_assets.services.training import save_checkpoint
+from mm_assets.storage.checkpoints import TrainStateFile, read_checkpoint
 
 CFG = Eagle3Config(
     hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
@@ -284,7 +284,7 @@ def test_checkpoint_has_the_speculators_fields_and_round_trips(tmp_path: Path) -
     } <= keys
     assert "layers.0.self_attn.q_proj.weight" in keys and "layers.0.hidden_norm.weight" in keys
     assert not any(k.startswith("verifier_") for k in keys)
-    loaded, _ = load_checkpoint(tmp_path / "ckpt")
+    loaded = draft_from(*read_checkpoint(tmp_path / "ckpt"), "ckpt")
     for key, value in loaded.state_dict().items():
         if not key.startswith("verifier_"):
             assert torch.equal(value, model.state_dict()[key]), key

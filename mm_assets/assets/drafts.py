@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 from pydantic import Field
 
-from mm_assets.assets.config import config_class, stage_settings
+from mm_assets.assets.config import M, config_class, stage_settings
 from mm_assets.assets.metadata import fetch_metadata, rounded, table_links
 from mm_assets.assets.model import hidden_states, online_states, training_metadata
 from mm_assets.assets.partitions import (
@@ -24,8 +24,10 @@ from mm_assets.domain.model.settings import (
     MeasurementSettings,
     OnlineSettings,
     SpeculatorSettings,
+    TrackingSettings,
 )
 from mm_assets.services.media import sources_media_root
+from mm_assets.services.tracking import Tracking
 from mm_assets.storage.layout import DRAFTS, StorageLayout, has_weights
 from mm_assets.storage.object_store import publish_directory
 
@@ -39,6 +41,7 @@ DraftConfig = config_class(
     SpeculatorSettings,
     OnlineSettings,
     MeasurementSettings,
+    TrackingSettings,
     retrain=(
         bool,
         Field(False, description="Train (from the first epoch) and measure again."),
@@ -70,19 +73,18 @@ def trained_draft(
     from mm_assets.services.training import SpeculatorJob, train_speculator
 
     draft, tables, root = draft_spec(context), storage.tables(), storage.root_dir()
-    settings = stage_settings(
-        context, draft, "trained_speculator", SpeculatorSettings, "trained_draft"
-    )
-    measure = stage_settings(
-        context, draft, "trained_speculator", MeasurementSettings, "trained_draft"
-    )
-    online = stage_settings(context, draft, "trained_speculator", OnlineSettings, "trained_draft")
-    target = target_model.model()
+
+    def setting(model: type[M]) -> M:  # the trained_speculator settings, launched here
+        return stage_settings(context, draft, "trained_speculator", model, "trained_draft")
+
+    settings, measure = setting(SpeculatorSettings), setting(MeasurementSettings)
+    online, target = setting(OnlineSettings), target_model.model()
     states = None
     if online.hidden_states == "online":
         states = online_states(context, draft, storage, target, vllm, online)
     job = SpeculatorJob.for_draft(draft, root, target, settings, tables, states)
-    outcome = train_speculator(job, draft, tables, reuse=not config.retrain)
+    tracking = Tracking(setting(TrackingSettings), context.run.run_id)
+    outcome = train_speculator(job, draft, tables, not config.retrain, tracking=tracking)
     metadata = training_metadata(job, outcome) | sources_metadata(outcome)
     metadata |= fetch_metadata(online, outcome.fetch)
     if measure.measure_in_vllm:

@@ -24,8 +24,10 @@ from mm_assets.domain.model.settings import (
     MeasurementSettings,
     OnlineSettings,
     SpeculatorSettings,
+    TrackingSettings,
 )
 from mm_assets.services.media import media_root
+from mm_assets.services.tracking import Tracking
 from mm_assets.storage.layout import DRAFTS
 from mm_assets.storage.object_store import publish_directory
 
@@ -198,6 +200,7 @@ SpeculatorConfig = config_class(
     SpeculatorSettings,
     OnlineSettings,
     MeasurementSettings,
+    TrackingSettings,
     retrain=(
         bool,
         Field(
@@ -237,7 +240,9 @@ def trained_speculator(
     if online.hidden_states == "online":
         states = online_states(context, draft, storage, target, vllm, online)
     job = SpeculatorJob.for_draft(draft, storage.root_dir(), target, settings, tables, states)
-    outcome = train_speculator(job, draft, tables, reuse=not config.retrain)
+    tracked = stage_settings(context, spec, "trained_speculator", TrackingSettings)
+    tracking = Tracking(tracked, context.run.run_id)
+    outcome = train_speculator(job, draft, tables, not config.retrain, tracking=tracking)
     metadata = training_metadata(job, outcome) | fetch_metadata(online, outcome.fetch)
     measured = None
     if measure.measure_in_vllm and outcome.result.held_out_replies:

@@ -14,7 +14,12 @@ from pydantic import BaseModel
 from mm_assets.domain.model.benchmark import BenchmarkSettings
 from mm_assets.domain.model.hidden_states import ExtractionSettings
 from mm_assets.domain.model.responses import ResponseSettings
-from mm_assets.domain.model.settings import MeasurementSettings, OnlineSettings, SpeculatorSettings
+from mm_assets.domain.model.settings import (
+    MeasurementSettings,
+    OnlineSettings,
+    SpeculatorSettings,
+    TrackingSettings,
+)
 from mm_assets.domain.prep.settings import TokenizationSettings
 from mm_assets.registry import DatasetSpec, DraftSpec, load_drafts, load_registry
 
@@ -25,7 +30,12 @@ STAGE_SETTINGS: dict[str, tuple[type[BaseModel], ...]] = {
     "tokenized_samples": (TokenizationSettings,),
     "target_responses": (ResponseSettings,),
     "hidden_states": (ExtractionSettings,),
-    "trained_speculator": (SpeculatorSettings, OnlineSettings, MeasurementSettings),
+    "trained_speculator": (
+        SpeculatorSettings,
+        OnlineSettings,
+        MeasurementSettings,
+        TrackingSettings,
+    ),
     "speculator_benchmark": (BenchmarkSettings,),
 }
 

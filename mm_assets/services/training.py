@@ -18,7 +18,7 @@ import torch.distributed as dist
 from mm_assets.clients.vllm_client import ExtractionRequest
 from mm_assets.common.hashing import file_sha256, json_sha256
 from mm_assets.domain.model.acceptance import summarize
-from mm_assets.domain.model.checkpoint import checkpoint_config, draft_from, draft_state
+from mm_assets.domain.model.checkpoint import checkpoint_config, draft_state
 from mm_assets.domain.model.draft_set import (
     SEPARATOR,
     DraftSet,
@@ -55,9 +55,10 @@ from mm_assets.services.online_batches import OnlineBatches
 from mm_assets.services.online_states import FetchReport, OnlineStates
 from mm_assets.services.target import TargetModel
 from mm_assets.services.target_weights import load_target_head
+from mm_assets.services.tracking import Tracking, open_tracker
 from mm_assets.services.warm_start import InitSource, locate, warm_draft
 from mm_assets.storage import TableStore
-from mm_assets.storage.checkpoints import TrainStateFile, read_checkpoint, write_checkpoint
+from mm_assets.storage.checkpoints import TrainStateFile, write_checkpoint
 from mm_assets.storage.layout import StorageLayout, weights
 from mm_assets.storage.records import load_record, save_record
 
@@ -250,6 +251,7 @@ def train_speculator(
     tables: TableStore,
     reuse: bool = True,
     device: str = "auto",
+    tracking: Tracking | None = None,
 ) -> SpeculatorOutcome:
     """Train and save the draft on its sources' rows (`training_set`), or, with `reuse`,
     return the checkpoint an identical earlier job left (its weights verified by hash)
@@ -266,7 +268,7 @@ def train_speculator(
         source: BatchSource = StoredBatches()
         if job.online is not None:
             source = stack.enter_context(OnlineBatches(job.online, data.keys, data.requests))
-        outcome, model = _train(job, data.rows, source, device, resume=reuse)
+        outcome, model = _train(job, data.rows, source, device, reuse, tracking)
     if isinstance(source, OnlineBatches):
         outcome.fetch = source.report
     if _ranks().rank == 0:
@@ -275,7 +277,12 @@ def train_speculator(
 
 
 def _train(
-    job: SpeculatorJob, data: DraftSet, source: BatchSource, device: str, resume: bool
+    job: SpeculatorJob,
+    data: DraftSet,
+    source: BatchSource,
+    device: str,
+    resume: bool,
+    tracking: Tracking | None,
 ) -> tuple[SpeculatorOutcome, Eagle3Draft]:
     settings = job.settings
     torch.manual_seed(settings.seed)
@@ -304,15 +311,13 @@ def _train(
     states: StateStore = TrainStateFile(job.state_dir / "train_state.pt")
     if not resume:
         states = _FromScratch(states)
-    result = train(
-        model,
-        train_refs,
-        held_out,
-        settings,
-        states,
-        full_lm_head=head.lm_head,
-        run=TrainingRun(device, ranks, source),
-    )
+    params = settings.model_dump() | {"layer_ids": job.layer_ids, "target": job.target_dir}
+    tracker = open_tracker(tracking, job.partition, params, job.storage_root, ranks.rank)
+    try:
+        run = TrainingRun(device, ranks, source, log=tracker.log)
+        result = train(model, train_refs, held_out, settings, states, head.lm_head, run)
+    finally:
+        tracker.close()
     outcome = SpeculatorOutcome(
         job.checkpoint_dir,
         cfg,
@@ -352,11 +357,6 @@ def _ranks() -> Ranks:
 
 def save_checkpoint(model: Eagle3Draft, config: dict[str, Any], out_dir: Path) -> Path:
     return write_checkpoint(out_dir, config, draft_state(model))
-
-
-def load_checkpoint(path: Path) -> tuple[Eagle3Draft, dict[str, Any]]:
-    config, state = read_checkpoint(path)
-    return draft_from(config, state, str(path)), config
 
 
 def _checkpoint_config(job: SpeculatorJob, cfg: Eagle3Config, extra: dict[str, Any]) -> dict:

@@ -10,11 +10,16 @@ leans optimistic by the noise of that choice; vLLM's measurement uses their prom
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
+
+from mm_assets.domain.model.acceptance import summarize
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,6 +32,27 @@ class Evaluation:
     acceptance: float | None
     per_position: list[float] = field(default_factory=list)
     replies: dict[str, list[list[int]]] = field(default_factory=dict)
+
+    @classmethod
+    def replayed(
+        cls, epoch: int, loss: float, replies: dict[str, list[list[int]]], ttt_steps: int
+    ) -> Evaluation:
+        """The epoch's figures from the held-out replay (`trainer.evaluate`)."""
+        summary = summarize([r for row in replies.values() for r in row], ttt_steps)
+        logger.info(
+            "epoch %d: held-out loss %.4f, acceptance estimate %s",
+            epoch,
+            loss,
+            summary.acceptance_length,
+        )
+        return cls(epoch, loss, summary.acceptance_length, summary.per_position, replies)
+
+    def metrics(self, train_loss: float) -> dict[str, float]:
+        """What experiment tracking logs of the epoch."""
+        out = {"epoch": self.epoch, "train/epoch_loss": train_loss, "held_out/loss": self.loss}
+        if self.acceptance is not None:
+            out["held_out/acceptance_estimate"] = self.acceptance
+        return out
 
 
 @dataclass

@@ -139,6 +139,24 @@ class SpeculatorSettings(BaseModel):
         return self
 
 
+class TrackingSettings(BaseModel):
+    """Where a training's curves go besides the step's metadata (`services/tracking.py`).
+    Not part of what is learned, so not in `SpeculatorSettings`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tracking: Literal["none", "tensorboard", "mlflow"] = Field(
+        default="none",
+        description="Log per-step loss and learning rate, per-epoch held-out loss and "
+        "acceptance estimate, and the settings to TensorBoard or MLflow (the tracking extra).",
+    )
+    tracking_uri: str = Field(
+        default="",
+        description="tensorboard: the log directory; mlflow: the tracking URI (http://…, "
+        "sqlite:///…); empty: under the storage root, tracking/.",
+    )
+
+
 class MeasurementSettings(BaseModel):
     """How `trained_speculator` measures the draft in vLLM after training."""
 

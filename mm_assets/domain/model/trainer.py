@@ -31,7 +31,7 @@ import torch
 from mm_assets.common.crashpoints import crash_point
 from mm_assets.common.hashing import json_sha256
 from mm_assets.common.progress import Progress
-from mm_assets.domain.model.acceptance import replay_runs, summarize
+from mm_assets.domain.model.acceptance import replay_runs
 from mm_assets.domain.model.eagle3 import Eagle3Draft, leading_correct
 from mm_assets.domain.model.losses import LossRecipe
 from mm_assets.domain.model.optimization import Optimizers, optimizers
@@ -204,7 +204,9 @@ class _Steps:
     settings: SpeculatorSettings
     device: torch.device
     ranks: Ranks
+    log: Callable[[int, dict[str, float]], None] = lambda step, metrics: None
     seconds: float = 0.0  # spent stepping, evaluation apart
+    done: int = 0  # optimizer steps taken, over every epoch
 
     def __post_init__(self) -> None:
         self.noise = torch.Generator(device=self.device)
@@ -254,6 +256,10 @@ class _Steps:
         result.batch_learning_rates.append(self.optimizer.lr)
         self.optimizer.step()
         result.trained_tokens += batch.num_tokens
+        self.done += 1
+        self.log(
+            self.done, {"train/loss": loss.item(), "train/lr": result.batch_learning_rates[-1]}
+        )
         return loss.item()
 
 
@@ -304,6 +310,9 @@ class TrainingRun:
     ranks: Ranks = field(default_factory=Ranks)
     source: BatchSource | None = None
     after_epoch: Callable[[int], None] = lambda epoch: None
+    log: Callable[[int, dict[str, float]], None] = lambda step, metrics: None
+    """Metrics by optimizer step (experiment tracking): the loss and rate of each step,
+    the held-out figures after each epoch."""
 
 
 def train(
@@ -326,10 +335,11 @@ def train(
     optimizer = optimizers(
         model, settings.optimizer, settings.learning_rate, per_epoch * settings.epochs, schedule
     )
-    steps = _Steps(model, ranks.wrap(model), optimizer, settings, torch_device, ranks)
+    steps = _Steps(model, ranks.wrap(model), optimizer, settings, torch_device, ranks, run.log)
     result, choice = TrainResult(), EpochChoice(settings.keep, settings.early_stop_patience)
     fingerprint = _fingerprint(settings, train_refs, model)
     start = _resume(states, fingerprint, steps, result, choice)
+    steps.done = len(result.batch_losses)
     result.batch_plan_sha256 = batch_plan_sha256(batches, settings, ranks)
     source = run.source or StoredBatches()
     for epoch in range(start, settings.epochs):
@@ -340,7 +350,9 @@ def train(
         loss, replies = evaluate(
             model, held_out_refs, settings, full_lm_head, run.device, source, label
         )
-        choice.record(_evaluation(epoch + 1, loss, replies, settings.ttt_steps), model)
+        evaluation = Evaluation.replayed(epoch + 1, loss, replies, settings.ttt_steps)
+        choice.record(evaluation, model)
+        run.log(steps.done, evaluation.metrics(result.epoch_losses[-1]))
         if ranks.rank == 0:
             states.save(_state(fingerprint, epoch + 1, steps, choice, result))
             crash_point("after_epoch")
@@ -356,19 +368,6 @@ def train(
     result.held_out_acceptance, result.held_out_per_position = kept.acceptance, kept.per_position
     logger.info("kept epoch %d (%s)", kept.epoch, result.kept_because)
     return result
-
-
-def _evaluation(
-    epoch: int, loss: float, replies: dict[str, list[list[int]]], ttt_steps: int
-) -> Evaluation:
-    summary = summarize(replies_of(replies), ttt_steps)
-    logger.info(
-        "epoch %d: held-out loss %.4f, acceptance estimate %s",
-        epoch,
-        loss,
-        summary.acceptance_length,
-    )
-    return Evaluation(epoch, loss, summary.acceptance_length, summary.per_position, replies)
 
 
 def _state(
