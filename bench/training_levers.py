@@ -9,6 +9,9 @@ on the same replies, the held-out estimate after every epoch (the warm-start cur
 kept epoch, lossless generations and the step's seconds (2 shared cores: ratios of times
 in one run only).
 
+`speculators' recipe` is the peer comparison: speculators' trainer cannot run on CPU (its
+device falls back to cuda:0), so its defaults run in this loop.
+
 Why: a recipe is judged by what vLLM accepts, on a target whose answers mean something.
 Prints a Markdown block for BENCHMARKS.md, then the results as JSON.
 `.venv/bin/python -m bench.training_levers [--partitions P ...] [--levers NAME ...]
@@ -42,6 +45,15 @@ LEVERS: dict[str, dict[str, Any]] = {
     "best epoch": {"keep": "best_acceptance"},
     "EAGLE-3.1 norms": {"fc_norm": True, "norm_output": True},
     "warm start": {},  # init_from: the other partition's demo draft (WARM_FROM)
+    # speculators' trainer's defaults (its trainer needs an accelerator: on CPU its recipe
+    # runs in this loop, whose model and losses compute what its own do, test_conformance)
+    # without its weight decay (0.01 AdamW, 0.1 Muon; not a setting here)
+    "speculators' recipe": {
+        "optimizer": "muon",
+        "lr_schedule": "linear",
+        "warmup_ratio": 0.01,
+        "learning_rate": 1.0e-3,
+    },
 }
 MEASURED = {"measure_in_vllm": True, "measure_untrained_in_vllm": False}
 KEPT = (
