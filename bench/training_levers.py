@@ -45,6 +45,9 @@ LEVERS: dict[str, dict[str, Any]] = {
     "best epoch": {"keep": "best_acceptance"},
     "EAGLE-3.1 norms": {"fc_norm": True, "norm_output": True},
     "warm start": {},  # init_from: the other partition's demo draft (WARM_FROM)
+    "warm start, lr 1e-3": {"learning_rate": 1.0e-3},  # a fine-tune's gentler step
+    "today, seed 1": {"seed": 1},  # the noise floor: another split, init and order
+    "muon + kl/tv": {"optimizer": "muon", "loss": "kl=0.5,tv=0.5"},
     # speculators' trainer's defaults (its trainer needs an accelerator: on CPU its recipe
     # runs in this loop, whose model and losses compute what its own do, test_conformance)
     # without its weight decay (0.01 AdamW, 0.1 Muon; not a setting here)
@@ -53,6 +56,12 @@ LEVERS: dict[str, dict[str, Any]] = {
         "lr_schedule": "linear",
         "warmup_ratio": 0.01,
         "learning_rate": 1.0e-3,
+    },
+    # the same at the demo's learning rate (its 1e-3 is meant for 20 epochs of real data)
+    "speculators' recipe, lr 3e-3": {
+        "optimizer": "muon",
+        "lr_schedule": "linear",
+        "warmup_ratio": 0.01,
     },
 }
 MEASURED = {"measure_in_vllm": True, "measure_untrained_in_vllm": False}
@@ -78,7 +87,7 @@ def bench_home(source: Path, workdir: Path) -> dict[str, str]:
 
 def lever_config(name: str, partition: str, source: Path) -> dict[str, Any]:
     settings = dict(LEVERS[name])
-    if name == "warm start":
+    if name.startswith("warm start"):
         settings["init_from"] = str(source / "speculators" / WARM_FROM[partition])
     return {"ops": {"trained_speculator": {"config": {**MEASURED, **settings}}}}
 
