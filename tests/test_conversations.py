@@ -410,3 +410,19 @@ def test_a_benchmark_rows_category_comes_from_its_value_column_or_file() -> None
     assert by_file.category_of(record, "HumanEval.jsonl") == "HumanEval"
     assert by_file.category_of(record, None) == "all"  # a raw table without source files
     assert _bench().category_of(record, "/b/qa.jsonl") == "all"
+
+
+@pytest.mark.parametrize("name", ["a#b.png", "pct%41.png", "%2e%2e/x.png", "sp ace?.png"])
+def test_a_file_url_names_the_file_vllm_opens(name: str) -> None:
+    """vLLM parses the URL (urllib3's `parse_url`, then `url2pathname` of netloc + path:
+    vllm/multimodal/media/connector.py); the path it gets back is the probed one."""
+    from urllib.request import url2pathname
+
+    from urllib3.util import parse_url
+
+    path = f"/data/coco/{name}"
+    turns = [{"role": "user", "content": [{"type": "image", "path": path}]}]
+    url = to_vllm_messages(turns)[0]["content"][0]["image_url"]["url"]
+    parsed = parse_url(url)
+    assert parsed.scheme == "file"
+    assert url2pathname((parsed.netloc or "") + (parsed.path or "")) == path

@@ -92,3 +92,8 @@ def test_decompression_bombs_are_refused_without_decoding(root: Path) -> None:
 def test_resolve_returns_real_path_inside_root(root: Path) -> None:
     resolved = resolve_reference(root, "train2017/a.jpg")
     assert isinstance(resolved, Path) and resolved == (root / "train2017" / "a.jpg").resolve()
+
+
+def test_a_reference_holding_a_nul_byte_is_refused_not_raised(root: Path) -> None:
+    probe = probe_reference(root, "train2017/a.jpg\x00.png")
+    assert probe.status is ImageStatus.INVALID_REFERENCE and "NUL" in probe.detail

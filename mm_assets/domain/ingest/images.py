@@ -95,6 +95,8 @@ def resolve_reference(
         )
     if strip_prefix and reference.startswith(strip_prefix):
         reference = reference[len(strip_prefix) :]
+    if "\x00" in reference:  # no file name holds one; the OS calls would raise
+        return ImageProbe(ref, None, ImageStatus.INVALID_REFERENCE, "holds a NUL byte")
     real_root = Path(os.path.realpath(root))
     real = Path(os.path.realpath(real_root / reference))  # resolves `..` and symlinks
     if not real.is_relative_to(real_root):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mm_assets.common.hashing import json_sha256
@@ -159,11 +160,13 @@ def turn_text(turn: Turn) -> str:
 
 
 def to_vllm_messages(turns: list[Turn]) -> list[dict[str, Any]]:
-    """OpenAI chat messages for vLLM: image parts as `file://` URLs (never pixels)."""
+    """OpenAI chat messages for vLLM: image parts as `file://` URLs (never pixels),
+    percent-encoded (`Path.as_uri`) so that vLLM, which parses the URL, opens the file the
+    probe checked: `a#b.png` would otherwise be read as `a`, `%41` as `A`."""
 
     def part(p: dict[str, Any]) -> dict[str, Any]:
         if p["type"] == "image":
-            return {"type": "image_url", "image_url": {"url": f"file://{p['path']}"}}
+            return {"type": "image_url", "image_url": {"url": Path(p["path"]).as_uri()}}
         return {"type": "text", "text": p["text"]}
 
     return [
