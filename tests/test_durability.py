@@ -424,3 +424,27 @@ def test_two_runs_of_one_partition_at_once_never_mix(
     assert final[1] == versions - 1
     assert _assert_one_complete_version(_sql_rows(store), "SQL") == final
     assert _temporary_files(store.root) == []
+
+
+class _Payload:
+    """What a crafted training-state file would run when unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_crafted_training_state_runs_nothing_and_is_ignored(tmp_path: Path) -> None:
+    import pickle
+
+    import torch
+
+    from mm_assets.storage.checkpoints import TrainStateFile
+
+    marker = tmp_path / "pwned"
+    state = tmp_path / "train_state.pt"
+    state.write_bytes(pickle.dumps({"epoch": 1, "model": _Payload(marker)}))
+    assert TrainStateFile(state).load(torch.device("cpu")) is None
+    assert not marker.exists()

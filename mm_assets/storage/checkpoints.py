@@ -4,6 +4,8 @@ contents are decided in `domain/model/checkpoint.py`) and the trainer's epoch st
 from __future__ import annotations
 
 import json
+import logging
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from mm_assets.common.files import atomic_directory, atomic_path
 from mm_assets.storage.layout import WEIGHTS
+
+logger = logging.getLogger(__name__)
 
 
 def write_checkpoint(out_dir: Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> Path:
@@ -37,7 +41,12 @@ class TrainStateFile:
     def load(self, device: torch.device) -> dict[str, Any] | None:
         if not self.path.is_file():
             return None
-        return torch.load(self.path, map_location=device, weights_only=False)
+        # tensors, numbers, strings and containers only: a crafted file runs no code
+        try:
+            return torch.load(self.path, map_location=device, weights_only=True)
+        except pickle.UnpicklingError as error:  # not a state this trainer wrote: a cache
+            logger.warning("ignoring %s, not a training state (%s)", self.path, error)
+            return None
 
     def save(self, state: dict[str, Any]) -> None:
         with atomic_path(self.path) as tmp:
