@@ -408,6 +408,9 @@ def test_a_benchmark_rows_category_comes_from_its_value_column_or_file() -> None
     by_file = _bench(category_from_file=True)
     assert by_file.category_of(record, "/b/tool_call.jsonl") == "tool_call"
     assert by_file.category_of(record, "HumanEval.jsonl") == "HumanEval"
+    assert by_file.category_of(record, "/b/v1.2_math.jsonl") == "v1.2_math"
+    assert by_file.category_of(record, "/b/chat.jsonl.gz") == "chat"
+    assert by_file.category_of(record, "/b/.hidden.jsonl") == ".hidden"
     assert by_file.category_of(record, None) == "all"  # a raw table without source files
     assert _bench().category_of(record, "/b/qa.jsonl") == "all"
 
@@ -426,3 +429,11 @@ def test_a_file_url_names_the_file_vllm_opens(name: str) -> None:
     parsed = parse_url(url)
     assert parsed.scheme == "file"
     assert url2pathname((parsed.netloc or "") + (parsed.path or "")) == path
+
+
+def test_a_category_named_overall_does_not_collide_with_the_sum_row() -> None:
+    from mm_assets.services.benchmark_sets import category_name
+
+    assert category_name("overall") == "overall (category)"
+    assert category_name(None) == category_name("") == "all"
+    assert category_name("math") == "math"

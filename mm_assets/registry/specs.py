@@ -29,6 +29,7 @@ from mm_assets.common import paths
 
 BUILTIN_FILE = "datasets.yaml"
 DEFAULT_CATEGORY = "all"
+DATA_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".gz", ".zst", ".bz2", ".xz"}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 DatasetFormat = Literal["sharegpt4v", "sharegpt", "messages", "prompts"]
@@ -191,7 +192,7 @@ class DatasetSpec(BaseModel):
         if self.category is not None:
             return self.category
         if self.category_from_file and source_file:
-            return Path(source_file).name.split(".")[0]
+            return _file_category(Path(source_file))
         if self.category_column is not None:
             value = record.get(self.category_column)
             if value is not None and str(value).strip():
@@ -397,3 +398,10 @@ def benchmark_problems(specs: Mapping[str, DatasetSpec]) -> list[str]:
                 f"entries, with 'role: benchmark': {', '.join(benchmarks) or 'none'})"
             )
     return problems
+
+
+def _file_category(path: Path) -> str:
+    """A file's name without its data suffixes: `v1.2_math.jsonl.gz` is `v1.2_math`."""
+    while path.suffix.lower() in DATA_SUFFIXES:
+        path = path.with_suffix("")
+    return path.name

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mm_assets.common.hashing import json_sha256
+from mm_assets.domain.model.acceptance import OVERALL
 from mm_assets.domain.prep.conversations import Turn
+from mm_assets.registry.specs import DEFAULT_CATEGORY
 from mm_assets.storage import TableStore
 
 
@@ -44,11 +46,18 @@ def load_benchmark(
     images = False
     columns = ["turns", "category", "multimodal"]
     for row in tables.iter_rows("normalized_conversations", benchmark, columns):
-        found = categories.setdefault(row["category"] or "all", [])
+        found = categories.setdefault(category_name(row["category"]), [])
         if per_category is None or len(found) < per_category:
             found.append(json.loads(row["turns"]))
             images = images or bool(row["multimodal"])
     return BenchmarkSet(benchmark, categories, images)
+
+
+def category_name(stored: str | None) -> str:
+    """The category a benchmark row is reported under: `overall` names the row that sums
+    every category, so a category of that name is reported as `overall (category)`."""
+    name = stored or DEFAULT_CATEGORY
+    return f"{OVERALL} (category)" if name == OVERALL else name
 
 
 def results_key(draft_sha256: str | None, benchmark: str, settings: Mapping[str, Any]) -> str:
