@@ -851,3 +851,21 @@ def test_a_guarded_command_reports_its_exit_status() -> None:
         check=False,
     )  # fmt: skip
     assert done.returncode == 3
+
+
+def test_the_managed_server_gets_only_the_variables_it_needs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cloud credentials, API keys and tokens stay with the caller; what Python, vLLM and
+    the runtimes read, and the run marker the dead-run watch looks for, go along."""
+    secrets = {
+        "AWS_SECRET_ACCESS_KEY": "aws", "MM_ASSETS_VLLM_API_KEY": "mine", "HF_TOKEN": "hf",
+        "VLLM_API_KEY": "server", "GOOGLE_APPLICATION_CREDENTIALS": "/k.json", "PGPASSWORD": "pg",
+    }  # fmt: skip
+    needed = {"PATH": "/bin", "VLLM_LOGGING_LEVEL": "DEBUG", "MM_ASSETS_RUN_ID": "run-1",
+              "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1", "LC_ALL": "C.UTF-8"}  # fmt: skip
+    for name, value in {**secrets, **needed}.items():
+        monkeypatch.setenv(name, value)
+    env = _managed(monkeypatch, True).environment()
+    assert not set(secrets) & set(env)
+    assert {name: env[name] for name in needed} == needed

@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,6 +143,30 @@ def exit_status(code: int) -> str:
     return f"code {code}" + (f", killed by {name}" if name else "")
 
 
+# What a managed server inherits of the caller's environment: what Python, vLLM, torch,
+# the CPU and GPU runtimes and the hub client (offline, from its cache) read, and the run
+# marker the dead-run watch finds a run's processes by. Nothing else: cloud credentials,
+# API keys and tokens stay with the caller (the server loads the target from a local
+# directory, so it needs no hub token).
+_NAMES = """PATH HOME USER LOGNAME SHELL LANG LANGUAGE TZ TERM TMPDIR PYTHONPATH PYTHONHOME
+VIRTUAL_ENV LD_LIBRARY_PATH LD_PRELOAD XDG_CACHE_HOME XDG_CONFIG_HOME XDG_RUNTIME_DIR CC CXX
+HF_HOME HF_HUB_CACHE HF_HUB_OFFLINE TRANSFORMERS_OFFLINE MM_ASSETS_RUN_ID"""
+_PREFIXES = (
+    "VLLM_ LC_ CUDA_ NVIDIA_ NCCL_ OMP_ KMP_ MKL_ GOMP_ TORCH PYTORCH_ TRITON_ MM_ASSETS_CRASH_"
+)
+SERVER_ENV_NAMES, SERVER_ENV_PREFIXES = frozenset(_NAMES.split()), tuple(_PREFIXES.split())
+SERVER_ENV_WITHHELD = frozenset({"VLLM_API_KEY"})  # the client's key is not the server's
+
+
+def server_environment(env: Mapping[str, str]) -> dict[str, str]:
+    return {
+        name: value
+        for name, value in env.items()
+        if (name in SERVER_ENV_NAMES or name.startswith(SERVER_ENV_PREFIXES))
+        and name not in SERVER_ENV_WITHHELD
+    }
+
+
 @dataclass(eq=False)
 class ManagedVllmServer:
     """A vLLM server for one step: `with ManagedVllmServer(...) as base_url: ...`.
@@ -183,7 +207,9 @@ class ManagedVllmServer:
         return cmd + list(opts.extra_args)
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        """What the server runs with: only the variables it needs (`server_environment`),
+        plus the engine's settings on CPU."""
+        env = server_environment(os.environ)
         if not cuda_available():
             if self.options.kv_cache_gib:
                 env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.options.kv_cache_gib)))
