@@ -265,7 +265,7 @@ def test_a_drafts_benchmark_step_reads_exactly_the_benchmarks_its_entry_lists() 
 
 
 def test_a_training_entry_may_list_only_benchmark_entries() -> None:
-    from mm_assets.registry.specs import benchmark_problems
+    from mm_assets.registry.loading import benchmark_problems
 
     registry = load_registry()
     chat = registry["sharegpt"].model_copy(update={"benchmarks": ["mt_bnch", "ultrachat"]})

@@ -322,3 +322,20 @@ def test_the_demo_entries_carry_the_demo_settings(
             "vllm_max_tokens": 96,
         }
         assert settings["speculator_benchmark"] == {"max_tokens": 64}
+
+
+def test_a_path_may_not_name_a_secrets_variable() -> None:
+    """A path shows in metadata and logs: `${...KEY}` there would print the key."""
+    for path in ("/data/${MM_ASSETS_VLLM_API_KEY}/d.jsonl", "${AWS_SECRET_ACCESS_KEY}/x"):
+        with pytest.raises(ValueError, match="names a secret's variable"):
+            DatasetSpec(name="d", path=path, format="sharegpt")
+    with pytest.raises(ValueError, match="HF_TOKEN"):
+        DatasetSpec(name="d", path="/d", image_root="${HF_TOKEN}", format="sharegpt")
+    assert DatasetSpec(name="d", path="${MM_ASSETS_HOME}/d.jsonl", format="sharegpt")
+
+
+def test_the_engines_key_is_not_in_its_repr() -> None:
+    from mm_assets.services.engine import VllmEngine
+
+    engine = VllmEngine(("http://h:8000/v1",), api_key="s3cret-value")
+    assert "s3cret-value" not in repr(engine) and engine.api_key == "s3cret-value"

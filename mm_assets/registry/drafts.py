@@ -23,14 +23,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mm_assets.registry.specs import (
-    DRAFTS_KEY,
-    DatasetSpec,
-    StageSettings,
-    describe_error,
-    registry_documents,
-    stage_problems,
-)
+from mm_assets.registry.loading import DRAFTS_KEY, registry_documents
+from mm_assets.registry.specs import DatasetSpec, StageSettings, describe_error, stage_problems
 
 STAGE = "trained_speculator"  # the stage whose settings a draft entry sets at its top level
 BENCHMARK_STAGE = "speculator_benchmark"  # and the one it may set under its name

@@ -18,17 +18,17 @@ import difflib
 import os
 import re
 from collections.abc import Mapping, Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mm_assets.common import paths
 
-BUILTIN_FILE = "datasets.yaml"
 DEFAULT_CATEGORY = "all"
+# `${VAR}` in an entry's paths names where data lives, never a credential: a path is
+# shown in metadata and logs, so variables named like secrets are refused.
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
 DATA_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".gz", ".zst", ".bz2", ".xz"}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
@@ -159,6 +159,17 @@ class DatasetSpec(BaseModel):
                 "a dataset name may hold only letters, digits, '_', '-' and '.', "
                 "and may not start with '-' or '.'"
             )
+        return value
+
+    @field_validator("path", "image_root")
+    @classmethod
+    def _no_secret_variable(cls, value: str | None) -> str | None:
+        for name in re.findall(r"\$\{(\w+)\}", value or ""):
+            if SECRET_NAME.search(name):
+                raise ValueError(
+                    f"${{{name}}} names a secret's variable: a path shows in metadata and "
+                    "logs; write the path out"
+                )
         return value
 
     @model_validator(mode="after")
@@ -337,67 +348,6 @@ def parse_entries(
     if problems:
         raise ValueError("\n".join(problems))
     return specs
-
-
-def user_registry_file() -> Path:
-    return Path(
-        os.environ.get("MM_ASSETS_DATASETS", str(paths.home() / "datasets.yaml"))
-    ).expanduser()
-
-
-def _read_yaml(text: str, origin: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{origin}: not valid YAML: {exc}") from exc
-
-
-DRAFTS_KEY = "drafts"  # the section of drafts (`registry/drafts.py`), not a dataset
-
-
-def registry_documents() -> list[tuple[str, dict[str, Any]]]:
-    """The built-in file and the user's (when present), each as (origin, its mapping)."""
-    text = resources.files("mm_assets.registry").joinpath(BUILTIN_FILE).read_text()
-    documents = [(f"built-in {BUILTIN_FILE}", _read_yaml(text, f"built-in {BUILTIN_FILE}"))]
-    user_file = user_registry_file()
-    if user_file.is_file():
-        documents.append((str(user_file), _read_yaml(user_file.read_text(), str(user_file)) or {}))
-    return documents
-
-
-def load_registry(stages: StageSettings | None = None) -> dict[str, DatasetSpec]:
-    """Built-in entries, then the user's file (when present) adding or replacing entries;
-    with `stages`, the entries' `settings` are checked against those stages' models."""
-    specs: dict[str, DatasetSpec] = {}
-    for origin, document in registry_documents():
-        entries = (
-            {k: v for k, v in document.items() if k != DRAFTS_KEY}
-            if isinstance(document, dict)
-            else document
-        )
-        specs.update(parse_entries(entries, origin, stages))
-    problems = benchmark_problems(specs)
-    if problems:
-        raise ValueError("\n".join(problems))
-    return specs
-
-
-def benchmark_problems(specs: Mapping[str, DatasetSpec]) -> list[str]:
-    """A training entry's `benchmarks` must name benchmark entries."""
-    problems = []
-    benchmarks = sorted(n for n, s in specs.items() if s.is_benchmark)
-    for name, spec in specs.items():
-        for bench in spec.benchmarks:
-            if bench in benchmarks:
-                continue
-            close = difflib.get_close_matches(bench, benchmarks, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            what = "a training dataset" if bench in specs else "not an entry"
-            problems.append(
-                f"dataset {name!r}: 'benchmarks': {bench!r} is {what} ({hint}benchmark "
-                f"entries, with 'role: benchmark': {', '.join(benchmarks) or 'none'})"
-            )
-    return problems
 
 
 def _file_category(path: Path) -> str:

@@ -50,7 +50,7 @@ class VllmEngine:
     options: EngineOptions = field(default_factory=EngineOptions)
     connector: str = "auto"
     startup_timeout_s: float = 600.0
-    api_key: str = "EMPTY"
+    api_key: str = field(default="EMPTY", repr=False)  # never in a log or an error
     server_path_prefix: str = ""
     local_path_prefix: str = ""
 
