@@ -151,3 +151,15 @@ def test_layer_ids_are_a_setting_of_hidden_states_only() -> None:
         parser().parse_args(["--partition", "p", "--layer-ids", "[2, 16, 29, 32]"])
     with pytest.raises(pydantic.ValidationError, match="layer_ids"):
         HiddenStatesConfig(layer_ids=[2, 4, 8])
+
+
+def test_a_target_trusted_with_its_code_is_served_with_it() -> None:
+    """`trust_remote_code` reaches the managed vLLM server as it reaches the processor."""
+    from mm_assets.services.target import TargetModel
+
+    trusted = VllmResource().engine("responses", TargetModel("/m", trust_remote_code=True))
+    assert "--trust-remote-code" in trusted.options.extra_args
+    assert (
+        "--trust-remote-code"
+        not in VllmResource().engine("responses", TargetModel("/m")).options.extra_args
+    )

@@ -127,7 +127,7 @@ def benchmark_step(
     for name in spec.benchmarks:
         prompts = load_benchmark(tables, name, settings.max_prompts_per_category)
         log = storage.log_path(f"vllm_bench_{name}_{context.run.run_id}")
-        serving = vllm.serving(target.local_dir, media_root(REGISTRY[name], tables, root), log)
+        serving = vllm.serving(target, media_root(REGISTRY[name], tables, root), log)
         records = StorageLayout(root).benchmark_records()
         report = benchmark(
             serving, prompts.categories, draft, settings, records, reuse=not config.remeasure

@@ -92,7 +92,7 @@ def trained_draft(
         others = {s: d for s, d in own.items() if has_weights(d)}
         log = storage.log_path(f"vllm_draft_{context.run.run_id}")
         sources = [REGISTRY[s] for s in draft.sources]
-        serving = vllm.serving(target.local_dir, sources_media_root(sources, tables, root), log)
+        serving = vllm.serving(target, sources_media_root(sources, tables, root), log)
         compared = others if measure.compare_with_sources else {}
         measured = measure_draft(
             job, outcome, tables, serving, measure, not config.retrain, compared

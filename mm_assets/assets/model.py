@@ -82,7 +82,7 @@ def hidden_states(
     spec, tables, target = dataset_spec(context), storage.tables(), target_model.model()
     settings = stage_settings(context, spec, "hidden_states", ExtractionSettings)
     log = storage.log_path(f"vllm_{context.run.run_id}")
-    serving = vllm.serving(target.local_dir, media_root(spec, tables, storage.root_dir()), log)
+    serving = vllm.serving(target, media_root(spec, tables, storage.root_dir()), log)
     extraction = PartitionExtraction(spec.name, tables, storage.blobs(), target, serving, settings)
     online = stage_settings(context, spec, "trained_speculator", OnlineSettings)
     if online.hidden_states == "online":
@@ -247,7 +247,7 @@ def trained_speculator(
     measured = None
     if measure.measure_in_vllm and outcome.result.held_out_replies:
         log = storage.log_path(f"vllm_spec_{context.run.run_id}")
-        serving = vllm.serving(target.local_dir, media_root(spec, tables, storage.root_dir()), log)
+        serving = vllm.serving(target, media_root(spec, tables, storage.root_dir()), log)
         figures = measure_draft(job, outcome, tables, serving, measure, not config.retrain)
         measured = figures.trained[spec.name].measured
         metadata |= measurement_metadata(figures.trained[spec.name])
@@ -285,7 +285,7 @@ def online_states(
     extraction = stage_settings(context, sources[0], "hidden_states", ExtractionSettings)
     images = sources_media_root(sources, storage.tables(), storage.root_dir())
     log = storage.log_path(f"vllm_online_{context.run.run_id}")
-    serving = vllm.serving(target.local_dir, images, log)
+    serving = vllm.serving(target, images, log)
     return OnlineStates.for_target(target, serving, extraction, online, storage.blobs())
 
 

@@ -122,8 +122,10 @@ class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignor
     )
     local_path_prefix: str = Field(default="", description="…and what it is mounted as here.")
 
-    def engine(self, fleet: str = "extraction") -> VllmEngine:
-        """The engine of one fleet: `extraction` (hidden states) or `responses`."""
+    def engine(self, fleet: str = "extraction", target: TargetModel | None = None) -> VllmEngine:
+        """The engine of one fleet: `extraction` (hidden states) or `responses`; for a
+        target whose repository code runs here (`trust_remote_code`), managed servers
+        may run it too."""
         if fleet == "extraction":
             urls = self.base_urls or env_list(URLS_ENV)
         else:
@@ -131,6 +133,9 @@ class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignor
         options = EngineOptions(
             **{name: getattr(self, name) for name in EngineOptions.model_fields}
         )
+        if target is not None and target.trust_remote_code:
+            extra = [*options.extra_args, "--trust-remote-code"]
+            options = options.model_copy(update={"extra_args": extra})
         return VllmEngine(
             tuple(urls),
             options,
@@ -141,6 +146,7 @@ class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignor
             self.local_path_prefix,
         )
 
-    def serving(self, target_dir: Path, image_root: Path | None, log_path: Path) -> Serving:
+    def serving(self, target: TargetModel, image_root: Path | None, log_path: Path) -> Serving:
         """What a step serves the target with (the extraction fleet's engine), whole."""
-        return Serving.for_target(self.engine(), target_dir, image_root, log_path)
+        engine = self.engine(target=target)
+        return Serving.for_target(engine, target.local_dir, image_root, log_path)

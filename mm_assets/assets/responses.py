@@ -51,12 +51,13 @@ def target_responses(
 
     spec, tables = dataset_spec(context), storage.tables()
     settings = stage_settings(context, spec, "target_responses", ResponseSettings)
+    target = target_model.model()
     report = TargetRegeneration(
         spec.name,
         tables,
         storage.blobs("responses"),
-        target_model.model(),
-        vllm.engine("responses"),
+        target,
+        vllm.engine("responses", target),
         settings,
         media_root(spec, tables, storage.root_dir()),
         storage.log_path(f"vllm_responses_{context.run.run_id}"),
