@@ -222,6 +222,24 @@ def test_a_local_directory_reads_only_its_data_files_in_their_order(tmp_path: Pa
         list(read_local(tmp_path, ["d.jsonl"]))
 
 
+def test_data_files_and_links_stay_under_the_dataset_path(tmp_path: Path) -> None:
+    """`../`, absolute entries and links out of the directory are never read: a linked
+    credentials file's lines would otherwise land in raw_dataset."""
+    from mm_assets.services.ingest import read_local
+
+    data, outside = tmp_path / "data", tmp_path / "outside"
+    data.mkdir(), outside.mkdir()
+    (data / "a.jsonl").write_text(json.dumps({"q": "a"}) + "\n")
+    (outside / "secret.jsonl").write_text("aws_secret_access_key = abc\n")
+    (data / "link.jsonl").symlink_to(outside / "secret.jsonl")
+    assert [r.record for r in read_local(data)] == [{"q": "a"}]  # the link is skipped
+    for entry, says in [("../outside/*.jsonl", "outside the entry's 'path'"),
+                        ("link.jsonl", "outside the entry's 'path'"),
+                        (str(outside / "secret.jsonl"), "is absolute")]:  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            list(read_local(data, [entry]))
+
+
 # -- through the assets ------------------------------------------------------------
 
 

@@ -72,7 +72,10 @@ def read_local(path: Path, data_files: list[str] | None = None) -> Iterator[RawR
 
 
 def _all_files(directory: Path) -> list[Path]:
-    files = sorted(p for p in directory.rglob("*") if p.suffix in LOCAL_SUFFIXES)
+    found = sorted(p for p in directory.rglob("*") if p.suffix in LOCAL_SUFFIXES)
+    files = [p for p in found if _inside(p, directory)]
+    for escaped in sorted(set(found) - set(files)):
+        logger.warning("not read: %s links outside the dataset's path %s", escaped, directory)
     if not files:
         raise FileNotFoundError(f"{directory} holds no {'/'.join(LOCAL_SUFFIXES)} files")
     return files
@@ -83,6 +86,11 @@ def _listed_files(directory: Path, data_files: list[str]) -> list[Path]:
     its matches sorted by name); each must exist, or the load stops naming it."""
     files: list[Path] = []
     for entry in data_files:
+        if Path(entry).is_absolute():
+            raise ValueError(
+                f"data_files entry {entry!r} is absolute: data_files are relative to the "
+                f"entry's 'path' ({directory}); set 'path' to the directory that holds it"
+            )
         matches = (
             sorted(p for p in directory.glob(entry) if p.is_file())
             if any(c in entry for c in "*?[")
@@ -95,8 +103,19 @@ def _listed_files(directory: Path, data_files: list[str]) -> list[Path]:
                 f"data_files entry {entry!r} names no file under {directory}; fix the entry's "
                 f"'data_files' in the registry (paths relative to its 'path')"
             )
+        outside = [m for m in matches if not _inside(m, directory)]
+        if outside:
+            raise ValueError(
+                f"data_files entry {entry!r} reaches {outside[0].resolve()}, outside the "
+                f"entry's 'path' {directory}: list files under it (no '..', no link out)"
+            )
         files += matches
     return files
+
+
+def _inside(file: Path, directory: Path) -> bool:
+    """Whether `file`, its links and `..` resolved, lies under `directory`'s real path."""
+    return file.resolve().is_relative_to(directory.resolve())
 
 
 def _read_file(path: Path) -> Iterator[RawRow]:
