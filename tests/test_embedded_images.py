@@ -84,14 +84,34 @@ def test_data_urls_alone_and_in_image_url_parts_are_images() -> None:
                 ],
             }
         ],
-        "thumb": "data:image/PNG;Base64," + base64.b64encode(PNG).decode(),
+        "image": "data:image/PNG;Base64," + base64.b64encode(PNG).decode(),
     }
     found = extract_embedded_images(record)
     part = found.record["messages"][0]["content"]
     assert part[0] == {"type": "image_url", "image_url": {"url": _ref(PNG)}}
     assert part[1]["text"].startswith("data:image/png;base64, is")  # a text part's text stays text
-    assert found.record["thumb"] == _ref(PNG)
+    assert found.record["image"] == _ref(PNG)
     assert found.found == 2 and len(found.images) == 1  # the same bytes twice: one image
+
+
+def test_text_that_reads_like_a_data_url_is_never_rewritten() -> None:
+    """Only the keys images are read from hold images: a user's question or an
+    assistant's reply that starts with `data:image/` stays as written (the row used to
+    be kept for training with its text replaced by a hash)."""
+    url = _data_url(PNG)
+    record = {
+        "conversations": [
+            {"from": "human", "value": url},
+            {"from": "gpt", "value": "data:image/png;base64,@@ is how a data URL starts"},
+        ],
+        "messages": [{"role": "user", "content": url}],
+        "question": url,
+        "photo": url,
+    }
+    found = extract_embedded_images(record)
+    assert found.record == record and found.found == 0
+    configured = extract_embedded_images(record, frozenset({"photo"}))
+    assert configured.record["photo"] == _ref(PNG) and configured.record["question"] == url
 
 
 def test_a_data_url_whose_base64_does_not_decode_becomes_an_invalid_reference() -> None:
@@ -111,8 +131,8 @@ def test_lists_and_nesting_keep_their_order() -> None:
 
 
 def test_empty_bytes_and_non_images_are_still_taken_out_for_the_probe_to_judge() -> None:
-    found = extract_embedded_images({"a": b"", "b": _data_url(b"not an image")})
-    assert found.record == {"a": _ref(b""), "b": _ref(b"not an image")}
+    found = extract_embedded_images({"a": b"", "image": _data_url(b"not an image")})
+    assert found.record == {"a": _ref(b""), "image": _ref(b"not an image")}
 
 
 def test_a_decoded_pil_image_is_refused_with_the_fix() -> None:

@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from mm_assets.common.files import atomic_path, remove_stale_temporaries
 from mm_assets.domain.ingest.embedded_images import (
+    IMAGE_KEYS,
     embedded_image_path,
     embedded_references,
     extract_embedded_images,
@@ -243,15 +244,15 @@ class EmbeddedImageWriter:
     """Takes the images out of each row read and writes each once into the embedded-image
     directory (`<hex[:2]>/<hex>`, by temporary name and rename, skipped when present)."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
+    def __init__(self, directory: Path, image_keys: frozenset[str] = IMAGE_KEYS) -> None:
+        self.directory, self.image_keys = directory, image_keys
         self.written = 0  # files created by this load
         self._swept: set[Path] = set()
 
     def take(self, row: RawRow) -> RawRow:
         if row.parse_error is not None:
             return row
-        found = extract_embedded_images(row.record)
+        found = extract_embedded_images(row.record, self.image_keys)
         for digest, data in found.images.items():
             self._put(digest, data)
         return RawRow(row.source_index, found.record, None, row.source_file)
@@ -314,7 +315,8 @@ class RawDatasetReport:
 def load_raw_dataset(spec: DatasetSpec, tables: TableStore, embedded_dir: Path) -> RawDatasetReport:
     """The dataset's rows as loaded, filtered and subsampled, with their source index and
     file; images inside the rows are written to `embedded_dir` and referenced by hash."""
-    images = EmbeddedImageWriter(embedded_dir)
+    configured = {spec.columns.image} if spec.columns.image else set()
+    images = EmbeddedImageWriter(embedded_dir, IMAGE_KEYS | configured)
     loaded = load_rows(spec, images)
     references = Counter(ref for r in loaded.rows for ref in embedded_references(r.record))
     rows = (

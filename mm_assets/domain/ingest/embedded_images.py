@@ -69,30 +69,38 @@ def is_embedded_reference(reference: object) -> bool:
     return isinstance(reference, str) and reference.startswith(EMBEDDED_PREFIX)
 
 
-def extract_embedded_images(record: Any) -> EmbeddedImages:
+# The keys the format readers take images from (`domain/prep/formats.py`): a `data:image/`
+# string is an image under one of them (at any depth), and text anywhere else.
+IMAGE_KEYS = frozenset({"image", "images", "image_url", "url", "path"})
+
+
+def extract_embedded_images(record: Any, image_keys: frozenset[str] = IMAGE_KEYS) -> EmbeddedImages:
     """`record` with every embedded image replaced by `sha256:<hex>` (or by the path of a
-    `{bytes: None, path}` struct, or by `invalid-image:<reason>`), and the images found."""
+    `{bytes: None, path}` struct, or by `invalid-image:<reason>`), and the images found.
+    Bytes are images wherever they are; a data URL only under `image_keys` (a user's or
+    an assistant's text that starts like one stays text)."""
     found = EmbeddedImages(None)
-    found.record = _walk(record, found)
+    found.record = _walk(record, found, image_keys, False)
     return found
 
 
-def _walk(value: Any, found: EmbeddedImages) -> Any:
+def _walk(value: Any, found: EmbeddedImages, keys: frozenset[str], image: bool) -> Any:
     if isinstance(value, bytes | bytearray | memoryview):
         return _store(bytes(value), found)
     if isinstance(value, str):
-        return _data_url(value, found) if value[:11].lower() == "data:image/" else value
+        is_url = image and value[:11].lower() == "data:image/"
+        return _data_url(value, found) if is_url else value
     if isinstance(value, Mapping):
         if "bytes" in value and _is_image_struct(value):
             return _image_struct(value, found)
         # a text part's text is what the user wrote, even if it reads like a data URL
         text = value.get("type") == "text"
         return {
-            key: item if text and key == "text" else _walk(item, found)
+            key: item if text and key == "text" else _walk(item, found, keys, image or key in keys)
             for key, item in value.items()
         }
     if isinstance(value, list | tuple):
-        return [_walk(item, found) for item in value]
+        return [_walk(item, found, keys, image) for item in value]
     if _is_decoded_image(value):
         raise TypeError(
             "a record holds a decoded image object: read the source with its image columns "
