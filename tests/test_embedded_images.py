@@ -398,3 +398,19 @@ def test_vllm_may_read_the_directories_holding_the_partitions_usable_images(
         None: None,
     }
     assert media_root(spec, tables, storage_root) == roots[expected]
+
+
+def test_base64_broken_into_lines_decodes_to_the_same_image_in_bounded_memory() -> None:
+    """A break every 4 characters (legal in base64) decodes to the same bytes, and the
+    decode holds about two copies of the URL, not a string per line."""
+    import tracemalloc
+
+    payload = base64.b64encode(PNG * 2000).decode()  # ~150 KB of base64
+    broken = "\n".join(payload[i : i + 4] for i in range(0, len(payload), 4))
+    url = "data:image/png;base64,\r\n" + broken
+    tracemalloc.start()
+    found = extract_embedded_images({"image": url})
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert found.record["image"] == _ref(PNG * 2000)
+    assert peak < 4 * len(url), (peak, len(url))

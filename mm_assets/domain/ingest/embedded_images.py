@@ -134,12 +134,17 @@ def _data_url(url: str, found: EmbeddedImages) -> str:
         return f"{INVALID_PREFIX}a data:image URL without a ',' before its data"
     if "base64" not in (p.strip().lower() for p in match.group(1).split(";")):
         return f"{INVALID_PREFIX}a data:image URL that is not base64-encoded (add ';base64')"
-    payload = "".join(url[match.end() :].split())  # line breaks are allowed in base64
+    # line breaks are allowed in base64: dropped in one pass, one copy (split() made a
+    # string per line, 13x the URL with a break every 4 characters)
+    payload = url[match.end() :].translate(_NO_WHITESPACE)
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         return f"{INVALID_PREFIX}the data URL's base64 does not decode ({exc})"
     return _store(data, found)
+
+
+_NO_WHITESPACE = dict.fromkeys(map(ord, " \t\n\r\f\v"))
 
 
 def _store(data: bytes, found: EmbeddedImages) -> str:
