@@ -97,3 +97,15 @@ def test_resolve_returns_real_path_inside_root(root: Path) -> None:
 def test_a_reference_holding_a_nul_byte_is_refused_not_raised(root: Path) -> None:
     probe = probe_reference(root, "train2017/a.jpg\x00.png")
     assert probe.status is ImageStatus.INVALID_REFERENCE and "NUL" in probe.detail
+
+
+def test_a_file_over_the_byte_limit_is_refused_before_it_is_read(root: Path) -> None:
+    padded = root / "train2017" / "padded.png"
+    Image.new("RGB", (30, 20), "red").save(padded)
+    size = padded.stat().st_size
+    with open(padded, "ab") as fh:
+        fh.write(b"\0" * 4096)  # after IEND: a reader would still take it whole
+    probe = probe_reference(root, "train2017/padded.png", max_bytes=size + 1000)
+    assert probe.status is ImageStatus.TOO_LARGE and probe.bytes == size + 4096
+    assert "bytes > limit" in probe.detail and probe.width is None  # never opened
+    assert probe_reference(root, "train2017/b.png", max_bytes=size + 1000).ok

@@ -8,7 +8,7 @@ from mm_assets.assets.checks import has_rows, has_rows_spec
 from mm_assets.assets.metadata import counts_table, rounded, table_links
 from mm_assets.assets.partitions import dataset_asset, dataset_spec
 from mm_assets.assets.resources import StorageResource
-from mm_assets.domain.ingest.images import DEFAULT_MAX_PIXELS
+from mm_assets.domain.ingest.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 
 if TYPE_CHECKING:
     from mm_assets.services.ingest import ImageAvailabilityReport
@@ -57,6 +57,9 @@ def raw_dataset(
 class ImageAvailabilityConfig(dg.Config):
     max_image_pixels: int = DEFAULT_MAX_PIXELS
     """Images declaring more pixels are refused as `too_large` (decompression bombs)."""
+    max_image_bytes: int = DEFAULT_MAX_BYTES
+    """Image files larger than this are refused as `too_large`, before anything reads
+    them (vLLM would read each whole, per request)."""
 
 
 @dataset_asset(
@@ -87,7 +90,11 @@ def coco_image_availability(
 
     spec, tables = dataset_spec(context), storage.tables()
     report = probe_dataset_images(
-        spec, tables, config.max_image_pixels, storage.embedded_images_dir()
+        spec,
+        tables,
+        config.max_image_pixels,
+        storage.embedded_images_dir(),
+        config.max_image_bytes,
     )
     return dg.MaterializeResult(
         metadata=rounded(

@@ -34,7 +34,7 @@ from mm_assets.domain.ingest.embedded_images import (
     embedded_references,
     extract_embedded_images,
 )
-from mm_assets.domain.ingest.images import ImageProbe, probe_reference
+from mm_assets.domain.ingest.images import DEFAULT_MAX_BYTES, ImageProbe, probe_reference
 from mm_assets.domain.ingest.sources import LoadedRows, RawRow, build_filter, select_rows
 from mm_assets.domain.prep.conversations import Rejected, image_references, parse_record
 from mm_assets.registry import DatasetSpec
@@ -366,7 +366,11 @@ class ImageAvailabilityReport:
 
 
 def probe_dataset_images(
-    spec: DatasetSpec, tables: TableStore, max_pixels: int, embedded_dir: Path
+    spec: DatasetSpec,
+    tables: TableStore,
+    max_pixels: int,
+    embedded_dir: Path,
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> ImageAvailabilityReport:
     """One probe per distinct image the partition's rows reference: a file under the image
     root, or an embedded image (`sha256:<hex>`) in `embedded_dir`."""
@@ -381,7 +385,9 @@ def probe_dataset_images(
         )
     root = spec.resolved_image_root()
     probes = [
-        probe_reference(root, ref, spec.image_path_strip_prefix, max_pixels, embedded_dir)
+        probe_reference(
+            root, ref, spec.image_path_strip_prefix, max_pixels, embedded_dir, max_bytes
+        )
         for ref in referenced_by
     ]
     rows = ({**p.as_row(), "referenced_by": referenced_by[p.reference]} for p in probes)

@@ -33,6 +33,9 @@ from mm_assets.domain.ingest.embedded_images import (
 
 # Pillow's own default warning threshold (~89.5 MP); above it decoding is a bomb risk.
 DEFAULT_MAX_PIXELS = 89_478_485
+# A file larger than this is refused before anything reads it: vLLM would read it whole
+# for every request that shows it.
+DEFAULT_MAX_BYTES = 64 << 20
 _TAIL_BYTES = 4096
 
 
@@ -129,7 +132,12 @@ def _resolve_embedded(reference: str, embedded_dir: Path | None) -> Path | Image
     return embedded_image_path(embedded_dir, digest)
 
 
-def probe_image(reference: str, path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageProbe:
+def probe_image(
+    reference: str,
+    path: Path,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> ImageProbe:
     """Header facts and a content hash for one resolved image, without decoding pixels."""
 
     def refused(status: ImageStatus, detail: str, **facts: Any) -> ImageProbe:
@@ -145,6 +153,9 @@ def probe_image(reference: str, path: Path, max_pixels: int = DEFAULT_MAX_PIXELS
         return refused(ImageStatus.UNREADABLE, "not a regular file")
     if stat.st_size == 0:
         return refused(ImageStatus.EMPTY, "zero bytes", bytes=0)
+    if stat.st_size > max_bytes:
+        too_big = f"{stat.st_size} bytes > limit {max_bytes}"
+        return refused(ImageStatus.TOO_LARGE, too_big, bytes=stat.st_size)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -198,13 +209,14 @@ def probe_reference(
     strip_prefix: str = "",
     max_pixels: int = DEFAULT_MAX_PIXELS,
     embedded_dir: Path | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> ImageProbe:
     """The probe of one reference: a file under `root`, or an embedded image's file in
     `embedded_dir` (`sha256:<hex>`)."""
     resolved = resolve_reference(root, reference, strip_prefix, embedded_dir)
     if isinstance(resolved, ImageProbe):
         return resolved
-    probe = probe_image(str(reference), resolved, max_pixels)
+    probe = probe_image(str(reference), resolved, max_pixels, max_bytes)
     if probe.status is ImageStatus.MISSING and is_embedded_reference(reference):
         return replace(
             probe, detail="not in the embedded-image directory: materialize raw_dataset again"
