@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mm_assets.domain.model.acceptance import summarize
+from mm_assets.domain.model.acceptance import replies_of, summarize
 from mm_assets.domain.model.selection import EpochChoice, Evaluation
 from mm_assets.domain.model.settings import SpeculatorSettings
-from mm_assets.domain.model.trainer import TrainingRun, evaluate, noisy, replies_of, train
+from mm_assets.domain.model.trainer import TrainingRun, evaluate, noisy, train
 from tests.test_eagle3 import _model, _states, _write_refs
 
 EVERY_LEVER = {

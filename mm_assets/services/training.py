@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from mm_assets.clients.vllm_client import ExtractionRequest
 from mm_assets.common.hashing import file_sha256, json_sha256
-from mm_assets.domain.model.acceptance import summarize
+from mm_assets.domain.model.acceptance import replies_of, summarize
 from mm_assets.domain.model.checkpoint import checkpoint_config, draft_state
 from mm_assets.domain.model.draft_set import (
     SEPARATOR,
@@ -38,7 +38,6 @@ from mm_assets.domain.model.trainer import (
     TrainingRun,
     TrainResult,
     evaluate,
-    replies_of,
     train,
 )
 from mm_assets.domain.model.training_data import SampleRef

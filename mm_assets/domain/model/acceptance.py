@@ -134,3 +134,7 @@ def summarize(
                 accepted[k] += 1
             generated += count + 1
     return Acceptance(verifications, sum(accepted), tuple(accepted))
+
+
+def replies_of(walks: dict[str, list[list[int]]]) -> list[list[int]]:
+    return [reply for row in walks.values() for reply in row]

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from mm_assets.domain.model.acceptance import summarize
+from mm_assets.domain.model.acceptance import replies_of, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Evaluation:
         cls, epoch: int, loss: float, replies: dict[str, list[list[int]]], ttt_steps: int
     ) -> Evaluation:
         """The epoch's figures from the held-out replay (`trainer.evaluate`)."""
-        summary = summarize([r for row in replies.values() for r in row], ttt_steps)
+        summary = summarize(replies_of(replies), ttt_steps)
         logger.info(
             "epoch %d: held-out loss %.4f, acceptance estimate %s",
             epoch,

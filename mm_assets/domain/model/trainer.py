@@ -384,7 +384,3 @@ def _state(
         "batch_losses": result.batch_losses,
         "batch_learning_rates": result.batch_learning_rates,
     }
-
-
-def replies_of(walks: dict[str, list[list[int]]]) -> list[list[int]]:
-    return [reply for row in walks.values() for reply in row]
