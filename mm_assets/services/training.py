@@ -7,6 +7,7 @@ Shared by the `trained_speculator` asset (one process) and `python -m mm_assets.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from mm_assets.clients.vllm_client import ExtractionRequest
 from mm_assets.common.hashing import file_sha256, json_sha256
 from mm_assets.domain.model.acceptance import replies_of, summarize
-from mm_assets.domain.model.checkpoint import checkpoint_config, draft_state
+from mm_assets.domain.model.checkpoint import checkpoint_config, draft_shape, draft_state
 from mm_assets.domain.model.draft_set import (
     SEPARATOR,
     DraftSet,
@@ -230,7 +231,7 @@ def _reused_outcome(job: SpeculatorJob, key: str, data: TrainingSet) -> Speculat
         return None
     return SpeculatorOutcome(
         job.checkpoint_dir,
-        draft_config(job.target_config, job.settings),
+        draft_shape(json.loads((job.checkpoint_dir / "config.json").read_text())),
         TrainResult(**record["result"]),
         record["untrained_acceptance"],
         record["train_rows"],

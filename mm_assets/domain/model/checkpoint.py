@@ -118,11 +118,10 @@ def draft_state(model: Eagle3Draft) -> dict[str, torch.Tensor]:
     return state
 
 
-def draft_from(config: dict[str, Any], state: dict[str, torch.Tensor], where: str) -> Eagle3Draft:
-    """Our model from a checkpoint's config and tensors (verifier parts are not in it: the
-    teacher needs `init_from_target` before computing losses)."""
+def draft_shape(config: dict[str, Any]) -> Eagle3Config:
+    """The draft a checkpoint's config describes (its layer, vocabulary and norms)."""
     layer = config["transformer_layer_config"]
-    cfg = Eagle3Config(
+    return Eagle3Config(
         **{key: layer[key] for key in _LAYER_FIELDS},
         draft_vocab_size=config["draft_vocab_size"],
         rope_theta=layer["rope_parameters"]["rope_theta"],
@@ -132,7 +131,12 @@ def draft_from(config: dict[str, Any], state: dict[str, torch.Tensor], where: st
         norm_before_fc=bool(config.get("norm_before_fc")),
         fc_norm=bool(config.get("fc_norm")),
     )
-    model = Eagle3Draft(cfg)
+
+
+def draft_from(config: dict[str, Any], state: dict[str, torch.Tensor], where: str) -> Eagle3Draft:
+    """Our model from a checkpoint's config and tensors (verifier parts are not in it: the
+    teacher needs `init_from_target` before computing losses)."""
+    model = Eagle3Draft(draft_shape(config))
     missing, unexpected = model.load_state_dict(state, strict=False)
     allowed = {k for k in missing if k.startswith(_NOT_SAVED) or k in ("d2t", "t2d")}
     if set(missing) - allowed or unexpected:
