@@ -206,7 +206,7 @@ def run(home: Path, rounds: int, train: bool = True) -> dict:
         EngineOptions(dtype="float32", kv_cache_gib=2.0),
     )
     with server as base_url:
-        external = VllmResource(base_urls=[base_url])
+        external = VllmResource(base_urls=[base_url], api_key=server.access.api_key)
         for partition in PARTITIONS:  # warm-up: first-call costs are not throughput
             _materialize("hidden_states", partition, scratch / "warmup", external, {})
         for _ in range(rounds):

@@ -29,10 +29,10 @@ def _rows(home: Path) -> list[dict]:
     return [r for p in PARTITIONS for r in tables.iter_rows("tokenized_samples", p)]
 
 
-async def _bare_loop(base_url: str, rows: list[dict]) -> float:
+async def _bare_loop(base_url: str, api_key: str, rows: list[dict]) -> float:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     model = (await client.models.list()).data[0].id
     semaphore = asyncio.Semaphore(CONCURRENCY)
 
@@ -61,7 +61,7 @@ async def _bare_loop(base_url: str, rows: list[dict]) -> float:
     return elapsed
 
 
-def _asset_run(home: Path, base_url: str, attempt: int) -> tuple[float, dict]:
+def _asset_run(home: Path, base_url: str, api_key: str, attempt: int) -> tuple[float, dict]:
     import dagster as dg
 
     from mm_assets.assets.resources import StorageResource, VllmResource
@@ -83,7 +83,7 @@ def _asset_run(home: Path, base_url: str, attempt: int) -> tuple[float, dict]:
             resources={
                 **defs.resources,
                 "storage": StorageResource(root=str(storage_root)),
-                "vllm": VllmResource(base_urls=[base_url]),
+                "vllm": VllmResource(base_urls=[base_url], api_key=api_key),
             },
             run_config={"ops": {"hidden_states": {"config": {"concurrency": CONCURRENCY}}}},
             instance=dg.DagsterInstance.ephemeral(),
@@ -137,12 +137,13 @@ def run(home: Path) -> dict:
         EngineOptions(dtype="float32", kv_cache_gib=2.0),
     )
     with server as base_url:
-        asyncio.run(_bare_loop(base_url, rows[:40]))  # warm-up, both sides: first-call
-        _asset_run(home, base_url, attempt=-1)  # costs (imports, instance) are not throughput
+        key = server.access.api_key
+        asyncio.run(_bare_loop(base_url, key, rows[:40]))  # warm-up, both sides: first-call
+        _asset_run(home, base_url, key, attempt=-1)  # costs (imports, instance) are not throughput
         bare, asset = [], []
         for attempt in range(2):
-            bare.append(asyncio.run(_bare_loop(base_url, rows)))
-            seconds, metadata = _asset_run(home, base_url, attempt)
+            bare.append(asyncio.run(_bare_loop(base_url, key, rows)))
+            seconds, metadata = _asset_run(home, base_url, key, attempt)
             asset.append(seconds)
         rss = server.rss_bytes()
     stored_bytes = sum(m["bytes_generated"] for m in metadata.values())

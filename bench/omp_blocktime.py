@@ -68,15 +68,15 @@ def run(home: Path, blocks: int) -> dict:
             with _blocktime(SETTINGS[name]):
                 plain = ManagedVllmServer(target, [], images, scratch / "plain.log", options)
                 with plain as url:
-                    generate_greedy(url, PROMPTS[:8], 64, 8)  # warm-up
+                    generate_greedy(url, plain.access, PROMPTS[:8], 64, 8)  # warm-up
                     started = time.perf_counter()
-                    replies = generate_greedy(url, PROMPTS, 64, 8)
+                    replies = generate_greedy(url, plain.access, PROMPTS, 64, 8)
                     seconds = time.perf_counter() - started
                     generation[name].append(sum(map(len, replies)) / seconds)
                 args = extraction_args(default_layer_ids(8), scratch / "incoming", "auto")
                 server = ManagedVllmServer(target, args, images, scratch / "ext.log", options)
                 with server as url:
-                    fleet = VllmResource(base_urls=[url])
+                    fleet = VllmResource(base_urls=[url], api_key=server.access.api_key)
                     for partition in PARTITIONS:
                         _materialize("hidden_states", partition, warmup, fleet, {})
                     for _ in range(2):

@@ -93,6 +93,7 @@ class Setup:
     rows: list[dict[str, Any]]
     settings: ResponseSettings
     options: EngineOptions
+    api_key: str = field(repr=False, default="")
 
 
 def _stderr(message: str) -> None:
@@ -164,7 +165,7 @@ async def _bare_loop(setup: Setup, round_index: int, arm: str = BARE) -> ArmRun:
     settings = setup.settings
     client = openai.AsyncOpenAI(
         base_url=setup.base_url,
-        api_key="EMPTY",
+        api_key=setup.api_key,
         timeout=settings.request_timeout_s,
         max_retries=0,
     )
@@ -226,7 +227,7 @@ def _asset_run(setup: Setup, round_index: int) -> ArmRun:
         tables=tables,
         store=BlobStore(setup.work / f"asset_round_{round_index}", "responses", ".json"),
         target=TargetModel(str(setup.target_dir)),
-        engine=VllmEngine(base_urls=(setup.base_url,), options=setup.options),
+        engine=VllmEngine((setup.base_url,), setup.options, api_key=setup.api_key),
         settings=setup.settings,
         image_root=setup.image_root,
         log_path=setup.work / "logs" / f"asset_round_{round_index}.log",
@@ -316,7 +317,7 @@ def run(
         _stderr(f"vLLM up in {server.startup_seconds:.1f}s at {base_url}")
         setup = Setup(
             partition, base_url, demo / "target", spec.resolved_image_root(), tables_root,
-            work, rows, settings, options,
+            work, rows, settings, options, server.access.api_key,
         )  # fmt: skip
         warmup = asyncio.run(_bare_loop(setup, 0, "warm-up"))
         _stderr(f"warm-up: {warmup.tokens} tokens in {warmup.seconds:.1f}s")

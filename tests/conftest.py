@@ -10,6 +10,7 @@ twice more: with a wrong image root, and as a partition whose tokens a test tamp
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,6 +19,9 @@ import pytest
 
 SESSION_HOME: Path
 """The session's storage root (`MM_ASSETS_HOME`), made by `pytest_configure`."""
+FLEET_KEY = secrets.token_urlsafe(24)
+"""The API key of the session's servers, which tests use as an external fleet: steps
+read it from `MM_ASSETS_VLLM_API_KEY`, as a deployment's would."""
 BAD_DIR: Path
 """Where `tests/bad_inputs.py` writes the `bad_inputs` dataset."""
 _ENVIRONMENT = pytest.StashKey[pytest.MonkeyPatch]()
@@ -33,6 +37,7 @@ def pytest_configure(config: pytest.Config) -> None:
     env.setenv("MM_ASSETS_DATASETS", str(SESSION_HOME / "datasets.yaml"))
     env.delenv("MM_ASSETS_TARGET_MODEL", raising=False)
     env.delenv("COCO_DIR", raising=False)
+    env.setenv("MM_ASSETS_VLLM_API_KEY", FLEET_KEY)
     # the trained demo target: built once per user (as `make` keeps it), whatever the home
     cache_root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     cache = Path(cache_root) / "mm_assets" / "demo_targets"
@@ -219,6 +224,7 @@ def vllm_server(demo_dir: Path):
         demo_dir / "coco",
         SESSION_HOME / "logs" / "session_vllm.log",
         EngineOptions(dtype="float32", kv_cache_gib=1.0),
+        api_key=FLEET_KEY,
     )
     with server:
         yield server
@@ -236,6 +242,7 @@ def plain_vllm_server(demo_dir: Path):
         demo_dir / "coco",
         SESSION_HOME / "logs" / "session_plain_vllm.log",
         EngineOptions(dtype="float32", kv_cache_gib=1.0),
+        api_key=FLEET_KEY,
     )
     with server:
         yield server

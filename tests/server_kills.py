@@ -59,4 +59,5 @@ def doomed_server(demo_dir: Path, root: Path) -> ManagedVllmServer:
         demo_dir / "coco",
         root / "logs" / "doomed.log",
         EngineOptions(dtype="float32", kv_cache_gib=1.0),
+        api_key=os.environ["MM_ASSETS_VLLM_API_KEY"],  # the session's fleet key
     )

@@ -5,6 +5,7 @@ command line, and its start-up failures with stand-in processes."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import importlib.util
 import json
@@ -25,6 +26,7 @@ import psutil
 import pytest
 
 from mm_assets.clients import vllm_server
+from mm_assets.clients.media_urls import ServerAccess, file_url_path, outgoing_url
 from mm_assets.clients.vllm_client import (
     CircuitOpen,
     ExtractionRequest,
@@ -113,11 +115,16 @@ class FakeVllm:
         return [r for r in self.requests if not r.url.path.endswith("/models")]
 
 
-def _client(fake: FakeVllm, **kwargs) -> HiddenStatesClient:
+IMAGES = ServerAccess("k", Path("/images"))
+"""What the fake's servers may open: images under /images."""
+
+
+def _client(fake: FakeVllm, access: ServerAccess = IMAGES, **kwargs) -> HiddenStatesClient:
     transport = httpx.MockTransport(fake)
     return HiddenStatesClient(
         [BASE_URL],
         RequestSettings(**kwargs),
+        access,
         http_client=httpx.AsyncClient(transport=transport),
         backoff_s=0.001,
     )
@@ -225,8 +232,78 @@ def test_a_row_with_images_goes_to_the_token_in_route_with_its_images() -> None:
     assert body["sampling_params"]["max_tokens"] == 1 and body["return_token_ids"] is True
 
 
+def test_only_images_the_server_may_open_go_as_files_the_rest_inline(tmp_path: Path) -> None:
+    """vLLM opens files under one directory. A file there is sent as its URL; one outside
+    it, or reached through a link out of it (vLLM resolves links), is sent as its bytes,
+    and a name with URL syntax is the file the URL names."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir(), outside.mkdir()
+    inside = root / "odd #1 %41.png"
+    inside.write_bytes(b"inside")
+    (outside / "x.png").write_bytes(b"outside")
+    (root / "link.png").symlink_to(outside / "x.png")
+    assert file_url_path(inside.as_uri()) == inside
+    assert outgoing_url(inside.as_uri(), root) == inside.as_uri()
+    for url in ((outside / "x.png").as_uri(), (root / "link.png").as_uri()):
+        assert (
+            outgoing_url(url, root)
+            == "data:image/png;base64," + base64.b64encode(b"outside").decode()
+        )
+        assert outgoing_url(url, None).startswith("data:image/png;base64,")
+    data = "data:image/png;base64,AAAA"
+    assert outgoing_url(data, root) == data
+
+    fake = FakeVllm()
+    request = ExtractionRequest("r0", [1, 2, 3], (inside.as_uri(), (outside / "x.png").as_uri()))
+    _extract(_client(fake, ServerAccess("k", root)), request)
+    (sent,) = fake.generation_requests
+    parts = [p["url"] for p in json.loads(sent.content)["content_parts"]]
+    assert parts[0] == inside.as_uri() and parts[1].startswith("data:image/png;base64,")
+    assert sent.headers["authorization"] == "Bearer k"
+
+
+def test_an_image_gone_since_its_probe_fails_its_request_only(tmp_path: Path) -> None:
+    request = ExtractionRequest("r0", [1, 2, 3], ((tmp_path / "gone.png").as_uri(),))
+    with pytest.raises(RequestRefused, match=r"could not be read.*coco_image_availability"):
+        _extract(_client(FakeVllm(), ServerAccess("k", tmp_path / "elsewhere")), request)
+
+
+def test_each_start_draws_a_new_key_given_in_the_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Not on the command line (any local user can list it), and not the caller's
+    VLLM_API_KEY; a fixed key, when given, is used as is."""
+    started: list[tuple[list[str], dict[str, str]]] = []
+
+    real_popen = subprocess.Popen
+
+    def popen(cmd: list[str], **kwargs: object) -> subprocess.Popen:
+        if "vllm.entrypoints.openai.api_server" not in cmd:
+            return real_popen(cmd, **kwargs)  # type: ignore[call-overload]
+        started.append((cmd, kwargs["env"]))  # type: ignore[arg-type]
+        return real_popen(["true"], start_new_session=True)
+
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", popen)
+    monkeypatch.setattr(ManagedVllmServer, "_wait_until_healthy", lambda self: None)
+    monkeypatch.setenv("VLLM_API_KEY", "the-callers-key")
+    server = ManagedVllmServer("m", [], None, tmp_path / "vllm.log")
+    keys = []
+    for _ in range(2):
+        server.start()
+        keys.append(server.access.api_key)
+        server.stop(grace_s=1)
+    assert len(set(keys)) == 2 and all(len(k) >= 32 for k in keys)
+    assert [env["VLLM_API_KEY"] for _, env in started] == keys
+    assert not any(k in " ".join(cmd) for k in keys for cmd, _ in started)
+    assert keys[0] not in repr(server) and keys[1] not in repr(server)
+    fixed = ManagedVllmServer("m", [], None, tmp_path / "vllm.log", api_key="fleet-key")
+    fixed.start()
+    fixed.stop(grace_s=1)
+    assert fixed.access.api_key == "fleet-key" and started[-1][1]["VLLM_API_KEY"] == "fleet-key"
+
+
 def test_a_server_without_the_token_in_route_is_named_with_the_fix() -> None:
-    request = ExtractionRequest("r0", [1, 2, 2, 3], ("file:///a.png",), [1, 2, 3])
+    request = ExtractionRequest("r0", [1, 2, 2, 3], ("file:///images/a.png",), [1, 2, 3])
     with pytest.raises(RequestRefused, match="--enable-scale-out"):
         _extract(_client(FakeVllm([404])), request)
 

@@ -129,7 +129,9 @@ def test_vllm_answers_as_transformers_does(demo_dir: Path, plain_vllm_server) ->
             url = f"data:image/{mime};base64,{data}"
             content.insert(0, {"type": "image_url", "image_url": {"url": url}})
         prompts.append([{"role": "user", "content": content}])
-    replies = generate_greedy_replies(plain_vllm_server.base_url, prompts, SETTINGS.max_new_tokens)
+    replies = generate_greedy_replies(
+        plain_vllm_server.base_url, plain_vllm_server.access, prompts, SETTINGS.max_new_tokens
+    )
     assert sum(c.picture is not None for c in asked) == 12
     assert [r.text for r in replies] == expected
 

@@ -259,7 +259,9 @@ def test_a_draft_of_both_demo_datasets_through_the_cli_serves_in_vllm_losslessly
     ]
     for source in sources:
         prompts, generations = record[source]["prompts"], record[source]["generations"]
-        plain = generate_greedy(plain_vllm_server.base_url, prompts, max_tokens=64)
+        plain = generate_greedy(
+            plain_vllm_server.base_url, plain_vllm_server.access, prompts, max_tokens=64
+        )
         assert generations == plain, source
 
 

@@ -368,13 +368,13 @@ def test_broken_embedded_images_get_a_status_each_and_good_ones_stay_ok(tmp_path
     [
         ([("coco/a.jpg", "ok")], "image_root"),
         ([(_ref(PNG), "ok")], "embedded"),
-        ([("coco/a.jpg", "ok"), (_ref(PNG), "ok")], "common"),
+        ([("coco/a.jpg", "ok"), (_ref(PNG), "ok")], "image_root"),
         ([("coco/a.jpg", "missing"), (_ref(PNG), "ok")], "embedded"),
         ([(_ref(PNG), "unreadable")], None),
         ([], None),
     ],
 )
-def test_vllm_may_read_the_directories_holding_the_partitions_usable_images(
+def test_vllm_opens_one_narrow_directory_never_a_common_parent(
     tmp_path: Path, probed: list[tuple[str, str]], expected: str | None
 ) -> None:
     from mm_assets.registry import DatasetSpec
@@ -394,7 +394,6 @@ def test_vllm_may_read_the_directories_holding_the_partitions_usable_images(
     roots = {
         "image_root": image_root.resolve(),
         "embedded": (storage_root / "images" / "sha256").resolve(),
-        "common": tmp_path.resolve(),
         None: None,
     }
     assert media_root(spec, tables, storage_root) == roots[expected]

@@ -201,7 +201,7 @@ def test_a_stored_reply_is_what_the_server_says_again(
     turns = json.loads(row["turns"])
     which = len(row["reply_turns"]) - 1
     index = row["reply_turns"][which]
-    client = openai.OpenAI(base_url=holdout_server.base_url, api_key="EMPTY")
+    client = openai.OpenAI(base_url=holdout_server.base_url, api_key=holdout_server.access.api_key)
     model = client.models.list().data[0].id
     answer = client.chat.completions.create(
         model=model,
@@ -256,7 +256,7 @@ def test_every_reply_is_trained_in_the_context_the_target_answered(
     ids vLLM reports for that turn's request (the earlier replies as text, re-rendered
     by the template). A reply's hidden states and its supervision are only on-policy in
     the context it was generated in."""
-    client = openai.OpenAI(base_url=holdout_server.base_url, api_key="EMPTY")
+    client = openai.OpenAI(base_url=holdout_server.base_url, api_key=holdout_server.access.api_key)
     model = client.models.list().data[0].id
     rows: dict[str, list[dict[str, Any]]] = {}
     for row in sorted(prepared["rows"], key=lambda r: len(r["input_ids"])):

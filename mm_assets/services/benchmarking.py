@@ -33,7 +33,7 @@ from typing import Any
 
 from mm_assets.clients.vllm_generation import generate_greedy_replies
 from mm_assets.clients.vllm_metrics import ServerCounters, counters_after, server_counters
-from mm_assets.clients.vllm_server import ServerStartupError, death_explained
+from mm_assets.clients.vllm_server import ManagedVllmServer, ServerStartupError, death_explained
 from mm_assets.common.hashing import json_sha256
 from mm_assets.domain.model.acceptance import Acceptance
 from mm_assets.domain.model.benchmark import (
@@ -134,7 +134,7 @@ def _figures(
 
 
 def _category_answers(
-    url: str,
+    server: ManagedVllmServer,
     conversations: list[BenchmarkConversation],
     reference: list[list[Answer]] | None,
     settings: BenchmarkSettings,
@@ -150,7 +150,9 @@ def _category_answers(
             to_vllm_messages(round_prompt(conversations[i], [a.text for a in quoted[i]], k))
             for i in asked
         ]
-        replies = generate_greedy_replies(url, prompts, settings.max_tokens, settings.concurrency)
+        replies = generate_greedy_replies(
+            server.base_url, server.access, prompts, settings.max_tokens, settings.concurrency
+        )
         for i, reply in zip(asked, replies, strict=True):
             answers[i].append(Answer(reply.text, reply.token_ids))
     return answers
@@ -173,15 +175,18 @@ def run_method(
         logger.warning(f"benchmark: vLLM did not start the {method} method: {exc}")
         return MethodRun(method, not_run=str(exc))
     try:
-        with death_explained(servers.servers[method], f"benchmarking {method}"):
+        server = servers.servers[method]
+        with death_explained(server, f"benchmarking {method}"):
             zero = server_counters(url)
-            generate_greedy_replies(url, [WARMUP_PROMPT], settings.warmup_max_tokens, 1)
+            generate_greedy_replies(
+                url, server.access, [WARMUP_PROMPT], settings.warmup_max_tokens, 1
+            )
             start = counters_after(url, zero, 1)
             figures, answers = [], {}
             for name, conversations in categories.items():
                 before = server_counters(url)
                 mine = reference and reference[name]
-                own = _category_answers(url, conversations, mine, settings)
+                own = _category_answers(server, conversations, mine, settings)
                 requests = sum(len(a) for a in own)
                 delta = counters_after(url, before, requests).minus(before)
                 figures.append(_figures(name, method, len(conversations), requests, delta))

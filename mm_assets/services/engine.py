@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mm_assets.clients.media_urls import ServerAccess
 from mm_assets.clients.vllm_server import (
     EngineOptions,
     ManagedVllmServer,
@@ -29,9 +30,11 @@ from mm_assets.storage.layout import weights
 
 @dataclass
 class ServerSession:
-    """The servers to send a step's requests to; `managed` when started here."""
+    """The servers to send a step's requests to, how to reach them (`access`: the API key,
+    the directory they open images under); `managed` when started here."""
 
     base_urls: list[str]
+    access: ServerAccess
     managed: ManagedVllmServer | None = None
 
 
@@ -94,11 +97,11 @@ class VllmEngine:
         """Servers to send a step's requests to: the external ones, or one started here
         with `serve_args` and stopped when the block ends."""
         if not self.managed:
-            yield ServerSession(list(self.base_urls))
+            yield ServerSession(list(self.base_urls), ServerAccess(self.api_key, image_root))
             return
         server = self.server(model, serve_args, image_root, log_path)
         with server as url:
-            yield ServerSession([url], server)
+            yield ServerSession([url], server.access, server)
 
     def extraction_session(
         self,

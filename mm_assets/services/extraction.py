@@ -333,7 +333,7 @@ class PartitionExtraction:
         masks = None if layout.storage.is_native else {}
         requests = requests_for(rows, plan.missing, self.target.facts.image_token_id, masks)
         job = HiddenStatesJob(plan.keys(), layout, self.blobs, engine.map_path, masks)
-        stage = RequestStage(session, self.settings, engine.api_key)
+        stage = RequestStage(session, self.settings)
         with _one_torch_thread():
             report = stage.run(HiddenStatesClient, job, requests, len(plan.missing))
         if not any(incoming.iterdir()):

@@ -177,7 +177,7 @@ def measured_groups(
         crash_point("measurement")
         for name, prompts in groups.items():
             before = server_counters(url)
-            generations = generate_greedy(url, prompts, max_tokens)
+            generations = generate_greedy(url, server.access, prompts, max_tokens)
             counters = counters_after(url, before, len(prompts)).minus(before).spec_decode
             acceptance = Acceptance.from_counts(
                 counters.drafts, counters.accepted, counters.accepted_per_position

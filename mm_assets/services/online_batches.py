@@ -172,9 +172,7 @@ class OnlineBatches:
             servers.callback(
                 lambda: setattr(self.report.requests, "server_rss_bytes", managed.rss_bytes())
             )
-        self.client = make_client(
-            HiddenStatesClient, session.base_urls, states.extraction, states.serving.engine.api_key
-        )
+        self.client = make_client(HiddenStatesClient, session, states.extraction)
         # the storers go with the servers: idle threads that ran torch slowed training by
         # half (BENCHMARKS.md, online hidden states)
         self.storers = concurrent.futures.ThreadPoolExecutor(self.client.concurrency)

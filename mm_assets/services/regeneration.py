@@ -19,7 +19,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from mm_assets.clients.vllm_client import ChatClient, RequestRefused
+from mm_assets.clients.vllm_client import RequestRefused
+from mm_assets.clients.vllm_generation import ChatClient
 from mm_assets.domain.model.responses import (
     Regeneration,
     Reply,
@@ -110,7 +111,7 @@ class TargetRegeneration:
             rows = (r for r in self._rows() if r["sample_id"] in missing)
             model, engine = str(self.target.local_dir), self._engine
             session = engine.session(model, [], self.image_root, self.log_path)
-            stage = RequestStage(session, self.settings, engine.api_key)
+            stage = RequestStage(session, self.settings)
             report.requests = stage.run(ChatClient, job, rows, len(missing))
         self._write_table(keys, unstored, report)
         return report

@@ -164,10 +164,10 @@ def run_requests(
 
 
 def make_client(
-    client_type: type[Client], base_urls: list[str], settings: RequestSettings, api_key: str
+    client_type: type[Client], served: ServerSession, settings: RequestSettings
 ) -> Client:
-    """A client for `base_urls` with a stage's request settings."""
-    return client_type(base_urls, settings, api_key)
+    """A client for a session's servers with a stage's request settings."""
+    return client_type(served.base_urls, settings, served.access)
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,6 @@ class RequestStage:
 
     session: AbstractContextManager[ServerSession]
     settings: RequestSettings
-    api_key: str
 
     def run(
         self, client_type: type[Client], job: RequestJob, items: Iterable[Any], total: int
@@ -188,7 +187,7 @@ class RequestStage:
             if served.managed:
                 startup = served.managed.startup_seconds or 0.0
                 logger.info("vLLM started in %.1fs, log %s", startup, served.managed.log_path)
-            client = make_client(client_type, served.base_urls, self.settings, self.api_key)
+            client = make_client(client_type, served, self.settings)
             try:
                 report = run_requests(client, items, job, total)
             except CircuitOpen as exc:
