@@ -189,6 +189,43 @@ def test_a_malformed_json_list_names_the_file(tmp_path: Path, content: str, says
     assert ".jsonl" in str(error.value)  # the way out when the file is otherwise fine
 
 
+def test_a_json_list_the_fast_parser_refuses_is_read_on_exactly(tmp_path: Path) -> None:
+    """Integers beyond 64 bits and unpaired surrogate escapes are valid JSON that ijson's
+    C parser refuses: the rest of the file is read with the exact parser, no row lost,
+    and the surrogate's row quarantined (UTF-8 cannot store it) with its text escaped."""
+    path = tmp_path / "d.json"
+    path.write_text('[{"a": 1}, {"big": 123456789012345678901234567890}, {"s": "\\ud800x"}]')
+    spec = DatasetSpec(name="d", path=str(path), format="sharegpt")
+    rows = load_rows(spec).rows
+    assert [r.record for r in rows[:2]] == [{"a": 1}, {"big": 123456789012345678901234567890}]
+    assert rows[2].parse_error and "surrogate" in rows[2].parse_error
+    assert json.loads(rows[2].record) == {"s": "\ud800x"}
+
+
+def test_crafted_jsonl_lines_become_rows_with_reasons_not_errors(tmp_path: Path) -> None:
+    """A lone surrogate (in a key or a value), bytes that are not UTF-8 (its line named),
+    and nesting of 800 and 100,000 levels: each is a row with a parse error, the good
+    rows around them kept."""
+    lines = [
+        b'{"ok": 1}',
+        b'{"text": "\\udc00"}',
+        b'{"\\ud800": 1}',
+        b'{"text": "\xff\xfe"}',
+        b'{"deep": ' + b"[" * 800 + b"]" * 800 + b"}",
+        b'{"deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        b'{"ok": 2}',
+    ]
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    rows = load_rows(DatasetSpec(name="d", path=str(path), format="sharegpt")).rows
+    assert [r.parse_error is None for r in rows] == [True, False, False, False, False, False, True]
+    errors = [r.parse_error for r in rows[1:-1]]
+    assert "surrogate" in errors[0] and "surrogate" in errors[1]
+    assert errors[2].startswith("line 4: not UTF-8")
+    assert "levels deep" in errors[3] and "too deep" in errors[4]
+    assert all(r.record_json().encode("utf-8") for r in rows)  # every row can be stored
+
+
 def test_the_registry_allows_exactly_the_filters_implemented() -> None:
     from typing import get_args
 

@@ -1,8 +1,9 @@
 """Ingest: a registered dataset's rows into the `raw_dataset` table, and a probe of every
 image they reference into `coco_image_availability` (headers only).
 
-The source (local files or the hub) is read here, a record at a time, so memory stays
-flat in its size (BENCHMARKS.md, "Raw dataset memory"); which rows are kept (filters, the
+The source (local files, `local_files.py`, or the hub) is read a record at a time, so
+memory stays flat in its size (BENCHMARKS.md, "Raw dataset memory"); every row is checked
+as a table can hold it (`sources.checked`), and which rows are kept (filters, the
 deterministic subsample) is decided in `domain/ingest/sources.py`.
 
 Images kept inside the rows (`domain/ingest/embedded_images.py`) are taken out as each row
@@ -15,17 +16,13 @@ of rows it then leaves out (writes are idempotent, so its second read writes not
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO
-
-import ijson
-import pyarrow.parquet as pq
+from typing import Any
 
 from mm_assets.common.files import atomic_path, remove_stale_temporaries
 from mm_assets.domain.ingest.embedded_images import (
@@ -35,158 +32,19 @@ from mm_assets.domain.ingest.embedded_images import (
     extract_embedded_images,
 )
 from mm_assets.domain.ingest.images import DEFAULT_MAX_BYTES, ImageProbe, probe_reference
-from mm_assets.domain.ingest.sources import LoadedRows, RawRow, build_filter, select_rows
+from mm_assets.domain.ingest.sources import (
+    LoadedRows,
+    RawRow,
+    build_filter,
+    checked,
+    select_rows,
+)
 from mm_assets.domain.prep.conversations import Rejected, image_references, parse_record
 from mm_assets.registry import DatasetSpec
+from mm_assets.services.local_files import read_local
 from mm_assets.storage import TableStore, WrittenTable, schemas
 
-LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 logger = logging.getLogger(__name__)
-
-
-def read_local(path: Path, data_files: list[str] | None = None) -> Iterator[RawRow]:
-    """Rows of a json (list), jsonl or parquet file, or of every such file in a directory
-    (sorted by name, so the row order — and the source index — is stable), or of the
-    directory's `data_files` only, in their listed order. Each row names its file."""
-    if path.is_dir():
-        files = _listed_files(path, data_files) if data_files else _all_files(path)
-        rows = (
-            RawRow(0, row.record, row.parse_error, file.relative_to(path).as_posix())
-            for file in files
-            for row in _read_file(file)
-        )
-        for index, row in enumerate(rows):
-            yield RawRow(index, row.record, row.parse_error, row.source_file)
-        return
-    if data_files:
-        raise ValueError(
-            f"{path} is a file, and 'data_files' chooses files under a directory: set "
-            f"'path' to the directory holding {data_files[0]!r}, or remove 'data_files'"
-        )
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"dataset file {path} does not exist; fix the entry's 'path' in the registry "
-            f"(for the demo datasets run `python -m mm_assets.demo build`)"
-        )
-    for row in _read_file(path):
-        yield RawRow(row.source_index, row.record, row.parse_error, path.name)
-
-
-def _all_files(directory: Path) -> list[Path]:
-    found = sorted(p for p in directory.rglob("*") if p.suffix in LOCAL_SUFFIXES)
-    files = [p for p in found if _inside(p, directory)]
-    for escaped in sorted(set(found) - set(files)):
-        logger.warning("not read: %s links outside the dataset's path %s", escaped, directory)
-    if not files:
-        raise FileNotFoundError(f"{directory} holds no {'/'.join(LOCAL_SUFFIXES)} files")
-    return files
-
-
-def _listed_files(directory: Path, data_files: list[str]) -> list[Path]:
-    """The entry's `data_files` under `directory`, in their order (a glob pattern gives
-    its matches sorted by name); each must exist, or the load stops naming it."""
-    files: list[Path] = []
-    for entry in data_files:
-        if Path(entry).is_absolute():
-            raise ValueError(
-                f"data_files entry {entry!r} is absolute: data_files are relative to the "
-                f"entry's 'path' ({directory}); set 'path' to the directory that holds it"
-            )
-        matches = (
-            sorted(p for p in directory.glob(entry) if p.is_file())
-            if any(c in entry for c in "*?[")
-            else [directory / entry]
-            if (directory / entry).is_file()
-            else []
-        )
-        if not matches:
-            raise FileNotFoundError(
-                f"data_files entry {entry!r} names no file under {directory}; fix the entry's "
-                f"'data_files' in the registry (paths relative to its 'path')"
-            )
-        outside = [m for m in matches if not _inside(m, directory)]
-        if outside:
-            raise ValueError(
-                f"data_files entry {entry!r} reaches {outside[0].resolve()}, outside the "
-                f"entry's 'path' {directory}: list files under it (no '..', no link out)"
-            )
-        files += matches
-    return files
-
-
-def _inside(file: Path, directory: Path) -> bool:
-    """Whether `file`, its links and `..` resolved, lies under `directory`'s real path."""
-    return file.resolve().is_relative_to(directory.resolve())
-
-
-def _read_file(path: Path) -> Iterator[RawRow]:
-    if path.suffix == ".jsonl":
-        yield from _read_jsonl(path)
-    elif path.suffix == ".json":
-        yield from _read_json_list(path)
-    elif path.suffix == ".parquet":
-        # small batches: a batch of rows with embedded images holds all their bytes
-        batches = pq.ParquetFile(path).iter_batches(batch_size=64)
-        records = (record for batch in batches for record in batch.to_pylist())
-        yield from (RawRow(index, record) for index, record in enumerate(records))
-    else:
-        raise ValueError(f"{path}: unsupported file type; use one of {LOCAL_SUFFIXES}")
-
-
-def _read_jsonl(path: Path) -> Iterator[RawRow]:
-    with open(path, encoding="utf-8") as fh:
-        index = 0
-        for line in fh:
-            if not line.strip():
-                continue
-            try:
-                yield RawRow(index, json.loads(line))
-            except json.JSONDecodeError as exc:
-                yield RawRow(index, line.rstrip("\n"), parse_error=f"invalid JSON: {exc}")
-            index += 1
-
-
-def _read_json_list(path: Path) -> Iterator[RawRow]:
-    r"""Records of a `.json` file holding one list, decoded one at a time.
-
-    ShareGPT4V ships as one such file: ijson's C backend streams it in a few MB where
-    `json.loads` holds every record, faster than DuckDB's `read_json_objects` too
-    (BENCHMARKS.md, "Raw dataset memory").
-    `use_float=True` makes numbers int or float as with `json.loads` (never Decimal), so
-    `RawRow.record_json` is unchanged. The C parser refuses three things `json.loads`
-    accepts: integers beyond 64 bits, NaN/Infinity and unpaired `\uD800`-style escapes;
-    such a file fails with a message naming it and the way out (.jsonl).
-    """
-    read = 0
-    with open(path, "rb") as fh:
-        _expect_list(path, fh)
-        try:
-            for record in ijson.items(fh, "item", use_float=True):
-                yield RawRow(read, record)
-                read += 1
-        except (ijson.JSONError, UnicodeDecodeError) as exc:
-            reason = str(exc).strip().splitlines()[0]
-            raise ValueError(
-                f"{path}: not a valid JSON list of records after record {read} ({reason}). "
-                f"Fix or re-download the file; if Python's json module reads it (integers "
-                f"beyond 64 bits, NaN/Infinity or unpaired \\u surrogate escapes, which the "
-                f"streaming reader refuses), convert it to .jsonl, one record per line"
-            ) from exc
-
-
-def _expect_list(path: Path, fh: BinaryIO) -> None:
-    """Refuses a `.json` file that is not a list before streaming it: the streaming
-    parser would otherwise find no list items in an object and read zero rows."""
-    first = b""
-    while not first and (chunk := fh.read(65536)):
-        first = chunk.lstrip()[:1]
-    fh.seek(0)
-    if first != b"[":
-        found = {b"": "nothing", b"{": "an object"}.get(first, repr(first.decode("latin-1")))
-        raise ValueError(
-            f"{path}: expected a JSON list of records ([{{...}}, ...]), but it holds {found}; "
-            f"wrap the records in a list, or write them as .jsonl (one record per line)"
-        )
 
 
 def hub_source(
@@ -280,8 +138,8 @@ def source_reader(
     else:
         read = partial(read_local, spec.resolved_path(), spec.data_files)
     if images is None:
-        return read
-    return lambda: (images.take(row) for row in read())
+        return lambda: map(checked, read())
+    return lambda: (images.take(checked(row)) for row in read())
 
 
 def load_rows(spec: DatasetSpec, images: EmbeddedImageWriter | None = None) -> LoadedRows:

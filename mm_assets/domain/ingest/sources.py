@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -37,6 +38,39 @@ class RawRow:
         if self.parse_error is not None:
             return str(self.record)
         return json.dumps(self.record, ensure_ascii=False, default=str)
+
+
+MAX_DEPTH = 64
+"""Nesting a record may have: a chat row needs under ten levels, and later stages walk
+records recursively (a thousand levels exhaust Python's stack)."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def checked(row: RawRow) -> RawRow:
+    """The row as a table can hold it, or a parse-error row (quarantined by
+    normalization) that says why not: nesting deeper than `MAX_DEPTH`, or text holding a
+    lone surrogate, which JSON escapes allow but UTF-8 cannot store. One walk, no
+    recursion."""
+    if row.parse_error is not None:
+        return row
+    stack, surrogate = [(row.record, 1)], False
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            surrogate = surrogate or _SURROGATE.search(value) is not None
+            continue
+        if not isinstance(value, dict | list | tuple):
+            continue
+        if depth > MAX_DEPTH:
+            error = f"nested more than {MAX_DEPTH} levels deep"
+            return RawRow(row.source_index, f"<{error}; not stored>", error, row.source_file)
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        stack.extend((item, depth + 1) for item in items)
+    if surrogate:
+        text = json.dumps(row.record, ensure_ascii=True, default=str)  # escapes survive
+        error = "text holds a lone surrogate (not valid Unicode)"
+        return RawRow(row.source_index, text, error, row.source_file)
+    return row
 
 
 # -- filters: selected by name from the registry entry -----------------------------
