@@ -413,3 +413,46 @@ def test_base64_broken_into_lines_decodes_to_the_same_image_in_bounded_memory() 
     tracemalloc.stop()
     assert found.record["image"] == _ref(PNG * 2000)
     assert peak < 4 * len(url), (peak, len(url))
+
+
+def test_only_the_rows_kept_write_their_images(tmp_path: Path) -> None:
+    """A row the filter drops, and one the subsample leaves out, write no image byte; the
+    kept rows' images are all written, once; a killed load's staging is swept."""
+    from mm_assets.common.files import temporary_name
+    from mm_assets.registry import DatasetSpec
+    from mm_assets.services.ingest import load_raw_dataset
+    from mm_assets.storage import TableStore
+
+    def url(i: int) -> str:
+        return "data:image/png;base64," + base64.b64encode(PNG + bytes([i])).decode()
+
+    def row(i: int, image: str) -> dict:
+        turns = [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]
+        return {"image": [image, url(i)], "conversations": turns}
+
+    rows = [row(i, "coco/x.jpg" if i % 2 == 0 else "other/x.jpg") for i in range(40)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = tmp_path / "store" / "images" / "sha256"
+    live = store.parent / temporary_name("staging")  # a running load's (this pid)
+    live.mkdir(parents=True)
+    killed = store.parent / ".staging.999999999-0123456789abcdef0123456789abcdef.tmp"
+    killed.mkdir()
+    (killed / "x").write_bytes(b"half")
+    spec = DatasetSpec(
+        name="d",
+        path=str(data),
+        format="sharegpt4v",
+        filter={"image_prefix": "coco/"},
+        max_samples=5,
+        seed=0,
+    )
+    tables = TableStore(tmp_path / "store")
+    report = load_raw_dataset(spec, tables, store)
+    kept = [json.loads(r["record"]) for r in tables.iter_rows("raw_dataset", "d")]
+    assert len(kept) == 5 and report.rows_after_filter == 20
+    wanted = {ref[len(EMBEDDED_PREFIX) :] for r in kept for ref in r["image"][1:]}
+    on_disk = {p.name for p in store.rglob("*") if p.is_file()}
+    assert on_disk == wanted and report.embedded_written == 5
+    assert not killed.exists()
+    assert [p for p in store.parent.iterdir() if p.name.startswith(".staging")] == [live]

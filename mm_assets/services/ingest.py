@@ -6,17 +6,18 @@ memory stays flat in its size (BENCHMARKS.md, "Raw dataset memory"); every row i
 as a table can hold it (`sources.checked`), and which rows are kept (filters, the
 deterministic subsample) is decided in `domain/ingest/sources.py`.
 
-Images kept inside the rows (`domain/ingest/embedded_images.py`) are taken out as each row
-is read and written once to the content-addressed directory under the storage root, so
-no table holds pixels and no row holds its image's bytes past its read. They are written
-for every row read, before the subsample chooses: a subsampled source writes the images
-of rows it then leaves out (writes are idempotent, so its second read writes nothing).
+Images kept inside the rows (`domain/ingest/embedded_images.py`) are taken out of each row
+as the selection keeps it and written once to the content-addressed directory under the
+storage root, so no table holds pixels and no kept row holds its image's bytes past its
+read. A row the filter or the subsample leaves out writes no image.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shutil
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,7 +25,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from mm_assets.common.files import atomic_path, remove_stale_temporaries
+from mm_assets.common.files import (
+    atomic_path,
+    fsync_path,
+    make_dirs,
+    remove_stale_temporaries,
+    temporary_name,
+)
 from mm_assets.domain.ingest.embedded_images import (
     IMAGE_KEYS,
     embedded_image_path,
@@ -33,6 +40,7 @@ from mm_assets.domain.ingest.embedded_images import (
 )
 from mm_assets.domain.ingest.images import DEFAULT_MAX_BYTES, ImageProbe, probe_reference
 from mm_assets.domain.ingest.sources import (
+    AS_READ,
     LoadedRows,
     RawRow,
     build_filter,
@@ -99,54 +107,70 @@ def _undecoded(feature: Any) -> Any:
 
 
 class EmbeddedImageWriter:
-    """Takes the images out of each row read and writes each once into the embedded-image
-    directory (`<hex[:2]>/<hex>`, by temporary name and rename, skipped when present)."""
+    """Takes the images out of each row the selection keeps (`RowSink`), never out of a
+    row the filter or the subsample leaves out. They are staged in a directory of this
+    load's own until `commit` moves them into the embedded-image directory
+    (`<hex[:2]>/<hex>`, skipped when present); `discard` drops the staged ones (a first
+    pass that turned out to hold more rows than the subsample keeps). A killed load's
+    staging directory is removed by the next load."""
 
     def __init__(self, directory: Path, image_keys: frozenset[str] = IMAGE_KEYS) -> None:
         self.directory, self.image_keys = directory, image_keys
         self.written = 0  # files created by this load
-        self._swept: set[Path] = set()
+        self.staging = directory.parent / temporary_name("staging", "tmp")
+        self._staged: set[str] = set()
 
     def take(self, row: RawRow) -> RawRow:
         if row.parse_error is not None:
             return row
         found = extract_embedded_images(row.record, self.image_keys)
         for digest, data in found.images.items():
-            self._put(digest, data)
+            self._stage(digest, data)
         return RawRow(row.source_index, found.record, None, row.source_file)
 
-    def _put(self, digest: str, data: bytes) -> None:
-        final = embedded_image_path(self.directory, digest)
-        if final.is_file():
+    def _stage(self, digest: str, data: bytes) -> None:
+        if digest in self._staged or embedded_image_path(self.directory, digest).is_file():
             return
-        if final.parent not in self._swept:  # once per directory, not per image
-            remove_stale_temporaries(final.parent)
-            self._swept.add(final.parent)
-        with atomic_path(final, len(data), sweep=False) as tmp:
+        if not self._staged:
+            remove_stale_temporaries(self.staging.parent)
+        with atomic_path(self.staging / digest, len(data), sweep=False) as tmp:
             tmp.write_bytes(data)
-        self.written += 1
+        self._staged.add(digest)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self._staged.clear()
+
+    def commit(self) -> None:
+        """The staged images into the store, each by one rename."""
+        for digest in sorted(self._staged):
+            final = embedded_image_path(self.directory, digest)
+            if not final.is_file():
+                make_dirs(final.parent)
+                os.replace(self.staging / digest, final)
+                fsync_path(final.parent)
+                self.written += 1
+        self.discard()
 
 
-def source_reader(
-    spec: DatasetSpec, images: EmbeddedImageWriter | None = None
-) -> Callable[[], Iterator[RawRow]]:
-    """A function reading the entry's rows from the start each time it is called:
-    subsampling reads the source twice rather than holding it. With `images`, every
-    row's embedded images are written out and replaced by their references as it is read."""
+def source_reader(spec: DatasetSpec) -> Callable[[], Iterator[RawRow]]:
+    """A function reading the entry's rows from the start each time it is called
+    (subsampling reads the source twice rather than holding it), each row as a table can
+    hold it (`checked`)."""
     if spec.hub:
         read = hub_source(spec.hub, spec.subset, spec.split, spec.data_files)
     else:
         read = partial(read_local, spec.resolved_path(), spec.data_files)
-    if images is None:
-        return lambda: map(checked, read())
-    return lambda: (images.take(checked(row)) for row in read())
+    return lambda: map(checked, read())
 
 
 def load_rows(spec: DatasetSpec, images: EmbeddedImageWriter | None = None) -> LoadedRows:
     """The dataset's rows: read, filtered, then subsampled (`select_rows`); with `images`,
-    their embedded images written out (`source_reader`)."""
+    the embedded images of the rows kept written out, replaced by their references."""
     keep = build_filter(spec)  # an unknown filter fails before a hub download
-    loaded = select_rows(spec, keep, source_reader(spec, images))
+    loaded = select_rows(spec, keep, source_reader(spec), images or AS_READ)
+    if images is not None:
+        images.commit()
     logger.info(
         "%s: %d rows in %s, %d after the filter, %d kept",
         spec.name,

@@ -108,12 +108,37 @@ def _read_file(path: Path) -> Iterator[RawRow]:
     elif path.suffix == ".json":
         yield from _read_json_list(path)
     elif path.suffix == ".parquet":
-        # small batches: a batch of rows with embedded images holds all their bytes
-        batches = pq.ParquetFile(path).iter_batches(batch_size=64)
-        records = (record for batch in batches for record in batch.to_pylist())
-        yield from (RawRow(index, record) for index, record in enumerate(records))
+        yield from _read_parquet(path)
     else:
         raise ValueError(f"{path}: unsupported file type; use one of {LOCAL_SUFFIXES}")
+
+
+BATCH_BYTES = 32 << 20
+"""What a batch of Parquet rows may hold decoded: rows carrying images are megabytes each."""
+
+
+def _read_parquet(path: Path) -> Iterator[RawRow]:
+    """Rows in batches of about `BATCH_BYTES` decoded (sized from the row groups' own
+    byte counts, 1 to 64 rows), read through a buffered stream, one row turned into
+    Python at a time. A dictionary-encoded column is still decoded a dictionary page at
+    a time: large images written that way cost about twice that page (BENCHMARKS.md,
+    "Images inside rows")."""
+    file = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
+    meta = file.metadata
+    widest = (
+        max(
+            (meta.row_group(i).total_byte_size / max(meta.row_group(i).num_rows, 1))
+            for i in range(meta.num_row_groups)
+        )
+        if meta.num_row_groups
+        else 1
+    )
+    batch_size = int(min(64, max(1, BATCH_BYTES // max(widest, 1))))
+    index = 0
+    for batch in file.iter_batches(batch_size=batch_size, use_threads=False):
+        for row in range(batch.num_rows):
+            yield RawRow(index, batch.slice(row, 1).to_pylist()[0])
+            index += 1
 
 
 def _read_jsonl(path: Path) -> Iterator[RawRow]:

@@ -18,7 +18,7 @@ import random
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from mm_assets.registry import DatasetSpec
 
@@ -125,22 +125,47 @@ class LoadedRows:
     after_filter: int
 
 
+class RowSink(Protocol):
+    """What becomes of a row as the selection keeps it (the embedded-image writer)."""
+
+    def take(self, row: RawRow) -> RawRow:
+        """The row as kept."""
+
+    def discard(self) -> None:
+        """The rows taken so far are not kept after all."""
+
+
+class _AsRead:
+    def take(self, row: RawRow) -> RawRow:
+        return row
+
+    def discard(self) -> None:
+        pass
+
+
+AS_READ: RowSink = _AsRead()
+
+
 def select_rows(
-    spec: DatasetSpec, keep: Callable[[RawRow], bool], read: Callable[[], Iterator[RawRow]]
+    spec: DatasetSpec,
+    keep: Callable[[RawRow], bool],
+    read: Callable[[], Iterator[RawRow]],
+    sink: RowSink = AS_READ,
 ) -> LoadedRows:
     """The entry's rows from `read` (which reads its source from the start each call):
-    filtered by `keep` (`build_filter`), then subsampled (before any normalization).
+    filtered by `keep` (`build_filter`), then subsampled (before any normalization);
+    `sink` takes each row as it is kept, and is told when a first pass's are dropped.
 
     Never holds more than `max_samples` rows: a first pass counts the rows that pass the
     filter, keeping them while there are at most `max_samples`, which is all it takes
     for a source that small; when more pass, a second pass keeps the chosen positions
     (both passes must count the same rows: a source that changes in between is refused).
     Without `max_samples` every row that passes is kept, as asked."""
-    first = _count_keeping_up_to(read(), keep, spec.max_samples)
+    first = _count_keeping_up_to(read(), keep, spec.max_samples, sink)
     if first.holds_all:
         return LoadedRows(first.rows, first.total, first.after_filter)
     positions = sample_positions(first.after_filter, spec.max_samples, spec.seed)
-    second = _pick(read(), keep, positions)
+    second = _pick(read(), keep, positions, sink)
     if (second.total, second.after_filter) != (first.total, first.after_filter):
         raise RuntimeError(
             f"dataset {spec.name!r}: {spec.hub or spec.resolved_path()} changed between its "
@@ -159,7 +184,7 @@ class _Pass:
 
 
 def _count_keeping_up_to(
-    rows: Iterable[RawRow], keep: Callable[[RawRow], bool], limit: int | None
+    rows: Iterable[RawRow], keep: Callable[[RawRow], bool], limit: int | None, sink: RowSink
 ) -> _Pass:
     """Counts the rows and those passing `keep`, holding the passing ones only while
     there are at most `limit` of them (all when `limit` is None)."""
@@ -171,14 +196,15 @@ def _count_keeping_up_to(
             continue
         after_filter += 1
         if limit is None or after_filter <= limit:
-            kept.append(row)
+            kept.append(sink.take(row))
         elif kept:
             kept = []  # too many to hold: the caller samples them in a second pass
+            sink.discard()
     return _Pass(total, after_filter, kept, holds_all=len(kept) == after_filter)
 
 
 def _pick(
-    rows: Iterable[RawRow], keep: Callable[[RawRow], bool], positions: Sequence[int]
+    rows: Iterable[RawRow], keep: Callable[[RawRow], bool], positions: Sequence[int], sink: RowSink
 ) -> _Pass:
     """The rows passing `keep` whose position among them is in `positions` (ascending).
     Reads to the end anyway, so the counts can be compared with the first pass."""
@@ -191,7 +217,7 @@ def _pick(
         if not keep(row):
             continue
         if after_filter == next_wanted:
-            picked.append(row)
+            picked.append(sink.take(row))
             next_wanted = next(wanted, None)
         after_filter += 1
     return _Pass(total, after_filter, picked, holds_all=len(picked) == after_filter)
