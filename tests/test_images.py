@@ -109,3 +109,77 @@ def test_a_file_over_the_byte_limit_is_refused_before_it_is_read(root: Path) -> 
     assert probe.status is ImageStatus.TOO_LARGE and probe.bytes == size + 4096
     assert "bytes > limit" in probe.detail and probe.width is None  # never opened
     assert probe_reference(root, "train2017/b.png", max_bytes=size + 1000).ok
+
+
+def _rotated_jpeg(path: Path) -> None:
+    """400 wide and 100 high as stored, with EXIF orientation 6 (shown turned a quarter)."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.new("RGB", (400, 100), "red").save(path, exif=exif.tobytes())
+
+
+def test_the_probe_reports_what_vllm_will_see_or_refuses(root: Path) -> None:
+    """An EXIF-turned JPEG is counted at its shown size (tokens are counted from it);
+    a 16-bit PNG, which vLLM clips to white, and an EPS, which vLLM does not decode,
+    are refused with their reasons."""
+    _rotated_jpeg(root / "turned.jpg")
+    Image.new("I;16", (8, 8)).save(root / "deep.png")
+    Image.new("RGB", (8, 8), "blue").save(root / "page.eps")
+    turned = probe_reference(root, "turned.jpg")
+    assert turned.ok and (turned.width, turned.height) == (100, 400)
+    deep = probe_reference(root, "deep.png")
+    assert deep.status is ImageStatus.UNREADABLE and "clips them to white" in deep.detail
+    eps = probe_reference(root, "page.eps")
+    assert eps.status is ImageStatus.UNREADABLE and "format vLLM decodes" in eps.detail
+
+
+@pytest.mark.slow
+def test_the_probes_formats_and_turns_are_vllms(root: Path) -> None:
+    """vLLM's own allow-list and its own orientation step (in a subprocess: importing
+    vLLM takes ~10 s) agree with the probe."""
+    import json
+    import subprocess
+    import sys
+
+    from mm_assets.domain.ingest.images import VLLM_FORMATS
+
+    _rotated_jpeg(root / "turned.jpg")
+    code = (
+        "import json, sys; from PIL import Image\n"
+        "from vllm.multimodal.image import ALLOWED_IMAGE_FORMATS, normalize_image\n"
+        "size = normalize_image(Image.open(sys.argv[1])).size\n"
+        "print(json.dumps([list(ALLOWED_IMAGE_FORMATS), list(size)]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(root / "turned.jpg")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    formats, size = json.loads(out.strip().splitlines()[-1])
+    assert sorted(formats) == sorted(VLLM_FORMATS)
+    turned = probe_reference(root, "turned.jpg")
+    assert [turned.width, turned.height] == size
+
+
+def test_a_stored_image_must_be_a_plain_file_matching_its_name(tmp_path: Path) -> None:
+    import hashlib
+
+    from mm_assets.domain.ingest.embedded_images import embedded_image_path
+
+    store = tmp_path / "store"
+    good, other = tmp_path / "good.png", tmp_path / "other.png"
+    Image.new("RGB", (4, 4), "red").save(good)
+    Image.new("RGB", (4, 4), "blue").save(other)
+    digest = hashlib.sha256(good.read_bytes()).hexdigest()
+    path = embedded_image_path(store, digest)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(good.read_bytes())
+    assert probe_reference(tmp_path, f"sha256:{digest}", embedded_dir=store).ok
+    path.write_bytes(other.read_bytes())  # changed since it was written
+    changed = probe_reference(tmp_path, f"sha256:{digest}", embedded_dir=store)
+    assert changed.status is ImageStatus.UNREADABLE and "do not match its name" in changed.detail
+    path.unlink()
+    path.symlink_to(good)  # the right bytes, but through a link out of the store
+    linked = probe_reference(tmp_path, f"sha256:{digest}", embedded_dir=store)
+    assert linked.status is ImageStatus.OUTSIDE_ROOT and "link" in linked.detail

@@ -9,7 +9,14 @@ the file is opened.
 Images taken out of the rows (`embedded_images.py`) are referenced as `sha256:<hex>` and
 resolve to their file in the embedded-image directory, not under the image root; from
 there they are probed exactly like a referenced file. `invalid-image:<reason>` (a data
-URL whose base64 did not decode) is refused with that reason.
+URL whose base64 did not decode) is refused with that reason. A stored image must be a
+plain file whose bytes hash to its name: a link, or a file changed since it was written,
+is refused.
+
+The probe says what vLLM will do with the file: it opens only the formats vLLM decodes,
+reports the size vLLM sees (after the EXIF orientation, which vLLM applies and
+tokenization must count tokens for), and refuses images of more than 8 bits per channel,
+which vLLM's conversion to RGB clips to white.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import ExifTags, Image, UnidentifiedImageError
 
 from mm_assets.domain.ingest.embedded_images import (
     INVALID_PREFIX,
@@ -37,6 +44,15 @@ DEFAULT_MAX_PIXELS = 89_478_485
 # for every request that shows it.
 DEFAULT_MAX_BYTES = 64 << 20
 _TAIL_BYTES = 4096
+# What vLLM decodes (its serving allow-list, `vllm.multimodal.image.ALLOWED_IMAGE_FORMATS`
+# in vLLM 0.32; a test keeps the two equal). EPS, for one, is not in it.
+_VLLM_FORMAT_NAMES = """AVIF BLP BMP CUR DCX DDS DIB FITS FLI FTEX GBR GIF ICNS ICO IM IMT
+IPTC JPEG JPEG2000 MCIDAS MSP PCD PCX PIXAR PNG PPM PSD QOI SGI SPIDER SUN TGA TIFF WEBP XBM
+XPM XVTHUMB"""
+VLLM_FORMATS = tuple(_VLLM_FORMAT_NAMES.split())
+# Pillow modes of more than 8 bits per channel: converted to RGB, they clip to white.
+DEEP_MODES = frozenset({"I", "F", "I;16", "I;16B", "I;16L", "I;16N", "I;16S", "I;32"})
+_TRANSPOSED = frozenset({5, 6, 7, 8})  # EXIF orientations that swap width and height
 
 
 class ImageStatus(StrEnum):
@@ -159,14 +175,18 @@ def probe_image(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as image:  # parses the header only
-                width, height = image.size
-                fmt = image.format
+            with Image.open(path, formats=VLLM_FORMATS) as image:  # parses the header only
+                width, height = displayed_size(image)
+                fmt, mode = image.format, image.mode
     except Image.DecompressionBombError as exc:
         return refused(ImageStatus.TOO_LARGE, str(exc), bytes=stat.st_size)
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        return refused(ImageStatus.UNREADABLE, f"not a readable image: {exc}", bytes=stat.st_size)
+        detail = f"not an image in a format vLLM decodes: {exc}"
+        return refused(ImageStatus.UNREADABLE, detail, bytes=stat.st_size)
     facts = {"width": width, "height": height, "format": fmt, "bytes": stat.st_size}
+    if mode in DEEP_MODES:
+        deep = f"{mode} pixels: vLLM's conversion to RGB clips them to white; save as 8-bit"
+        return refused(ImageStatus.UNREADABLE, deep, **facts)
     if width * height > max_pixels:
         too_many = f"{width}x{height} = {width * height} pixels > limit {max_pixels}"
         return refused(ImageStatus.TOO_LARGE, too_many, **facts)
@@ -179,6 +199,16 @@ def probe_image(
             ImageStatus.UNREADABLE, f"truncated {fmt}: end-of-image marker missing", **facts
         )
     return ImageProbe(reference, str(path), ImageStatus.OK, "", content_hash=digest, **facts)
+
+
+def displayed_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) as shown: vLLM turns the pixels by the EXIF orientation first."""
+    width, height = image.size
+    try:
+        orientation = image.getexif().get(ExifTags.Base.Orientation, 1)
+    except Exception:  # a broken EXIF block: vLLM ignores it too (`normalize_image`)
+        return width, height
+    return (height, width) if orientation in _TRANSPOSED else (width, height)
 
 
 def _hash_and_tail(path: Path) -> tuple[str, bytes]:
@@ -216,9 +246,24 @@ def probe_reference(
     resolved = resolve_reference(root, reference, strip_prefix, embedded_dir)
     if isinstance(resolved, ImageProbe):
         return resolved
-    probe = probe_image(str(reference), resolved, max_pixels, max_bytes)
-    if probe.status is ImageStatus.MISSING and is_embedded_reference(reference):
-        return replace(
-            probe, detail="not in the embedded-image directory: materialize raw_dataset again"
-        )
+    if is_embedded_reference(reference) and embedded_dir is not None:
+        return _probe_embedded(str(reference), resolved, embedded_dir, max_pixels, max_bytes)
+    return probe_image(str(reference), resolved, max_pixels, max_bytes)
+
+
+def _probe_embedded(
+    reference: str, path: Path, embedded_dir: Path, max_pixels: int, max_bytes: int
+) -> ImageProbe:
+    """A stored image: a plain file in the store whose bytes hash to its name."""
+    real_store = Path(os.path.realpath(embedded_dir))
+    if path.is_symlink() or not Path(os.path.realpath(path)).is_relative_to(real_store):
+        detail = "a link in the embedded-image store (stored images are plain files)"
+        return ImageProbe(reference, str(path), ImageStatus.OUTSIDE_ROOT, detail)
+    probe = probe_image(reference, path, max_pixels, max_bytes)
+    if probe.status is ImageStatus.MISSING:
+        detail = "not in the embedded-image directory: materialize raw_dataset again"
+        return replace(probe, detail=detail)
+    if probe.ok and probe.content_hash != embedded_digest(reference):
+        detail = f"its bytes do not match its name: delete {path} and materialize raw_dataset"
+        return replace(probe, status=ImageStatus.UNREADABLE, detail=detail)
     return probe
