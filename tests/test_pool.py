@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import dagster as dg
+import psutil
 import pytest
 
 from mm_assets.assets.executors import step_executor
@@ -233,10 +234,12 @@ def test_a_holder_dead_here_is_failed_and_its_slot_handed_on(tmp_path: Path) -> 
     assert storage.claim_concurrency_slot(ACCELERATOR_POOL, waiting.run_id, "need").is_claimed
 
 
-def test_what_a_dead_worker_left_running_keeps_its_slot(tmp_path: Path) -> None:
-    """A process the holder's worker started (its vLLM server, in its own session) outlives
-    the worker: the slot stays, and the log says which pid to stop; once it is gone, the
-    slot is freed."""
+def test_what_a_dead_worker_left_running_is_stopped_and_its_slot_handed_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process the holder's worker started (its vLLM server, in its own session)
+    outlives the worker: the watch stops it, one that ignores SIGTERM too, and frees the
+    slot in the same sweep, naming what it stopped."""
     instance, holder, waiting = _held_slot(tmp_path / "home")
     log, other = _Log(), _started_run(instance)
     with dead_runs.watching(instance, other, [ACCELERATOR_POOL], log):
@@ -244,20 +247,27 @@ def test_what_a_dead_worker_left_running_keeps_its_slot(tmp_path: Path) -> None:
     assert RUN_ENV not in os.environ
     env = {**os.environ, RUN_ENV: holder.run_id}
     server = subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
+    ignores_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)"
+    stubborn = subprocess.Popen(
+        [sys.executable, "-c", ignores_term + "; print('up', flush=True); time.sleep(60)"],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+    )
+    assert stubborn.stdout is not None and stubborn.stdout.readline() == b"up\n"
     _record(instance, holder, Worker(_dead_pid(), time.time() - 5, Machine.this()))
-    watch = dead_runs.PoolWatch(instance, waiting, [ACCELERATOR_POOL], log)
-    try:
-        watch.sweep()
-        verdict = dead_runs.judge(instance, holder.run_id)
-        assert verdict.action == "stuck" and verdict.pids == (server.pid,)
-        assert f"`kill {server.pid}`" in log.lines[-1]
-        assert _claimed(instance) == [holder.run_id]
-    finally:
-        server.kill()
-        server.wait()
-    watch.sweep()
+    verdict = dead_runs.judge(instance, holder.run_id)
+    assert verdict.action == "stop" and set(verdict.pids) == {server.pid, stubborn.pid}
+    stop = dead_runs.stop_processes
+    monkeypatch.setattr(dead_runs, "stop_processes", lambda pids: stop(pids, grace_s=1.0))
+    dead_runs.PoolWatch(instance, waiting, [ACCELERATOR_POOL], log).sweep()
+    for process in (server, stubborn):  # reaped by the watch's wait (they are our children)
+        process.wait(timeout=5)
+        assert not psutil.pid_exists(process.pid)
+    assert f"pid {server.pid}" in log.lines[-2] and "Stopping them" in log.lines[-2]
     assert log.lines[-1].startswith(f"Freed the slots of run {holder.run_id}")
     assert not _claimed(instance)
+    assert instance.get_run_by_id(holder.run_id).status == dg.DagsterRunStatus.FAILURE
 
 
 def test_a_worker_record_copied_from_a_parent_run_is_not_the_runs_own(tmp_path: Path) -> None:

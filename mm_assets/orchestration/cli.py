@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths.ensure_dagster_home()
     instance = dg.DagsterInstance.get()
     verdict = judge(instance, args.run_id)
-    if verdict.action in {"wait", "stuck"} and not args.force:
+    if verdict.action in {"wait", "stop"} and not args.force:
         print(
             f"run {args.run_id}: {verdict.reason}. Stop it first (or pass --force to free "
             "the slot anyway).",

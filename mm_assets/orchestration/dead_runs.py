@@ -10,10 +10,12 @@ no daemon, and no run launcher checks on its worker. That case is what this modu
 A run with a step in a pool records where its worker runs (`WORKER_TAG`) and marks the
 processes it starts (`RUN_ENV`). While one of its steps waits for a slot, its worker
 judges each run holding one (`judge`): the slots of an ended run, or of one whose worker
-ran here and is gone with nothing it started still running, are freed; any other holder
-is named once in the log, with what to do. The watch never fails the waiting run: waiting
-for a live run on another machine is what a pool is for. How runs get the watch:
-`wiring.py`; freeing a slot by hand: `cli.py`.
+ran here and is gone, are freed. What such a run left running here (its vLLM server,
+which the server's parent guard stops only when the step process itself dies, or an
+orphaned step process) is stopped first: it would hold the accelerator and the slot for
+good. Any other holder is named once in the log, with what to do. The watch never fails
+the waiting run: waiting for a live run on another machine is what a pool is for. How
+runs get the watch: `wiring.py`; freeing a slot by hand: `cli.py`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from typing import Literal, Protocol
 import dagster as dg
 
 from mm_assets.orchestration import dagster_internals as internals
-from mm_assets.orchestration.processes import RUN_ENV, Machine, process_alive, processes_of
+from mm_assets.orchestration.processes import (
+    RUN_ENV,
+    Machine,
+    process_alive,
+    processes_of,
+    stop_processes,
+)
 
 WORKER_TAG = "mm_assets/worker"
 POLL_SECONDS = 5.0
@@ -76,13 +84,13 @@ def recorded_worker(run: dg.DagsterRun) -> Worker | None:
 @dataclass(frozen=True)
 class Verdict:
     """What to do about a run that holds a slot: `free` it (ended, deleted or dead here),
-    `wait` for it (alive here), ask a person to stop what it left running (`stuck`), or
-    `ask` whether it still runs (elsewhere, or nothing recorded)."""
+    `wait` for it (alive here), `stop` what it left running here (its worker is gone),
+    or `ask` whether it still runs (elsewhere, or nothing recorded)."""
 
-    action: Literal["free", "wait", "stuck", "ask"]
+    action: Literal["free", "wait", "stop", "ask"]
     reason: str
     mark_failed: bool = False
-    pids: tuple[int, ...] = ()  # of the processes to stop, when `stuck`
+    pids: tuple[int, ...] = ()  # of the processes to stop, when `stop`
 
 
 def judge(instance: dg.DagsterInstance, run_id: str) -> Verdict:
@@ -98,7 +106,7 @@ def judge(instance: dg.DagsterInstance, run_id: str) -> Verdict:
     if left:
         listed = "; ".join(f"pid {pid} ({command})" for pid, command in left)
         return Verdict(
-            "stuck",
+            "stop",
             f"its worker is gone, but processes it started still run here and may hold the "
             f"accelerator: {listed}",
             pids=tuple(pid for pid, _ in left),
@@ -170,6 +178,13 @@ class PoolWatch:
     def sweep(self) -> None:
         for holder, (pool, step) in self.holders().items():
             verdict = judge(self.instance, holder)
+            if verdict.action == "stop":
+                self.log.warning(
+                    f"Run {holder} holds a slot of pool '{pool}': {verdict.reason}. "
+                    "Stopping them (SIGTERM, then SIGKILL)."
+                )
+                stop_processes(verdict.pids)
+                verdict = judge(self.instance, holder)
             if verdict.action == "free":
                 release(self.instance, holder, verdict, f"run {self.run.run_id}, waiting on it")
                 failed = " Marked it failed." if verdict.mark_failed else ""
@@ -180,9 +195,9 @@ class PoolWatch:
                 continue
             say = f"Waiting: run {holder} holds a slot of pool '{pool}' (step {step}); "
             say += f"{verdict.reason}."
-            if verdict.action == "stuck":
+            if verdict.action == "stop":
                 pids = " ".join(map(str, verdict.pids))
-                say += f" Stop them (`kill {pids}`): this run then frees the slot."
+                say += f" They did not stop; stop them (`kill -9 {pids}`): this run then goes on."
             elif verdict.action == "ask":
                 say += (
                     f" If that run is no longer running, free its slot: `{release_command(holder)}`"

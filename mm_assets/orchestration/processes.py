@@ -7,8 +7,10 @@ a later run can tell a dead worker from a live one, or from a newer process with
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -61,3 +63,22 @@ def processes_of(run_id: str) -> list[tuple[int, str]]:
         if ours and info["status"] not in _GONE:
             found.append((info["pid"], " ".join(info["cmdline"] or [])[:60]))
     return found
+
+
+def stop_processes(pids: Sequence[int], grace_s: float = 10.0) -> None:
+    """SIGTERM each (a vLLM server shuts down its engine on it), then SIGKILL what is
+    left after `grace_s`."""
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            process.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            process.kill()
+    psutil.wait_procs(alive, timeout=5)
