@@ -15,6 +15,7 @@ from mm_assets.assets.benchmarks import draft_benchmark, speculator_benchmark
 from mm_assets.assets.drafts import trained_draft
 from mm_assets.assets.executors import step_executor
 from mm_assets.assets.ingest import coco_image_availability, raw_dataset
+from mm_assets.assets.maintenance import prune_embedded_images
 from mm_assets.assets.model import hidden_states, trained_speculator
 from mm_assets.assets.prep import normalized_conversations, tokenized_samples
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
@@ -48,7 +49,7 @@ defs = dg.Definitions(
         speculator_benchmark,
         draft_benchmark,
     ],
-    jobs=[refresh_raw_datasets_job, dataset_chain_job, drafts_job],
+    jobs=[refresh_raw_datasets_job, dataset_chain_job, drafts_job, prune_embedded_images],
     schedules=[refresh_raw_datasets],
     executor=step_executor(),  # in the run's process unless MM_ASSETS_EXECUTOR says otherwise
     resources={

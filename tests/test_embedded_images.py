@@ -456,3 +456,41 @@ def test_only_the_rows_kept_write_their_images(tmp_path: Path) -> None:
     assert on_disk == wanted and report.embedded_written == 5
     assert not killed.exists()
     assert [p for p in store.parent.iterdir() if p.name.startswith(".staging")] == [live]
+
+
+def test_the_prune_job_removes_exactly_the_images_no_partition_references(
+    tmp_path: Path,
+) -> None:
+    """Two loads of a partition with different rows leave the first load's other images
+    behind: a dry run counts them, `apply` removes them (and only them), and a fresh one
+    is kept while a load might still be writing its table."""
+    from mm_assets.assets.maintenance import prune_embedded_images
+    from mm_assets.assets.resources import StorageResource
+    from mm_assets.registry import DatasetSpec
+    from mm_assets.services.ingest import load_raw_dataset
+
+    def url(i: int) -> str:
+        return "data:image/png;base64," + base64.b64encode(PNG + bytes([i])).decode()
+
+    turns = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    data = tmp_path / "d.jsonl"
+    storage = StorageResource(root=str(tmp_path / "root"))
+    store, tables = storage.embedded_images_dir(), storage.tables()
+    for first in (0, 3):  # rows 0-5, then rows 3-8: images 0-2 lose their last reference
+        rows = [{"image": url(i), "conversations": turns} for i in range(first, first + 6)]
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        load_raw_dataset(DatasetSpec(name="d", path=str(data), format="sharegpt4v"), tables, store)
+    stale = {hashlib.sha256(PNG + bytes([i])).hexdigest() for i in range(3)}
+    assert len(list(store.glob("??/*"))) == 9
+
+    def run(**config: object) -> set[str]:
+        prune = {"ops": {"prune_embedded_images_op": {"config": config}}}
+        assert prune_embedded_images.execute_in_process(
+            run_config=prune, resources={"storage": storage}
+        ).success
+        return {p.name for p in store.glob("??/*")}
+
+    assert len(run(apply=True)) == 9  # all younger than an hour
+    assert len(run(min_age_hours=0)) == 9  # a dry run
+    left = run(apply=True, min_age_hours=0)
+    assert len(left) == 6 and not (left & stale)
