@@ -174,7 +174,9 @@ def test_token_mismatch_is_rejected_and_nothing_stored(
     blobs = BlobStore(tmp_path)
     settings = _settings(demo_dir)
     plan = plan_extraction(rows, settings, blobs.has)
-    client = HiddenStatesClient([vllm_server.base_url], RequestSettings(concurrency=1))
+    client = HiddenStatesClient(
+        [vllm_server.base_url], RequestSettings(concurrency=1), vllm_server.access
+    )
     (request,) = requests_for(rows, {row["row_id"]}, image_token)
     assert request.image_urls and request.prompt_ids.count(image_token) == 1
     job = HiddenStatesJob(plan.keys(), settings, blobs)

@@ -27,7 +27,7 @@ from mm_assets.assets.resources import StorageResource, TargetModelResource, Vll
 from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
 from mm_assets.domain.prep.conversations import to_vllm_messages
 from mm_assets.domain.prep.supervision import supervised_runs
-from tests.conftest import PREP_ASSETS, materialize
+from tests.conftest import FLEET_KEY, PREP_ASSETS, materialize
 from tests.sentencepiece_target import build_sentencepiece_target
 
 pytestmark = pytest.mark.slow
@@ -55,6 +55,7 @@ def holdout_server(
         None,
         tmp_path_factory.mktemp("holdout_logs") / "plain_vllm.log",
         EngineOptions(dtype="float32", kv_cache_gib=1.0),
+        api_key=FLEET_KEY,  # a fleet the steps reach with the session's key
     )
     with server:
         yield server
@@ -201,7 +202,7 @@ def test_a_stored_reply_is_what_the_server_says_again(
     turns = json.loads(row["turns"])
     which = len(row["reply_turns"]) - 1
     index = row["reply_turns"][which]
-    client = openai.OpenAI(base_url=holdout_server.base_url, api_key=holdout_server.access.api_key)
+    client = openai.OpenAI(base_url=holdout_server.base_url, api_key=FLEET_KEY)
     model = client.models.list().data[0].id
     answer = client.chat.completions.create(
         model=model,
@@ -256,7 +257,7 @@ def test_every_reply_is_trained_in_the_context_the_target_answered(
     ids vLLM reports for that turn's request (the earlier replies as text, re-rendered
     by the template). A reply's hidden states and its supervision are only on-policy in
     the context it was generated in."""
-    client = openai.OpenAI(base_url=holdout_server.base_url, api_key=holdout_server.access.api_key)
+    client = openai.OpenAI(base_url=holdout_server.base_url, api_key=FLEET_KEY)
     model = client.models.list().data[0].id
     rows: dict[str, list[dict[str, Any]]] = {}
     for row in sorted(prepared["rows"], key=lambda r: len(r["input_ids"])):
