@@ -194,12 +194,18 @@ def test_a_json_list_the_fast_parser_refuses_is_read_on_exactly(tmp_path: Path) 
     C parser refuses: the rest of the file is read with the exact parser, no row lost,
     and the surrogate's row quarantined (UTF-8 cannot store it) with its text escaped."""
     path = tmp_path / "d.json"
-    path.write_text('[{"a": 1}, {"big": 123456789012345678901234567890}, {"s": "\\ud800x"}]')
+    path.write_text(
+        '[{"a": 1}, {"t": "\\udc00"}, {"big": 123456789012345678901234567890}, '
+        '{"s": "\\ud800x"}, {"b": 2}]'
+    )
     spec = DatasetSpec(name="d", path=str(path), format="sharegpt")
     rows = load_rows(spec).rows
-    assert [r.record for r in rows[:2]] == [{"a": 1}, {"big": 123456789012345678901234567890}]
-    assert rows[2].parse_error and "surrogate" in rows[2].parse_error
-    assert json.loads(rows[2].record) == {"s": "\ud800x"}
+    assert rows[0].record == {"a": 1}
+    assert rows[2].record == {"big": 123456789012345678901234567890}
+    assert rows[1].parse_error and "surrogate" in rows[1].parse_error
+    assert rows[3].parse_error and "surrogate" in rows[3].parse_error
+    assert json.loads(rows[3].record) == {"s": "\ud800x"}
+    assert rows[4].record == {"b": 2}
 
 
 def test_crafted_jsonl_lines_become_rows_with_reasons_not_errors(tmp_path: Path) -> None:

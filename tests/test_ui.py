@@ -143,8 +143,17 @@ def browser():
         chromium.close()
 
 
-def _open(browser, url: str):
+def _new_page(browser):
+    """A page whose origin has seen Dagster's community dialog: on 127.0.0.1 it opens a
+    second after load, over whatever the test clicks next (its "seen" mark is kept in
+    local storage under `communityNux`)."""
     page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.add_init_script("window.localStorage.setItem('communityNux', JSON.stringify('1'))")
+    return page
+
+
+def _open(browser, url: str):
+    page = _new_page(browser)
     page.goto(url, wait_until="networkidle")
     page.wait_for_timeout(1500)
     skip = page.get_by_role("button", name="Skip")  # the first-visit newsletter dialog
@@ -154,7 +163,7 @@ def _open(browser, url: str):
 
 
 def test_graph_and_materializing_a_partition_from_the_ui(dagster_ui: str, browser) -> None:
-    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page = _new_page(browser)
     seen = set()
     for group in ("ingest", "prep", "model"):
         page.goto(

@@ -170,10 +170,11 @@ def _read_json_list(path: Path) -> Iterator[RawRow]:
     `json.loads` holds every record, faster than DuckDB's `read_json_objects` too
     (BENCHMARKS.md, "Raw dataset memory").
     `use_float=True` makes numbers int or float as with `json.loads` (never Decimal), so
-    `RawRow.record_json` is unchanged. The C parser refuses two things valid JSON may
-    hold: integers beyond 64 bits and unpaired `\uD800`-style escapes. At such a record
-    the file is read on with ijson's Python backend (slower, as exact as `json.loads`),
-    from the record where the C parser stopped, so no row is lost. A file neither reads
+    `RawRow.record_json` is unchanged. The C parser refuses things valid JSON may hold:
+    integers beyond 64 bits, and a lone low surrogate escape (`\uDC00`; a lone high one
+    it reads as `?`). At such a record the file is read on with ijson's Python backend
+    (slower, as exact as `json.loads`), from the record where the C parser stopped, so
+    no row is lost. A file neither reads
     (bytes that are not UTF-8, broken syntax) fails with a message naming the record and
     the way out (.jsonl, where each line stands alone).
     """
@@ -191,7 +192,7 @@ def _read_json_list(path: Path) -> Iterator[RawRow]:
                 return
             except (ijson.JSONError, ValueError) as exc:  # UnicodeDecodeError is one
                 reason = str(exc).strip().splitlines()[0]
-                if backends and not isinstance(exc, UnicodeDecodeError):
+                if backends:
                     logger.warning(
                         "%s: record %d needs the exact JSON parser (%s); reading on with it",
                         path,
