@@ -125,14 +125,8 @@ def _read_parquet(path: Path) -> Iterator[RawRow]:
     "Images inside rows")."""
     file = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
     meta = file.metadata
-    widest = (
-        max(
-            (meta.row_group(i).total_byte_size / max(meta.row_group(i).num_rows, 1))
-            for i in range(meta.num_row_groups)
-        )
-        if meta.num_row_groups
-        else 1
-    )
+    groups = (meta.row_group(i) for i in range(meta.num_row_groups))
+    widest = max((g.total_byte_size / max(g.num_rows, 1) for g in groups), default=1)
     batch_size = int(min(64, max(1, BATCH_BYTES // max(widest, 1))))
     index = 0
     for batch in file.iter_batches(batch_size=batch_size, use_threads=False):
