@@ -47,6 +47,17 @@ class TrainStateFile:
         except pickle.UnpicklingError as error:  # not a state this trainer wrote: a cache
             logger.warning("ignoring %s, not a training state (%s)", self.path, error)
             return None
+        except torch.OutOfMemoryError:
+            raise
+        # Where a cut ends decides which: EOFError, RuntimeError (zip) or OSError (a seek).
+        # Raised, not ignored like a foreign file: a failing disk reads the same, and
+        # starting over would overwrite a state a second try could read.
+        except (EOFError, RuntimeError, OSError) as error:
+            raise ValueError(
+                f"training state {self.path} cannot be read ({type(error).__name__}: {error}); "
+                "it is cut short or damaged. Delete it to train from the first epoch, or "
+                "rerun with retrain: true"
+            ) from error
 
     def save(self, state: dict[str, Any]) -> None:
         with atomic_path(self.path) as tmp:
