@@ -153,7 +153,8 @@ class TrackingSettings(BaseModel):
     tracking_uri: str = Field(
         default="",
         description="tensorboard: the log directory; mlflow: the tracking URI (http://…, "
-        "sqlite:///…); empty: under the storage root, tracking/.",
+        "sqlite:///…); empty: for mlflow $MLFLOW_TRACKING_URI when set (read when the step "
+        "runs), else under the storage root, tracking/.",
     )
 
 
