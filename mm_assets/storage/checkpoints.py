@@ -27,9 +27,16 @@ def write_checkpoint(out_dir: Path, config: dict[str, Any], state: dict[str, tor
     return out_dir
 
 
+def read_checkpoint_config(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / WEIGHTS))
+
+
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    config = json.loads((path / "config.json").read_text())
-    return config, load_file(str(path / WEIGHTS))
+    return read_checkpoint_config(path), read_weights(path)
 
 
 @dataclass(frozen=True)
