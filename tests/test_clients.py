@@ -33,6 +33,7 @@ from mm_assets.clients.vllm_client import (
     ExtractionResponse,
     HiddenStatesClient,
     RequestRefused,
+    token_in_url,
 )
 from mm_assets.clients.vllm_metrics import (
     ServingCounters,
@@ -232,6 +233,44 @@ def test_a_row_with_images_goes_to_the_token_in_route_with_its_images() -> None:
     assert body["sampling_params"]["max_tokens"] == 1 and body["return_token_ids"] is True
 
 
+def test_the_token_in_route_keeps_a_gateways_path_prefix() -> None:
+    """Behind a gateway that routes on a path prefix, the route is under the same prefix."""
+    for base, route in [
+        ("http://vllm.test/v1/", "http://vllm.test/inference/v1/generate"),
+        ("https://gw.example/team-a/v1/", "https://gw.example/team-a/inference/v1/generate"),
+        ("https://gw.example/team-a", "https://gw.example/team-a/inference/v1/generate"),
+        ("https://gw.example/a/b/v1", "https://gw.example/a/b/inference/v1/generate"),
+    ]:
+        assert str(token_in_url(httpx.URL(base))) == route, base
+
+
+def test_a_row_with_images_goes_to_the_token_in_route_under_the_fleets_prefix() -> None:
+    """Sent through a gateway with a password in its URL: the route keeps the prefix, and
+    a server without it is named with the password masked."""
+    fake = FakeVllm([200, 404])
+    client = HiddenStatesClient(
+        ["https://user:pw-s3cret@gw.test/team-a/v1"],
+        access=IMAGES,
+        http_client=httpx.AsyncClient(transport=httpx.MockTransport(fake)),
+    )
+    request = ExtractionRequest("r0", [1, 2, 2, 2, 3], ("file:///images/a.png",), [1, 2, 3])
+
+    async def twice() -> Exception | None:
+        await client.extract(request)
+        try:
+            await client.extract(request)
+        except RequestRefused as refused:
+            return refused
+        finally:
+            await client.close()
+        return None
+
+    refused = asyncio.run(twice())
+    assert [r.url.path for r in fake.generation_requests] == ["/team-a/inference/v1/generate"] * 2
+    assert "https://user:***@gw.test/team-a/inference/v1/generate not found" in str(refused)
+    assert "pw-s3cret" not in str(refused)
+
+
 def test_only_images_the_server_may_open_go_as_files_the_rest_inline(tmp_path: Path) -> None:
     """vLLM opens files under one directory. A file there is sent as its URL; one outside
     it, or reached through a link out of it (vLLM resolves links), is sent as its bytes,
@@ -369,6 +408,33 @@ def test_a_dead_server_leaves_the_rotation_and_its_requests_go_to_the_others(
     assert len(live.generation_requests) == 40
     (line,) = lines
     assert "http://a.test/v1 taken out of rotation after 3 failed tries" in line
+
+
+def test_a_fleet_urls_password_is_in_no_log_error_or_server_figure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Servers behind basic auth (`https://user:pass@host/v1`): the logs, the circuit's
+    error and the per-server figures (the step's metadata) show `user:***@host`. (httpx's
+    own request lines, at INFO, are not among the loggers a step's log keeps.)"""
+    hosts = {"a.test": FakeVllm(default=503), "b.test": FakeVllm(default=503)}
+    transport = httpx.MockTransport(lambda request: hosts[request.url.host](request))
+    client = HiddenStatesClient(
+        [f"http://fleet:pw-s3cret@{host}/v1" for host in hosts],
+        RequestSettings(concurrency=2, max_retries=1, breaker_failures=2),
+        http_client=httpx.AsyncClient(transport=transport),
+        backoff_s=0.001,
+    )
+    with caplog.at_level(logging.INFO, "mm_assets"), pytest.raises(ExceptionGroup) as info:
+        _run(client, 10)
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("mm_assets")]
+    shown = [*ours, str(info.value.exceptions[0])]
+    shown += [str(client.server_stats())]
+    assert "http://fleet:***@a.test/v1 taken out of rotation" in shown[0]
+    assert all("pw-s3cret" not in text for text in shown)
+    assert [s["url"] for s in client.server_stats()] == [
+        "http://fleet:***@a.test/v1",
+        "http://fleet:***@b.test/v1",
+    ]
 
 
 class FakeClock:
@@ -946,3 +1012,14 @@ def test_the_managed_server_gets_only_the_variables_it_needs(
     env = _managed(monkeypatch, True).environment()
     assert not set(secrets) & set(env)
     assert {name: env[name] for name in needed} == needed
+
+
+def test_a_variable_holding_a_url_with_a_password_stays_with_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whatever its name: a password in a URL is a credential like a key."""
+    monkeypatch.setenv("VLLM_PLUGIN_INDEX", "https://user:pw-s3cret@index.example/simple")
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", "/etc/vllm/logging.json")
+    env = _managed(monkeypatch, True).environment()
+    assert "VLLM_PLUGIN_INDEX" not in env
+    assert env["VLLM_LOGGING_CONFIG_PATH"] == "/etc/vllm/logging.json"

@@ -448,3 +448,22 @@ def test_a_crafted_training_state_runs_nothing_and_is_ignored(tmp_path: Path) ->
     state.write_bytes(pickle.dumps({"epoch": 1, "model": _Payload(marker)}))
     assert TrainStateFile(state).load(torch.device("cpu")) is None
     assert not marker.exists()
+
+
+def test_a_training_state_cut_short_is_an_error_naming_the_fix(tmp_path: Path) -> None:
+    """A state `torch.save` wrote, cut where a copy or a full disk could stop it: wherever
+    the cut falls (torch raises EOFError, RuntimeError or OSError), the error names the
+    file and what to do; a whole one still loads."""
+    import torch
+
+    from mm_assets.storage.checkpoints import TrainStateFile
+
+    state = TrainStateFile(tmp_path / "train_state.pt")
+    state.save({"epoch": 2, "model": {"w": torch.randn(64, 64)}, "epoch_losses": [1.0, 0.5]})
+    whole = state.path.read_bytes()
+    assert state.load(torch.device("cpu"))["epoch"] == 2
+    for cut in (0, 5, 100, len(whole) // 2, len(whole) - 10):
+        state.path.write_bytes(whole[:cut])
+        with pytest.raises(ValueError, match=r"cut short or damaged\. Delete it") as caught:
+            state.load(torch.device("cpu"))
+        assert str(state.path) in str(caught.value) and "retrain: true" in str(caught.value)

@@ -41,6 +41,14 @@ def test_a_url_that_is_not_an_atomic_object_store_is_refused(url: str) -> None:
     assert "s3, s3a, gs" in str(caught.value)
 
 
+def test_a_store_url_with_a_password_is_refused_without_showing_it() -> None:
+    """The store's credentials come from its own configuration; the URL is shown."""
+    for url in ("s3://key:pw-s3cret@bucket/prefix", "ftp://u:pw-s3cret@host/x"):
+        with pytest.raises(ValueError, match="MM_ASSETS_OBJECT_STORE") as caught:
+            ObjectStore(url)
+        assert "pw-s3cret" not in str(caught.value) and ":***@" in str(caught.value)
+
+
 def test_without_an_object_store_the_tables_stay_under_the_root(tmp_path: Path) -> None:
     assert type(open_tables(tmp_path)) is TableStore
     assert type(open_tables(tmp_path, "")) is TableStore

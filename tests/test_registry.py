@@ -334,6 +334,42 @@ def test_a_path_may_not_name_a_secrets_variable() -> None:
     assert DatasetSpec(name="d", path="${MM_ASSETS_HOME}/d.jsonl", format="sharegpt")
 
 
+def test_a_path_variable_holding_a_url_with_a_password_is_refused_when_resolved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`DATABASE_URL` is not named like a secret, but its password would print with the path."""
+    monkeypatch.setenv("DATABASE_URL", "postgres://u:pw-s3cret@db.example/data")
+    monkeypatch.setenv("DATA_DIR", "/data")
+    spec = DatasetSpec(name="d", path="${DATABASE_URL}/d.jsonl", format="sharegpt")
+    with pytest.raises(ValueError, match=r"\$\{DATABASE_URL\} holds a URL with a password") as info:
+        spec.resolved_path()
+    assert "pw-s3cret" not in str(info.value)
+    plain = DatasetSpec(name="d", path="${DATA_DIR}/d.jsonl", format="sharegpt")
+    assert plain.resolved_path() == Path("/data/d.jsonl")
+
+
+def test_a_url_is_shown_without_its_password() -> None:
+    from mm_assets.common.urls import shown_url
+
+    assert shown_url("https://user:p%40ss@gw.example:8443/team-a/v1") == (
+        "https://user:***@gw.example:8443/team-a/v1"
+    )
+    assert shown_url("postgres://u:p@ss@db/x") == "postgres://u:***@db/x"
+    assert shown_url("mlflow+https://:token@host") == "mlflow+https://:***@host"
+    for kept in ("http://h:8000/v1", "https://user@h/v1", "/data/x", "s3://b/p", "http://["):
+        assert shown_url(kept) == kept
+
+
+def test_the_fleets_passwords_are_not_in_the_engines_repr_or_description() -> None:
+    from mm_assets.services.engine import VllmEngine
+
+    engine = VllmEngine(("http://fleet:pw-s3cret@h:8000/v1", "http://h2/v1"), api_key="k")
+    assert "pw-s3cret" not in repr(engine) and "pw-s3cret" not in engine.describe()
+    assert engine.describe() == "http://fleet:***@h:8000/v1, http://h2/v1"
+    assert "base_urls=('http://fleet:***@h:8000/v1', 'http://h2/v1')" in repr(engine)
+    assert "connector='auto'" in repr(engine) and engine.base_urls[0].endswith("@h:8000/v1")
+
+
 def test_the_engines_key_is_not_in_its_repr() -> None:
     from mm_assets.services.engine import VllmEngine
 

@@ -69,6 +69,23 @@ def test_mlflow_gets_the_run_its_settings_and_curves(tmp_path: Path) -> None:
     assert experiment.name == "mm_assets/chat"
 
 
+def test_mlflow_without_a_uri_logs_where_mlflow_tracking_uri_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow's own variable, read when the training starts (set after the import here)."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'team.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    tracking = Tracking(TrackingSettings(tracking="mlflow"), "run-9")
+    tracker = open_tracker(tracking, "chat", {"seed": 0}, tmp_path / "root")
+    tracker.log(1, {"train/loss": 0.5})
+    tracker.close()
+    run = MlflowClient(tracking_uri=uri).get_run(tracker.run_id)
+    assert run.data.metrics["train/loss"] == 0.5 and run.data.params["draft"] == "chat"
+    assert not (tmp_path / "root" / "tracking").exists()
+
+
 def test_no_tracking_opens_nothing(tmp_path: Path) -> None:
     tracker = open_tracker(Tracking(TrackingSettings(), "r"), "chat", {}, tmp_path)
     tracker.log(1, {"train/loss": 1.0})

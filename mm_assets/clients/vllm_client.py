@@ -40,6 +40,7 @@ import openai
 
 from mm_assets.clients.media_urls import ServerAccess, outgoing_url
 from mm_assets.common.request_settings import RequestSettings
+from mm_assets.common.urls import shown_url
 
 logger = logging.getLogger(__name__)
 Item = TypeVar("Item")
@@ -94,6 +95,7 @@ class ServerStats:
     """One server's share of a run, for the step's metadata."""
 
     url: str
+    """The server's URL as shown (`shown_url`: no password)."""
     answered: int = 0
     """Requests it answered (refusals included: the server was up)."""
     failed_tries: int = 0
@@ -119,6 +121,13 @@ def parse_response(payload: dict[str, Any]) -> ExtractionResponse:
     return ExtractionResponse(list(prompt_ids), path)
 
 
+def token_in_url(base_url: httpx.URL) -> httpx.URL:
+    """The token-in route beside an OpenAI base URL (`…/v1`): under the same path prefix,
+    so a server behind a gateway (`https://gw/team-a/v1`) is asked at `/team-a/inference/…`."""
+    prefix = base_url.path.rstrip("/").removesuffix("/v1")
+    return base_url.copy_with(path=prefix + TOKEN_IN_PATH)
+
+
 class _Server:
     def __init__(
         self,
@@ -137,7 +146,7 @@ class _Server:
         self.last_error = ""
         self.out_until: float | None = None
         """Out of rotation until then (monotonic seconds); None: in rotation."""
-        self.stats = ServerStats(base_url)
+        self.stats = ServerStats(shown_url(base_url))  # shown in logs, errors and metadata
 
     async def model_name(self) -> str:
         if self.model is None:
@@ -360,13 +369,13 @@ class HiddenStatesClient(VllmClient):
                 "sampling_params": {"max_tokens": 1, "temperature": 0.0},
                 "return_token_ids": True,
             }
-            url = client.base_url.copy_with(path=TOKEN_IN_PATH)
+            url = str(token_in_url(client.base_url))
             try:
-                payload = await client.post(str(url), cast_to=httpx.Response, body=body)
+                payload = await client.post(url, cast_to=httpx.Response, body=body)
             except openai.NotFoundError as exc:
                 raise RequestRefused(
-                    f"{url} not found: start the extraction servers with --enable-scale-out "
-                    "(rows with images are sent as token ids through it)",
+                    f"{shown_url(url)} not found: start the extraction servers with "
+                    "--enable-scale-out (rows with images are sent as token ids through it)",
                     404,
                 ) from exc
             return parse_response(payload.json())

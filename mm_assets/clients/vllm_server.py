@@ -30,6 +30,7 @@ import psutil
 from pydantic import BaseModel, ConfigDict, Field
 
 from mm_assets.clients.media_urls import ServerAccess
+from mm_assets.common.urls import url_password
 
 CPU_CONNECTOR = ("CpuHiddenStatesConnector", "mm_assets.clients.cpu_hidden_states_connector")
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
@@ -163,11 +164,13 @@ SERVER_ENV_WITHHELD = frozenset({"VLLM_API_KEY"})  # each start draws its own
 
 
 def server_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The allowed variables of `env`, less any whose value is a URL with a password."""
     return {
         name: value
         for name, value in env.items()
         if (name in SERVER_ENV_NAMES or name.startswith(SERVER_ENV_PREFIXES))
         and name not in SERVER_ENV_WITHHELD
+        and not url_password(value)
     }
 
 

@@ -24,10 +24,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mm_assets.common import paths
+from mm_assets.common.urls import url_password
 
 DEFAULT_CATEGORY = "all"
 # `${VAR}` in an entry's paths names where data lives, never a credential: a path is
-# shown in metadata and logs, so variables named like secrets are refused.
+# shown in metadata and logs, so variables named like secrets are refused, and so are
+# values holding a URL with a password (`DATABASE_URL`) when the path is resolved.
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
 DATA_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".gz", ".zst", ".bz2", ".xz"}
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -224,7 +226,17 @@ class DatasetSpec(BaseModel):
 def _expand(value: str) -> str:
     env = dict(os.environ)
     env.setdefault("MM_ASSETS_HOME", str(paths.home()))
-    return re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), m.group(0)), value)
+
+    def variable(match: re.Match[str]) -> str:
+        found = env.get(match.group(1), match.group(0))
+        if url_password(found):
+            raise ValueError(
+                f"{match.group(0)} holds a URL with a password: a path shows in metadata "
+                "and logs; write the path out"
+            )
+        return found
+
+    return re.sub(r"\$\{(\w+)\}", variable, value)
 
 
 def _known_keys() -> list[str]:

@@ -24,6 +24,7 @@ from mm_assets.clients.vllm_server import (
     extraction_args,
     speculative_decoding_args,
 )
+from mm_assets.common.urls import shown_url
 from mm_assets.domain.model.hidden_states import TextConfigFacts, resolve_dtype, text_config_facts
 from mm_assets.storage.layout import weights
 
@@ -68,7 +69,13 @@ class VllmEngine:
         return not self.base_urls
 
     def describe(self) -> str:
-        return "managed" if self.managed else ", ".join(self.base_urls)
+        return "managed" if self.managed else ", ".join(map(shown_url, self.base_urls))
+
+    def __repr__(self) -> str:
+        """Every field but the key; the fleet's URLs as shown (no password)."""
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.repr}
+        shown["base_urls"] = tuple(map(shown_url, self.base_urls))
+        return f"VllmEngine({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def for_target(self, facts: TextConfigFacts) -> VllmEngine:
         """This engine with its dtype resolved for a target (`auto`: the config's),

@@ -10,12 +10,15 @@ Off by default: the packages are the `tracking` extra.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from mm_assets.domain.model.settings import TrackingSettings
+
+MLFLOW_URI_ENV = "MLFLOW_TRACKING_URI"  # MLflow's own: where its clients log when unset
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,8 @@ def open_tracker(
 ) -> Tracker:
     """The tracker `tracking` asks for, for one training of `draft` (one per training:
     rank 0's under torchrun); its files under `root`/tracking (TensorBoard's event files,
-    MLflow's mlflow.db) unless `tracking_uri` says where."""
+    MLflow's mlflow.db) unless `tracking_uri` (for MLflow, else `$MLFLOW_TRACKING_URI`,
+    read now) says where."""
     if tracking is None or tracking.settings.tracking == "none" or rank != 0:
         return NoTracker()
     settings, run = tracking.settings, tracking.launched_by
@@ -87,5 +91,6 @@ def open_tracker(
     if settings.tracking == "tensorboard":
         log_dir = Path(settings.tracking_uri or root / "tracking" / "tensorboard")
         return TensorBoardTracker(log_dir / draft / run, every)
-    uri = settings.tracking_uri or f"sqlite:///{(root / 'tracking' / 'mlflow.db').resolve()}"
+    local = f"sqlite:///{(root / 'tracking' / 'mlflow.db').resolve()}"
+    uri = settings.tracking_uri or os.environ.get(MLFLOW_URI_ENV) or local
     return MlflowTracker(uri, f"mm_assets/{draft}", run, every)

@@ -98,7 +98,8 @@ class SpeculatorJob:
         against the target); decided there, once, and never chosen again here."""
         layer_ids = online.layout.layer_ids if online else draft_layer_ids(tables, draft)
         layout = StorageLayout(storage_root)
-        init = locate(settings.init_from, layout) if settings.init_from else None
+        given = settings.init_from
+        init = locate(given, layout, settings.init_revision) if given else None
         return cls(
             draft.name,
             storage_root,

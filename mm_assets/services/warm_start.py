@@ -9,6 +9,7 @@ head) are the target's, and the optimizer starts fresh.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,60 +19,84 @@ from mm_assets.common.hashing import file_sha256
 from mm_assets.domain.model.checkpoint import draft_from, fit_problems
 from mm_assets.domain.model.draft_vocab import DraftVocab, draft_vocab_from_mapping
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
-from mm_assets.storage.checkpoints import read_checkpoint
+from mm_assets.storage.checkpoints import read_checkpoint_config, read_weights
 from mm_assets.storage.layout import WEIGHTS, StorageLayout, has_weights, weights
+
+logger = logging.getLogger(__name__)
+# What a draft is read from here: not the rest of its repository (other weights, such as
+# optimizer states or a second format, or whole subfolders of them).
+HUB_FILES = ["config.json", WEIGHTS]
 
 
 @dataclass(frozen=True)
 class InitSource:
-    """The draft a training starts from: what the setting said, where it is on disk, and
-    its weights' hash (part of the reuse key and recorded in the checkpoint)."""
+    """The draft a training starts from: what the setting said, where it is on disk, its
+    weights' hash (part of the reuse key and recorded in the checkpoint) and, from the
+    hub, the commit it was downloaded at."""
 
     given: str
     path: Path
     sha256: str
+    revision: str | None = None
 
     def provenance(self) -> dict[str, str]:
-        return {"init_from": self.given, "init_path": str(self.path), "init_sha256": self.sha256}
+        hub = {"init_revision": self.revision} if self.revision else {}
+        given = {"init_from": self.given, "init_path": str(self.path)}
+        return given | hub | {"init_sha256": self.sha256}
 
 
-def locate(init_from: str, layout: StorageLayout) -> InitSource:
+def locate(init_from: str, layout: StorageLayout, revision: str = "") -> InitSource:
     """`init_from` as a local directory, else the name of a draft trained under this
-    storage root, else a hub repository (downloaded: its config and weights only)."""
+    storage root, else a hub repository at `revision` (downloaded: its config and
+    weights only)."""
     local = Path(init_from).expanduser()
-    if local.is_dir():
-        path = local.resolve()
-    elif "/" not in init_from and has_weights(layout.draft(init_from)):
-        path = layout.draft(init_from)
+    commit = None
+    if local.is_dir() or ("/" not in init_from and has_weights(layout.draft(init_from))):
+        if revision:
+            raise ValueError(
+                f"init_revision {revision!r} pins a hub id, and init_from {init_from!r} is a "
+                "local draft: leave init_revision empty"
+            )
+        path = local.resolve() if local.is_dir() else layout.draft(init_from)
     else:
-        path = _download(init_from)
+        path, commit = _download(init_from, revision)
     if not has_weights(path):
         raise FileNotFoundError(
             f"init_from {init_from!r}: {path} holds no {WEIGHTS}; give a speculators-format "
             "EAGLE-3 draft (config.json and model.safetensors)"
         )
-    return InitSource(init_from, path, file_sha256(weights(path)))
+    return InitSource(init_from, path, file_sha256(weights(path)), commit)
 
 
-def _download(repo_id: str) -> Path:
+def _download(repo_id: str, revision: str) -> tuple[Path, str]:
+    """The draft's snapshot directory and its commit (the hub cache names each snapshot
+    directory after its commit)."""
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=["config.json", "*.safetensors"]))
+        path = Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=HUB_FILES))
     except Exception as error:  # the hub's errors vary by cause; the message says it
         raise FileNotFoundError(
             f"init_from {repo_id!r} is not a local directory, not a draft trained under the "
             f"storage root, and could not be fetched from the hub: {error}"
         ) from error
+    if not revision:
+        logger.warning(
+            "init_from %r is unpinned: took the hub's newest commit, %s (recorded in the "
+            "checkpoint); set init_revision to it to train from the same draft again",
+            repo_id,
+            path.name,
+        )
+    return path, path.name
 
 
 def warm_draft(
     source: InitSource, target: Eagle3Config, layer_ids: list[int], embed: torch.Tensor
 ) -> tuple[Eagle3Draft, DraftVocab]:
     """The draft as `source` left it, refused when it was made for another target or
-    other states; its vocabulary. `embed` (the target's) fills in checkpoints that leave
-    the frozen embeddings out."""
-    config, state = read_checkpoint(source.path)
+    other states (its config is checked before its weights are opened); its vocabulary.
+    `embed` (the target's) fills in checkpoints that leave the frozen embeddings out."""
+    config = read_checkpoint_config(source.path)
     problems = fit_problems(config, target, layer_ids)
     if problems:
         raise ValueError(
@@ -79,6 +104,7 @@ def warm_draft(
             f"{'; '.join(problems)}. Start from a draft trained for this target and these "
             "layer ids, or leave init_from empty"
         )
+    state = read_weights(source.path)
     state.setdefault("embed_tokens.weight", embed)
     model = draft_from(config, state, str(source.path))
     d2t = state.get("d2t")

@@ -27,9 +27,16 @@ def write_checkpoint(out_dir: Path, config: dict[str, Any], state: dict[str, tor
     return out_dir
 
 
+def read_checkpoint_config(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / WEIGHTS))
+
+
 def read_checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    config = json.loads((path / "config.json").read_text())
-    return config, load_file(str(path / WEIGHTS))
+    return read_checkpoint_config(path), read_weights(path)
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,17 @@ class TrainStateFile:
         except pickle.UnpicklingError as error:  # not a state this trainer wrote: a cache
             logger.warning("ignoring %s, not a training state (%s)", self.path, error)
             return None
+        except torch.OutOfMemoryError:
+            raise
+        # Where a cut ends decides which: EOFError, RuntimeError (zip) or OSError (a seek).
+        # Raised, not ignored like a foreign file: a failing disk reads the same, and
+        # starting over would overwrite a state a second try could read.
+        except (EOFError, RuntimeError, OSError) as error:
+            raise ValueError(
+                f"training state {self.path} cannot be read ({type(error).__name__}: {error}); "
+                "it is cut short or damaged. Delete it to train from the first epoch, or "
+                "rerun with retrain: true"
+            ) from error
 
     def save(self, state: dict[str, Any]) -> None:
         with atomic_path(self.path) as tmp:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mm_assets.common.hashing import file_sha256
+from mm_assets.common.urls import shown_url, url_password
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -47,10 +48,16 @@ class ObjectStore:
         scheme, _, rest = self.url.partition("://")
         if scheme not in ATOMIC_STORES or not rest.strip("/"):
             raise ValueError(
-                f"{ENV_VAR}={self.url!r} is not an object store URL: use "
+                f"{ENV_VAR}={shown_url(self.url)!r} is not an object store URL: use "
                 f"<scheme>://<bucket>[/<prefix>] with a scheme among "
                 f"{', '.join(ATOMIC_STORES)} (uploads there are atomic), or leave it unset to "
                 "keep tables and checkpoints under the storage root"
+            )
+        if url_password(self.url):  # shown in metadata and errors; fsspec would not use it
+            raise ValueError(
+                f"{ENV_VAR}={shown_url(self.url)!r} holds a password: the store's credentials "
+                "come from its own configuration (for S3: AWS_ACCESS_KEY_ID, "
+                "AWS_SECRET_ACCESS_KEY); remove it from the URL"
             )
 
     @property

@@ -101,6 +101,11 @@ class SpeculatorSettings(BaseModel):
         "vocabulary and norms are kept (draft_vocab_size and the norm settings do not "
         "apply); the optimizer is new.",
     )
+    init_revision: str = Field(
+        default="",
+        description="The hub commit, tag or branch of init_from (a hub id only); empty: the "
+        "newest, logged as unpinned, its commit recorded in the checkpoint.",
+    )
     keep: Literal["last", "best_acceptance"] = Field(
         default="last",
         description="Which epoch's draft to keep: the last, or the one whose held-out "
@@ -153,7 +158,8 @@ class TrackingSettings(BaseModel):
     tracking_uri: str = Field(
         default="",
         description="tensorboard: the log directory; mlflow: the tracking URI (http://…, "
-        "sqlite:///…); empty: under the storage root, tracking/.",
+        "sqlite:///…); empty: for mlflow $MLFLOW_TRACKING_URI when set (read when the step "
+        "runs), else under the storage root, tracking/.",
     )
 
 
