@@ -45,7 +45,7 @@ from mm_assets.orchestration.processes import (
 WORKER_TAG = "mm_assets/worker"
 POLL_SECONDS = 5.0
 ELSEWHERE_PATIENCE_S = 600.0  # then the log says what to do on the holder's machine
-STOP_ROUNDS = 3  # a stopped step's server is marked by the step: gone only once it is
+STOP_ROUNDS = 3  # a server its step marked is an orphan once the step is stopped
 
 
 class Log(Protocol):

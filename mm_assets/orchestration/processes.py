@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 from collections.abc import Sequence
@@ -96,7 +97,8 @@ class ProcessId:
         """From `fields()` read back: anything else raises KeyError, TypeError or ValueError."""
         machine = Machine(str(value["host"]), str(value["boot"]), str(value["pid_namespace"]))
         pid, created = value["pid"], value["created"]
-        if not isinstance(pid, int) or not isinstance(created, (int, float)) or pid <= 0:
+        real = isinstance(created, (int, float)) and math.isfinite(created)
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or not real:
             raise ValueError(f"not a process: pid {pid!r}, created {created!r}")
         return cls(machine, pid, float(created))
 
