@@ -17,7 +17,8 @@ A normal rerun follows each kill. Then, against the clean run:
 - no temporary file, no leftover incoming directory, no blob nothing references;
 - the checkpoint loads through vLLM's speculators config reader, with the clean
   checkpoint's tensor names and shapes;
-- no vLLM server outlives the killed run.
+- no process of the killed run outlives it (a vLLM server, its EngineCore): none has its
+  working directory, command line or open files in the run's root.
 
 `.venv/bin/python -m bench.chaos --points 20 --seed 0` (`make chaos`); a few minutes per
 point on 2 cores. Prints a Markdown report for BENCHMARKS.md, then the results as JSON.
@@ -147,8 +148,8 @@ def _servers_of(pid: int) -> list[Any]:
     return found
 
 
-def run_killed(root: Path, demo: Path, chain: Chain, kill: Kill) -> tuple[bool, int]:
-    """Run the chain with `kill`: whether it was killed (not: it ended first), its pid."""
+def run_killed(root: Path, demo: Path, chain: Chain, kill: Kill) -> bool:
+    """Run the chain with `kill`: whether it was killed (not: it ended first)."""
     extra = {}
     if kill.kind in POINTS:
         scope = ":group" if kill.group else ""
@@ -169,16 +170,37 @@ def run_killed(root: Path, demo: Path, chain: Chain, kill: Kill) -> tuple[bool, 
                 break
             time.sleep(0.2)
     code = run.wait()
-    return code == -signal.SIGKILL or (kill.kind == "server" and code != 0), run.pid
+    return code == -signal.SIGKILL or (kill.kind == "server" and code != 0)
 
 
-def leftover_servers(pid: int, wait_s: float = 20.0) -> int:
+def processes_in(root: Path) -> list[str]:
+    """Live processes, but this one, whose working directory, command line or open files
+    lie under `root`: what a run kept there still runs (a server holds its log open, and
+    vLLM's EngineCore inherits it)."""
+    import psutil
+
+    roots = {str(root), str(root.resolve())}
+    inside = tuple(f"{r}{os.sep}" for r in roots)
+    found = []
+    for proc in psutil.process_iter(["cwd", "cmdline", "open_files", "status"]):
+        info = proc.info
+        if proc.pid == os.getpid() or info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        files = [f.path for f in info["open_files"] or []]
+        paths = [info["cwd"] or "", *(info["cmdline"] or []), *files]
+        # `in`: an argument may hold a path inside JSON (the connector's directory)
+        if any(p in roots or any(i in p for i in inside) for p in paths):
+            found.append(f"pid {proc.pid} ({' '.join(info['cmdline'] or [])[:80]})")
+    return found
+
+
+def leftover_processes(root: Path, wait_s: float = 30.0) -> list[str]:
+    """What a killed run in `root` still runs after `wait_s`: nothing, once a server's
+    guard has ended its group (its grace is 10 s)."""
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if not _servers_of(pid):
-            return 0
+    while (left := processes_in(root)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    return len(_servers_of(pid))
+    return left
 
 
 # -- checks ------------------------------------------------------------------------------
@@ -323,10 +345,10 @@ def survive(home: Path, demo: Path, chain: Chain, clean: Path, name: str, kill: 
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir()
     began = time.perf_counter()
-    killed, pid = run_killed(root, demo, chain, kill)
+    killed = run_killed(root, demo, chain, kill)
     outcome = Outcome(kill.label(), killed, rerun_ok=False)
-    if n := leftover_servers(pid):
-        outcome.problems.append(f"{n} vLLM server(s) outlived the killed run")
+    if left := leftover_processes(root):
+        outcome.problems.append(f"{len(left)} process(es) outlived the killed run: {left[:3]}")
     outcome.rerun_ok = start(root, demo, chain).wait() == 0
     if outcome.rerun_ok:
         outcome.problems += check(root, clean, chain.partition)

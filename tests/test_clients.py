@@ -987,6 +987,58 @@ def test_a_guarded_command_ends_with_the_process_that_started_it(tmp_path: Path)
     assert not alive
 
 
+# Starts a child that stays in its process group (as vLLM's API process starts its
+# EngineCore), says its pid, then sleeps until it is killed.
+LEAVES_A_CHILD = (
+    "import subprocess, time; child = subprocess.Popen(['sleep', '600']); "
+    "print(child.pid, flush=True); time.sleep(600)"
+)
+
+
+@contextlib.contextmanager
+def _guarded_tree() -> Iterator[tuple[subprocess.Popen, psutil.Process, int]]:
+    """A guard (in its own session, as the managed server's) running `LEAVES_A_CHILD`:
+    the guard, its command, and the pid of the command's child; all killed afterwards."""
+    guard = subprocess.Popen(
+        [sys.executable, "-m", "mm_assets.clients.parent_guard", str(os.getpid()), "--",
+         sys.executable, "-c", LEAVES_A_CHILD],
+        stdout=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    assert guard.stdout is not None
+    with guard.stdout:
+        grandchild = int(guard.stdout.readline())
+    (command,) = psutil.Process(guard.pid).children()
+    tree = [psutil.Process(guard.pid), command, psutil.Process(grandchild)]
+    try:
+        yield guard, command, grandchild
+    finally:
+        for process in tree:  # psutil signals none whose pid was reused
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        guard.wait()
+
+
+def test_a_guard_whose_command_is_killed_ends_what_the_command_left() -> None:
+    """vLLM's API process killed outright (the OOM killer's pick) leaves its EngineCore,
+    which would keep its memory for good: the guard ends its whole group."""
+    with _guarded_tree() as (guard, command, grandchild):
+        command.kill()
+        assert guard.wait(timeout=10) == 128 + signal.SIGKILL
+        assert _gone(grandchild)
+
+
+def test_a_servers_stop_ends_its_group_when_the_guard_is_gone(tmp_path: Path) -> None:
+    """The step's own stop ends the server's whole group, also when its guard was killed
+    before it could."""
+    server = ManagedVllmServer("m", [], None, tmp_path / "vllm.log")
+    with _guarded_tree() as (guard, command, grandchild):
+        server.process = guard
+        guard.send_signal(signal.SIGKILL)
+        assert _gone(guard.pid)
+        server.stop(grace_s=2)
+        assert _gone(command.pid) and _gone(grandchild)
+
+
 def test_a_guarded_command_reports_its_exit_status() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "mm_assets.clients.parent_guard", str(os.getpid()), "--",

@@ -32,8 +32,7 @@ from mm_assets.assets.partitions import (
     accelerator_asset,
 )
 from mm_assets.orchestration import cli, dead_runs, processes, wiring
-from mm_assets.orchestration.dead_runs import Worker
-from mm_assets.orchestration.processes import RUN_ENV, Machine
+from mm_assets.orchestration.processes import RUN_ENV, Machine, ProcessId, RunMark
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -146,7 +145,8 @@ def test_a_server_the_killed_run_left_is_stopped_by_the_next_run(tmp_path: Path)
     """The killed worker's "server" lives on in its own session: the next run's watch
     stops it, frees the slot and its step starts, within a minute."""
     env, instance, dead = _killed_while_holding("serves_on_the_accelerator", tmp_path)
-    ((server, _),) = processes.processes_of(dead)
+    (marked,) = processes.processes_of(dead)
+    server = marked.id.pid
     started = time.monotonic()
     pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     waiting = subprocess.Popen(_materialize("needs_the_accelerator"), cwd=REPO, env=env, **pipe)
@@ -192,14 +192,24 @@ def _held_slot(home: Path) -> tuple[dg.DagsterInstance, dg.DagsterRun, dg.Dagste
     return instance, holder, waiting
 
 
-def _record(instance: dg.DagsterInstance, run: dg.DagsterRun, worker: Worker) -> None:
+def _record(instance: dg.DagsterInstance, run: dg.DagsterRun, worker: ProcessId) -> None:
     dead_runs.record_worker(instance, run.run_id, worker)
 
 
-def _dead_pid() -> int:
+def _dead() -> ProcessId:
+    """A process that ran here and is gone."""
     child = subprocess.Popen(["true"])
+    created = psutil.Process(child.pid).create_time()
     child.wait()
-    return child.pid
+    return ProcessId(Machine.this(), child.pid, created)
+
+
+def _marked(run: dg.DagsterRun, by: ProcessId) -> dict[str, str]:
+    """The environment of a process `by` started for `run`."""
+    return {**os.environ, RUN_ENV: RunMark(run.run_id, by).encode()}
+
+
+ELSEWHERE = Machine("another-host", "boot", "pid:[1]")
 
 
 def test_a_holder_not_known_dead_is_named_and_kept(tmp_path: Path) -> None:
@@ -211,11 +221,10 @@ def test_a_holder_not_known_dead_is_named_and_kept(tmp_path: Path) -> None:
     watch.sweep()
     watch.sweep()
     assert len(log.lines) == 1 and dead_runs.release_command(holder.run_id) in log.lines[0]
-    elsewhere = Machine("another-host", "boot", "pid:[1]")
-    _record(instance, holder, Worker(os.getpid(), time.time(), elsewhere))
+    _record(instance, holder, ProcessId(ELSEWHERE, os.getpid(), time.time()))
     verdict = dead_runs.judge(instance, holder.run_id)
     assert verdict.action == "ask" and "another-host" in verdict.reason
-    _record(instance, holder, Worker(os.getpid(), time.time(), Machine.this()))
+    _record(instance, holder, ProcessId.this())
     assert dead_runs.judge(instance, holder.run_id).action == "wait"  # this process lives
     watch.sweep()
     assert _claimed(instance) == [holder.run_id]
@@ -224,7 +233,7 @@ def test_a_holder_not_known_dead_is_named_and_kept(tmp_path: Path) -> None:
 
 def test_a_holder_dead_here_is_failed_and_its_slot_handed_on(tmp_path: Path) -> None:
     instance, holder, waiting = _held_slot(tmp_path / "home")
-    _record(instance, holder, Worker(_dead_pid(), time.time() - 5, Machine.this()))
+    _record(instance, holder, _dead())
     log = _Log()
     dead_runs.PoolWatch(instance, waiting, [ACCELERATOR_POOL], log).sweep()
     assert instance.get_run_by_id(holder.run_id).status == dg.DagsterRunStatus.FAILURE
@@ -236,44 +245,115 @@ def test_a_holder_dead_here_is_failed_and_its_slot_handed_on(tmp_path: Path) -> 
 def test_what_a_dead_worker_left_running_is_stopped_and_its_slot_handed_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A process the holder's worker started (its vLLM server, in its own session)
-    outlives the worker: the watch stops it, one that ignores SIGTERM too, and frees the
-    slot in the same sweep, naming what it stopped."""
+    """Processes the holder's dead worker started (an orphaned step process, one that
+    ignores SIGTERM) outlive the worker, and so does the server the step started (in its
+    own session): the watch stops them all, the server once the step is gone, and frees
+    the slot in the same sweep, naming what it stopped."""
     instance, holder, waiting = _held_slot(tmp_path / "home")
     log, other = _Log(), _started_run(instance)
     with dead_runs.watching(instance, other, [ACCELERATOR_POOL], log):
-        assert os.environ[RUN_ENV] == other.run_id  # what a worker's children inherit
+        mark = RunMark(other.run_id, ProcessId.this())  # what a worker's children inherit
+        assert RunMark.decode(os.environ[RUN_ENV]) == mark
     assert RUN_ENV not in os.environ
-    env = {**os.environ, RUN_ENV: holder.run_id}
-    server = subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
+    worker = _dead()
+    step = subprocess.Popen(["sleep", "60"], env=_marked(holder, worker), start_new_session=True)
     ignores_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)"
     stubborn = subprocess.Popen(
         [sys.executable, "-c", ignores_term + "; print('up', flush=True); time.sleep(60)"],
-        env=env,
+        env=_marked(holder, worker),
         start_new_session=True,
         stdout=subprocess.PIPE,
     )
     assert stubborn.stdout is not None and stubborn.stdout.readline() == b"up\n"
-    _record(instance, holder, Worker(_dead_pid(), time.time() - 5, Machine.this()))
+    server = subprocess.Popen(
+        ["sleep", "60"], env=_marked(holder, ProcessId.of(psutil.Process(step.pid)))
+    )
+    _record(instance, holder, worker)
     verdict = dead_runs.judge(instance, holder.run_id)
-    assert verdict.action == "stop" and set(verdict.pids) == {server.pid, stubborn.pid}
+    assert verdict.action == "stop"
+    assert {target.pid for target in verdict.targets} == {step.pid, stubborn.pid}
     stop = dead_runs.stop_processes
-    monkeypatch.setattr(dead_runs, "stop_processes", lambda pids: stop(pids, grace_s=1.0))
+    monkeypatch.setattr(dead_runs, "stop_processes", lambda targets: stop(targets, grace_s=1.0))
     dead_runs.PoolWatch(instance, waiting, [ACCELERATOR_POOL], log).sweep()
-    for process in (server, stubborn):  # reaped by the watch's wait (they are our children)
+    for process in (step, stubborn, server):  # reaped by the watch's wait (our children)
         process.wait(timeout=5)
         assert not psutil.pid_exists(process.pid)
+    assert f"pid {step.pid}" in log.lines[-3] and "Stopping them" in log.lines[-3]
     assert f"pid {server.pid}" in log.lines[-2] and "Stopping them" in log.lines[-2]
     assert log.lines[-1].startswith(f"Freed the slots of run {holder.run_id}")
     assert not _claimed(instance)
     assert instance.get_run_by_id(holder.run_id).status == dg.DagsterRunStatus.FAILURE
 
 
+def test_a_marked_process_of_a_run_recorded_on_another_host_is_never_signalled(
+    tmp_path: Path,
+) -> None:
+    """Its worker (a Celery worker, a pod) may be alive there, its step's processes here:
+    the watch waits, names the host, and after its patience says what to do there."""
+    instance, holder, waiting = _held_slot(tmp_path / "home")
+    marked = subprocess.Popen(["sleep", "60"], env=_marked(holder, _dead()))
+    try:
+        _record(instance, holder, ProcessId(ELSEWHERE, 4242, time.time()))
+        verdict = dead_runs.judge(instance, holder.run_id)
+        assert (verdict.action, verdict.elsewhere, verdict.targets) == ("ask", "another-host", ())
+        log = _Log()
+        watch = dead_runs.PoolWatch(instance, waiting, [ACCELERATOR_POOL], log)
+        watch.patience_s = 0.0
+        watch.sweep()
+        watch.sweep()
+        assert marked.poll() is None
+        assert _claimed(instance) == [holder.run_id]
+        assert instance.get_run_by_id(holder.run_id).status == dg.DagsterRunStatus.STARTED
+        assert len(log.lines) == 2 and "another-host (pid 4242)" in log.lines[0]
+        assert f"on another-host: `{dead_runs.release_command(holder.run_id)}`" in log.lines[1]
+    finally:
+        marked.kill()
+        marked.wait()
+
+
+def test_a_process_marked_by_a_live_process_outlives_its_runs_dead_worker(
+    tmp_path: Path,
+) -> None:
+    """A step in a long-lived process here (a Celery worker on the run worker's machine)
+    marks its server itself: while that process lives, the server is its, not an orphan."""
+    instance, holder, waiting = _held_slot(tmp_path / "home")
+    server = subprocess.Popen(["sleep", "60"], env=_marked(holder, ProcessId.this()))
+    try:
+        _record(instance, holder, _dead())
+        verdict = dead_runs.judge(instance, holder.run_id)
+        assert verdict.action == "wait" and f"pid {server.pid}" in verdict.reason
+        dead_runs.PoolWatch(instance, waiting, [ACCELERATOR_POOL], _Log()).sweep()
+        assert server.poll() is None and _claimed(instance) == [holder.run_id]
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_a_pid_now_held_by_a_newer_process_is_never_signalled() -> None:
+    """The process recorded (as its worker, or found running for a dead run) is gone and
+    a newer one has its pid: it is not the worker, and stopping the record spares it."""
+    newer = subprocess.Popen(["sleep", "60"])
+    try:
+        started = psutil.Process(newer.pid).create_time()
+        recorded = ProcessId(Machine.this(), newer.pid, started - 30.0)
+        assert recorded.gone() and recorded.process() is None
+        processes.stop_processes([recorded], grace_s=1.0)
+        time.sleep(0.2)
+        assert newer.poll() is None
+        assert not ProcessId.this().gone() and _dead().gone()
+        assert not ProcessId(ELSEWHERE, newer.pid, started - 30.0).gone()  # not known there
+        processes.stop_processes([ProcessId(Machine.this(), newer.pid, started)], grace_s=1.0)
+        assert not psutil.pid_exists(newer.pid)  # stopped, and reaped by the stop's wait
+    finally:
+        newer.kill()
+        newer.wait()
+
+
 def test_a_worker_record_copied_from_a_parent_run_is_not_the_runs_own(tmp_path: Path) -> None:
     """A re-executed run may carry its parent's tags; the parent's live worker must not
     make the child look alive (or dead) here."""
     instance, holder, _ = _held_slot(tmp_path / "home")
-    _record(instance, holder, Worker(os.getpid(), time.time(), Machine.this()))
+    _record(instance, holder, ProcessId.this())
     tags = instance.get_run_by_id(holder.run_id).tags
     child = dg.DagsterRun("a_job", run_id=str(uuid.uuid4()), status=dg.DagsterRunStatus.STARTED)
     child = instance.add_run(child.with_tags(tags))
@@ -281,21 +361,24 @@ def test_a_worker_record_copied_from_a_parent_run_is_not_the_runs_own(tmp_path: 
     assert dead_runs.judge(instance, child.run_id).action == "ask"
 
 
-def test_a_pid_taken_by_a_newer_process_is_not_the_worker() -> None:
-    assert processes.process_alive(os.getpid(), time.time())
-    assert not processes.process_alive(os.getpid(), recorded_at=0.0)  # started after the record
-    assert not processes.process_alive(_dead_pid(), time.time())
-
-
 def test_release_by_hand(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Refused while the worker lives here; where it is gone, what it left here is stopped
+    first (on the machine the watch elsewhere names)."""
     instance, holder, _ = _held_slot(tmp_path / "home")
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home"))
-    _record(instance, holder, Worker(os.getpid(), time.time(), Machine.this()))
+    _record(instance, holder, ProcessId.this())
     assert cli.main(["release", holder.run_id]) == 1  # alive here: refused
     assert "Stop it first" in capsys.readouterr().err
     assert cli.main(["release", holder.run_id, "--force"]) == 0
     assert not _claimed(instance)
     assert instance.get_run_by_id(holder.run_id).status == dg.DagsterRunStatus.FAILURE
+    instance, holder, _ = _held_slot(tmp_path / "home2")
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "home2"))
+    worker = _dead()
+    left = subprocess.Popen(["sleep", "60"], env=_marked(holder, worker))
+    _record(instance, holder, worker)
+    assert cli.main(["release", holder.run_id]) == 0
+    assert not psutil.pid_exists(left.pid) and not _claimed(instance)
 
 
 def test_the_products_accelerator_steps_carry_the_watch(monkeypatch: pytest.MonkeyPatch) -> None:

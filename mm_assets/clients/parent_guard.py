@@ -1,50 +1,74 @@
-"""Run a command that must not outlive the process that started it.
+"""Run a command that must not outlive the process that started it, nor leave orphans.
 
 A managed vLLM server runs in its own session, so that stopping it ends every worker it
 forked. The price: when the step that started it is killed outright (SIGKILL: the OOM
 killer, a preempted node, a chaos run), nothing stops the server, which keeps its memory,
-its cores and the accelerator. This guard is the session's first process: it starts the
-command in its own process group, and when its parent is gone it ends the group (SIGTERM,
-then SIGKILL). Otherwise it only waits, and exits with the command's status; a SIGTERM to
-the group (the normal stop) lets the command shut down before the guard exits.
+its cores and the accelerator; and when the API process alone is killed, its `EngineCore`
+lives on without it. This guard leads a process group of its own and starts the command in
+it; when the command exits, or the guard's parent is gone, it ends every other process of
+the group (SIGTERM, then SIGKILL) and exits with the command's status. A SIGTERM to the
+group (the normal stop) lets the command shut down before the guard ends what is left.
 
     python -m mm_assets.clients.parent_guard PARENT_PID -- COMMAND [ARGS...]
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import psutil
+
 POLL_S = 0.5
 GRACE_S = 10.0
+_GONE = {psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD}
 
 
-def _end_group(child: subprocess.Popen[bytes]) -> int:
-    """SIGTERM the group (the guard ignores it), then SIGKILL whatever outlives the grace."""
+def _others() -> list[psutil.Process]:
+    """The live processes of the guard's group, but the guard."""
+    group, me, found = os.getpgrp(), os.getpid(), []
+    for process in psutil.process_iter(["status"]):
+        if process.pid == me or process.info["status"] in _GONE:
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if os.getpgid(process.pid) == group:
+                found.append(process)
+    return found
+
+
+def _end_group() -> None:
+    """SIGTERM the group (the guard ignores it), then SIGKILL what outlives the grace, one
+    by one: a SIGKILL to the group would end the guard before it reports the status."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.killpg(os.getpgrp(), signal.SIGTERM)
-    try:
-        return child.wait(timeout=GRACE_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(os.getpgrp(), signal.SIGKILL)  # ends the guard too
-        return child.wait()
+    deadline = time.monotonic() + GRACE_S
+    while (left := _others()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for _ in range(50):  # what was forked meanwhile is found in the next round
+        if not left:
+            return
+        for process in left:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        time.sleep(0.1)
+        left = _others()
 
 
 def guard(parent: int, command: list[str]) -> int:
+    if os.getpgrp() != os.getpid():
+        os.setpgid(0, 0)  # a group of its own: the one it ends, and nothing outside it
     child = subprocess.Popen(command)
     # A SIGTERM to the group reaches the command too: wait for it to finish shutting down.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    while True:
-        code = child.poll()
-        if code is not None:
-            return code if code >= 0 else 128 - code  # killed by a signal: as a shell says
-        if os.getppid() != parent:  # orphaned: the parent is gone
-            return _end_group(child)
+    while child.poll() is None and os.getppid() == parent:
         time.sleep(POLL_S)
+    _end_group()  # the command's orphans (vLLM's EngineCore), or the command itself
+    code = child.wait()
+    return code if code >= 0 else 128 - code  # killed by a signal: as a shell says
 
 
 def main(argv: list[str]) -> int:

@@ -174,6 +174,14 @@ def server_environment(env: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+def _exited(pid: int) -> bool:
+    """Whether this process's child `pid` has exited, leaving it unreaped."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
 @dataclass(eq=False)
 class ManagedVllmServer:
     """A vLLM server for one step: `with ManagedVllmServer(...) as base_url: ...`.
@@ -326,15 +334,20 @@ class ManagedVllmServer:
         )
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the server's process group, then SIGKILL what is left."""
-        if self.process is None or self.process.poll() is not None:
+        """SIGTERM the server's process group, then SIGKILL what is left. The guard leads
+        the group and ends all of it before it exits (`parent_guard.py`); the SIGKILL also
+        covers a guard that could not. Reaped only after that SIGKILL, the guard keeps its
+        pid, the group's id, from being reused by another group meanwhile."""
+        if self.process is None or self.process.returncode is not None:
             return
-        pgid = os.getpgid(self.process.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=grace_s)
+        pgid = self.process.pid
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)  # workers that outlived the API process
+            os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while not _exited(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
         self.process.wait()
 
     def rss_bytes(self) -> int:

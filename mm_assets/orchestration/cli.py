@@ -1,5 +1,6 @@
 """`python -m mm_assets.orchestration release RUN_ID`: free the pool slots of a run whose
-worker died where the watch cannot tell (another machine, nothing recorded)."""
+worker died where the watch cannot tell (another machine, nothing recorded). Run on the
+machine its worker ran on, it first stops what that dead worker left running there."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import dagster as dg
 
 from mm_assets.common import paths
 from mm_assets.orchestration.dead_runs import Verdict, judge, release
+from mm_assets.orchestration.processes import stop_processes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -26,6 +28,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     paths.ensure_dagster_home()
     instance = dg.DagsterInstance.get()
     verdict = judge(instance, args.run_id)
+    if verdict.action == "stop":  # its worker is gone from here: what it left goes too
+        print(f"run {args.run_id}: {verdict.reason}. Stopping them.", file=sys.stderr)
+        stop_processes(verdict.targets)
+        verdict = judge(instance, args.run_id)
     if verdict.action in {"wait", "stop"} and not args.force:
         print(
             f"run {args.run_id}: {verdict.reason}. Stop it first (or pass --force to free "

@@ -7,26 +7,28 @@ daemon, Dagster's own mechanisms cover it (the code server marks the run failed,
 monitoring frees the slots of ended runs); a run from the command line or from Python has
 no daemon, and no run launcher checks on its worker. That case is what this module is for.
 
-A run with a step in a pool records where its worker runs (`WORKER_TAG`) and marks the
-processes it starts (`RUN_ENV`). While one of its steps waits for a slot, its worker
-judges each run holding one (`judge`): the slots of an ended run, or of one whose worker
-ran here and is gone, are freed. What such a run left running here (its vLLM server,
+A run with a step in a pool records its worker (`WORKER_TAG`: host, pid and create time)
+and marks the processes it starts (`RUN_ENV`: the run, and the process that marked them).
+While one of its steps waits for a slot, its worker judges each run holding one (`judge`):
+the slots of an ended run, or of one whose worker ran here and is gone, are freed. What
+such a run left running here, marked by processes all gone from here (its vLLM server,
 which the server's parent guard stops only when the step process itself dies, or an
-orphaned step process) is stopped first: it would hold the accelerator and the slot for
-good. Any other holder is named once in the log, with what to do. The watch never fails
-the waiting run: waiting for a live run on another machine is what a pool is for. How
-runs get the watch: `wiring.py`; freeing a slot by hand: `cli.py`.
+orphaned step process), is stopped first: it would hold the accelerator and the slot for
+good. Nothing else is ever signalled: a run recorded on another machine may be alive there
+(a Celery worker, a pod), with processes here. Every other holder is named in the log,
+with what to do and where. The watch never fails the waiting run: waiting for a live run
+on another machine is what a pool is for. How runs get the watch: `wiring.py`; freeing a
+slot by hand: `cli.py`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import dagster as dg
@@ -34,14 +36,16 @@ import dagster as dg
 from mm_assets.orchestration import dagster_internals as internals
 from mm_assets.orchestration.processes import (
     RUN_ENV,
-    Machine,
-    process_alive,
+    ProcessId,
+    RunMark,
     processes_of,
     stop_processes,
 )
 
 WORKER_TAG = "mm_assets/worker"
 POLL_SECONDS = 5.0
+ELSEWHERE_PATIENCE_S = 600.0  # then the log says what to do on the holder's machine
+STOP_ROUNDS = 3  # a server its step marked is an orphan once the step is stopped
 
 
 class Log(Protocol):
@@ -53,44 +57,29 @@ def release_command(run_id: str) -> str:
     return f"python -m mm_assets.orchestration release {run_id}"
 
 
-@dataclass(frozen=True)
-class Worker:
-    """A run's worker process, as recorded in the run's tags."""
-
-    pid: int
-    recorded_at: float
-    machine: Machine
+def record_worker(instance: dg.DagsterInstance, run_id: str, worker: ProcessId) -> None:
+    internals.tag_run(instance, run_id, {WORKER_TAG: RunMark(run_id, worker).encode()})
 
 
-def record_worker(instance: dg.DagsterInstance, run_id: str, worker: Worker) -> None:
-    value = {"run_id": run_id, "pid": worker.pid, "recorded_at": worker.recorded_at}
-    value.update(asdict(worker.machine))
-    internals.tag_run(instance, run_id, {WORKER_TAG: json.dumps(value, sort_keys=True)})
-
-
-def recorded_worker(run: dg.DagsterRun) -> Worker | None:
+def recorded_worker(run: dg.DagsterRun) -> ProcessId | None:
     """The worker `run` recorded; None where it recorded none. A re-executed run may carry
     its parent's tags: a record names the run it was made for."""
-    try:
-        value = json.loads(run.tags[WORKER_TAG])
-        if value["run_id"] != run.run_id:
-            return None
-        machine = Machine(value["host"], value["boot"], value["pid_namespace"])
-        return Worker(int(value["pid"]), float(value["recorded_at"]), machine)
-    except (KeyError, TypeError, ValueError):
-        return None
+    mark = RunMark.decode(run.tags.get(WORKER_TAG))
+    return mark.by if mark is not None and mark.run_id == run.run_id else None
 
 
 @dataclass(frozen=True)
 class Verdict:
     """What to do about a run that holds a slot: `free` it (ended, deleted or dead here),
-    `wait` for it (alive here), `stop` what it left running here (its worker is gone),
-    or `ask` whether it still runs (elsewhere, or nothing recorded)."""
+    `wait` for it (alive here), `stop` what it left running here (its worker and whatever
+    marked them are gone from here), or `ask` whether it still runs (on `elsewhere`, the
+    worker's host, or nothing recorded)."""
 
     action: Literal["free", "wait", "stop", "ask"]
     reason: str
     mark_failed: bool = False
-    pids: tuple[int, ...] = ()  # of the processes to stop, when `stop`
+    targets: tuple[ProcessId, ...] = ()  # the processes to stop, when `stop`
+    elsewhere: str = ""
 
 
 def judge(instance: dg.DagsterInstance, run_id: str) -> Verdict:
@@ -98,32 +87,41 @@ def judge(instance: dg.DagsterInstance, run_id: str) -> Verdict:
     if run is None:
         return Verdict("free", "it no longer exists in this instance")
     worker = recorded_worker(run)
-    here = Machine.this()
-    ran_here = worker is not None and worker.machine == here
-    if worker is not None and ran_here and process_alive(worker.pid, worker.recorded_at):
+    if worker is None or not worker.here():
+        if run.is_finished:  # its slots only: nothing is signalled for it
+            return Verdict("free", f"it ended ({run.status.value}) without freeing them")
+        if worker is None:
+            return Verdict("ask", "it recorded no worker, so whether it lives is unknown")
+        host = worker.machine.host
+        return Verdict(
+            "ask",
+            f"its worker runs on {host} (pid {worker.pid}), which cannot be checked from here;"
+            " nothing here is stopped for it",
+            elsewhere=host,
+        )
+    if not worker.gone():
         return Verdict("wait", f"its worker (pid {worker.pid} on this machine) is alive")
     left = processes_of(run_id)
-    if left:
-        listed = "; ".join(f"pid {pid} ({command})" for pid, command in left)
+    orphans = [marked for marked in left if marked.by.gone()]
+    if orphans:
+        listed = "; ".join(f"pid {m.id.pid} ({m.command})" for m in orphans)
         return Verdict(
             "stop",
             f"its worker is gone, but processes it started still run here and may hold the "
             f"accelerator: {listed}",
-            pids=tuple(pid for pid, _ in left),
+            targets=tuple(marked.id for marked in orphans),
         )
+    if left:
+        listed = "; ".join(f"pid {m.id.pid}, marked by pid {m.by.pid}" for m in left)
+        return Verdict("wait", f"its worker is gone, but live processes still run it: {listed}")
     if run.is_finished:
         return Verdict("free", f"it ended ({run.status.value}) without freeing them")
-    if worker is not None and ran_here:
-        return Verdict(
-            "free",
-            f"its worker (pid {worker.pid} on {here.host}) is gone, killed while it held the "
-            "slot (SIGKILL: the OOM killer, a preempted node?)",
-            mark_failed=True,
-        )
-    if worker is not None:
-        where = worker.machine.host
-        return Verdict("ask", f"its worker ran on {where}, which cannot be checked from here")
-    return Verdict("ask", "it recorded no machine, so whether its worker lives is unknown")
+    return Verdict(
+        "free",
+        f"its worker (pid {worker.pid} on {worker.machine.host}) is gone, killed while it held "
+        "the slot (SIGKILL: the OOM killer, a preempted node?)",
+        mark_failed=True,
+    )
 
 
 def release(instance: dg.DagsterInstance, run_id: str, verdict: Verdict, by: str) -> None:
@@ -143,7 +141,9 @@ class PoolWatch:
         self, instance: dg.DagsterInstance, run: dg.DagsterRun, pools: Sequence[str], log: Log
     ) -> None:
         self.instance, self.run, self.pools, self.log = instance, run, list(pools), log
+        self.patience_s = ELSEWHERE_PATIENCE_S
         self._said: set[str] = set()
+        self._seen: dict[str, float] = {}  # when a holder elsewhere was first seen
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mm_assets-pool-watch", daemon=True)
 
@@ -178,12 +178,14 @@ class PoolWatch:
     def sweep(self) -> None:
         for holder, (pool, step) in self.holders().items():
             verdict = judge(self.instance, holder)
-            if verdict.action == "stop":
+            for _ in range(STOP_ROUNDS):
+                if verdict.action != "stop":
+                    break
                 self.log.warning(
                     f"Run {holder} holds a slot of pool '{pool}': {verdict.reason}. "
                     "Stopping them (SIGTERM, then SIGKILL)."
                 )
-                stop_processes(verdict.pids)
+                stop_processes(verdict.targets)
                 verdict = judge(self.instance, holder)
             if verdict.action == "free":
                 release(self.instance, holder, verdict, f"run {self.run.run_id}, waiting on it")
@@ -196,15 +198,33 @@ class PoolWatch:
             say = f"Waiting: run {holder} holds a slot of pool '{pool}' (step {step}); "
             say += f"{verdict.reason}."
             if verdict.action == "stop":
-                pids = " ".join(map(str, verdict.pids))
+                pids = " ".join(str(target.pid) for target in verdict.targets)
                 say += f" They did not stop; stop them (`kill -9 {pids}`): this run then goes on."
-            elif verdict.action == "ask":
+            elif verdict.action == "ask" and not verdict.elsewhere:
                 say += (
                     f" If that run is no longer running, free its slot: `{release_command(holder)}`"
                     " (or in the UI: terminate the run, then 'Free concurrency slots' in its menu)."
                 )
-            level = self.log.info if verdict.action == "wait" else self.log.warning
+            waits = verdict.action == "wait" or bool(verdict.elsewhere)
+            level = self.log.info if waits else self.log.warning
             self._say_once(f"{holder} {verdict.action}", say, level)
+            if verdict.elsewhere:
+                self._patience_with(holder, pool, verdict.elsewhere)
+
+    def _patience_with(self, holder: str, pool: str, host: str) -> None:
+        """Wait for a holder whose worker runs on `host`; once it has held the slot for
+        `ELSEWHERE_PATIENCE_S`, say what to do there (only there can it be judged)."""
+        seen = self._seen.setdefault(holder, time.monotonic())
+        if time.monotonic() - seen < self.patience_s:
+            return
+        self._say_once(
+            f"{holder} patience",
+            f"Run {holder} has held a slot of pool '{pool}' for {self.patience_s / 60:.0f} min "
+            f"or more, from {host}. If it no longer runs there, on {host}: "
+            f"`{release_command(holder)}` (there it stops what the run left and frees the "
+            "slot once its worker is gone). Nothing here is stopped for it.",
+            self.log.warning,
+        )
 
     def _say_once(self, key: str, message: str, say: Callable[[str], None]) -> None:
         if key not in self._said:
@@ -224,13 +244,14 @@ def watching(
     if instance is None or run is None or not pools or not internals.supports_pools(instance):
         yield
         return
-    inherited = os.environ.get(RUN_ENV)
-    os.environ[RUN_ENV] = run.run_id  # inherited by the processes the run's steps start here
+    inherited, this = os.environ.get(RUN_ENV), ProcessId.this()
+    # inherited by the processes the run's steps start here, naming this one
+    os.environ[RUN_ENV] = RunMark(run.run_id, this).encode()
     try:
         if recorded_worker(instance.get_run_by_id(run.run_id) or run) is not None:
             yield
             return
-        record_worker(instance, run.run_id, Worker(os.getpid(), time.time(), Machine.this()))
+        record_worker(instance, run.run_id, this)
         with PoolWatch(instance, run, pools, log):
             yield
     finally:
