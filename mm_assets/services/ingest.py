@@ -38,7 +38,14 @@ from mm_assets.domain.ingest.embedded_images import (
     embedded_references,
     extract_embedded_images,
 )
-from mm_assets.domain.ingest.images import DEFAULT_MAX_BYTES, ImageProbe, probe_reference
+from mm_assets.domain.ingest.images import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_PIXELS,
+    PROCESSOR_PIXELS_MULTIPLE,
+    ImageProbe,
+    pixel_cap_for,
+    probe_reference,
+)
 from mm_assets.domain.ingest.sources import (
     AS_READ,
     LoadedRows,
@@ -51,6 +58,7 @@ from mm_assets.domain.prep.conversations import Rejected, image_references, pars
 from mm_assets.registry import DatasetSpec
 from mm_assets.services.embedded_store import new_staging_dir, store_lock
 from mm_assets.services.local_files import read_local
+from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, WrittenTable, schemas
 
 logger = logging.getLogger(__name__)
@@ -267,6 +275,23 @@ class ImageAvailabilityReport:
 
     def first_unavailable(self, limit: int = 5) -> list[ImageProbe]:
         return [p for p in self.probes if not p.ok][:limit]
+
+
+def pixel_cap(setting: int | None, target: TargetModel) -> tuple[int, str]:
+    """The probe's pixel cap, and where it came from: the user's setting, else
+    `pixel_cap_for` the target processor's `max_pixels`. Only the image processor's
+    config is read (ingest runs before anything else needs the target, and must not
+    download a model for it); a target whose image processor does not load here (a
+    text-only one, a hub out of reach) gets Pillow's bomb threshold, and says why."""
+    if setting is not None:
+        return setting, "max_image_pixels (set)"
+    try:
+        pixels = target.image_processor_max_pixels()
+    except (OSError, ValueError) as exc:
+        return DEFAULT_MAX_PIXELS, f"Pillow's threshold: the target's image processor: {exc}"
+    if pixels is None:
+        return DEFAULT_MAX_PIXELS, "Pillow's threshold: the target's processor has no max_pixels"
+    return pixel_cap_for(pixels), f"{PROCESSOR_PIXELS_MULTIPLE} x the target's max_pixels {pixels}"
 
 
 def probe_dataset_images(
