@@ -165,7 +165,7 @@ def prune_embedded_images(
     if report.refused:
         return report
     report.referenced = len(referenced)
-    candidates: list[Path] = []
+    candidates: list[tuple[Path, int]] = []  # with their sizes
     for path in _stored(embedded_dir):
         age = _age_s(path)
         if path.name in referenced or age is None:
@@ -173,17 +173,17 @@ def prune_embedded_images(
         if age[0] < min_age_s:
             report.kept_young += 1
         else:
-            candidates.append(path)
-            report.removed_bytes += 0 if apply else age[1]
+            candidates.append((path, age[1]))
     if not apply:
-        report.removed = candidates
+        report.removed = [path for path, _ in candidates]
+        report.removed_bytes = sum(size for _, size in candidates)
         return report
     for start in range(0, len(candidates), batch):
         with store_lock(embedded_dir, exclusive=True):
             referenced = referenced_digests(tables, embedded_dir, report)
             if report.refused:
                 return report
-            for path in candidates[start : start + batch]:
+            for path, _ in candidates[start : start + batch]:
                 age = _age_s(path)
                 if path.name in referenced:
                     report.kept_referenced_again += 1
