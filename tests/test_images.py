@@ -217,6 +217,20 @@ def test_the_default_pixel_cap_follows_the_target_processors_max_pixels(tmp_path
     assert pixel_cap(None, _target_with(tmp_path / "huge", huge))[0] == DEFAULT_MAX_PIXELS
 
 
+def test_the_demos_processor_admits_the_demos_largest_pictures(tmp_path: Path) -> None:
+    """Processors scale larger images down: the demo's (140x140 kept) must not refuse
+    its own 640x640 pictures, as a cap of exactly `max_pixels` would."""
+    from transformers import Qwen2VLImageProcessor
+
+    from mm_assets.demo.images import FIXED_SIZES
+    from mm_assets.demo.target_training import TeachingSettings
+    from mm_assets.services.ingest import pixel_cap
+
+    kept = TeachingSettings().max_pixels
+    target = _target_with(tmp_path, Qwen2VLImageProcessor(min_pixels=3136, max_pixels=kept))
+    assert pixel_cap(None, target)[0] >= max(w * h for w, h in FIXED_SIZES) > kept
+
+
 def test_a_processor_without_a_pixel_budget_keeps_pillows_cap(tmp_path: Path) -> None:
     """An edge length (Pixtral's `longest_edge`) is not a pixel budget, and a target
     without an image processor (text-only) says why it has none."""
