@@ -6,6 +6,9 @@ import base64
 import hashlib
 import io
 import json
+import os
+import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -491,6 +494,176 @@ def test_the_prune_job_removes_exactly_the_images_no_partition_references(
         return {p.name for p in store.glob("??/*")}
 
     assert len(run(apply=True)) == 9  # all younger than an hour
-    assert len(run(min_age_hours=0)) == 9  # a dry run
-    left = run(apply=True, min_age_hours=0)
+    _age(store.glob("??/*"))
+    assert len(run()) == 9  # a dry run
+    left = run(apply=True)
     assert len(left) == 6 and not (left & stale)
+
+
+# -- pruning is safe by construction -------------------------------------------------
+
+
+def _age(paths: Iterable[Path], hours: float = 2.0) -> None:
+    """Files as old as a prune may remove."""
+    then = time.time() - hours * 3600
+    for path in paths:
+        os.utime(path, (then, then))
+
+
+def _loaded_store(tmp_path: Path, kept: int = 0) -> tuple[object, Path, list[str]]:
+    """A storage root whose partition `d` references image `kept` of three stored ones,
+    all of them old: the others are candidates for removal."""
+    from mm_assets.assets.resources import StorageResource
+    from mm_assets.registry import DatasetSpec
+    from mm_assets.services.ingest import load_raw_dataset
+
+    storage = StorageResource(root=str(tmp_path / "root"))
+    store, tables = storage.embedded_images_dir(), storage.tables()
+    data = tmp_path / "d.jsonl"
+    spec = DatasetSpec(name="d", path=str(data), format="sharegpt4v")
+    for i in (0, 1, 2, kept):  # each loaded once, the last load keeps image `kept`
+        data.write_text(json.dumps(_image_row(i)) + "\n")
+        load_raw_dataset(spec, tables, store)
+    _age(store.glob("??/*"))
+    return storage, store, [hashlib.sha256(_image(i)).hexdigest() for i in range(3)]
+
+
+def _image(i: int) -> bytes:
+    return PNG + bytes([i])
+
+
+def _image_row(i: int) -> dict:
+    turns = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    return {"image": _data_url(_image(i)), "conversations": turns}
+
+
+def test_an_image_a_running_load_references_again_is_kept_and_made_young(
+    tmp_path: Path,
+) -> None:
+    """An old stored image that no table names any more, taken again by a load still
+    reading its rows, survives a prune; the load's commit gives it a fresh mtime, so it
+    survives the prunes until the load's table names it."""
+    from mm_assets.domain.ingest.sources import RawRow
+    from mm_assets.services.embedded_store import prune_embedded_images
+    from mm_assets.services.ingest import EmbeddedImageWriter
+
+    storage, store, digests = _loaded_store(tmp_path)
+    again = embedded_image_path(store, digests[1])
+    writer = EmbeddedImageWriter(store)
+    writer.take(RawRow(0, _image_row(1)))  # in flight: its table is not written yet
+    prune_embedded_images(storage.tables(), store, apply=True)
+    assert again.is_file()
+    assert not embedded_image_path(store, digests[2]).exists()  # nobody's: removed
+    writer.commit()
+    assert again.read_bytes() == _image(1) and again.stat().st_mtime > time.time() - 60
+    report = prune_embedded_images(storage.tables(), store, apply=True)
+    assert again.is_file() and report.kept_young == 1
+
+
+def test_a_stored_image_removed_while_a_load_holds_it_is_put_back_by_the_commit(
+    tmp_path: Path,
+) -> None:
+    """A removal that checked before the load took the image (so it saw no reference)
+    and unlinked after: the load's staged link keeps the bytes, its commit restores it."""
+    from mm_assets.domain.ingest.sources import RawRow
+    from mm_assets.services.ingest import EmbeddedImageWriter
+
+    _, store, digests = _loaded_store(tmp_path)
+    stored = embedded_image_path(store, digests[1])
+    writer = EmbeddedImageWriter(store)
+    writer.take(RawRow(0, _image_row(1)))
+    stored.unlink()  # the racing removal
+    writer.commit()
+    assert stored.read_bytes() == _image(1) and writer.written == 1
+
+
+@pytest.mark.parametrize(
+    ("table", "row"),
+    [
+        ("normalized_conversations", lambda path: {"turns": json.dumps([{"path": str(path)}])}),
+        ("target_responses", lambda path: {"turns": json.dumps([{"path": str(path)}])}),
+        ("tokenized_samples", lambda path: {"messages": json.dumps([{"url": path.as_uri()}])}),
+        ("coco_image_availability", lambda path: {"reference": "sha256:" + path.name}),
+    ],
+)
+def test_an_image_a_benchmark_or_a_later_stage_names_is_kept(
+    tmp_path: Path, table: str, row: object
+) -> None:
+    """A benchmark's prompts are read from its normalized conversations, and vLLM is sent
+    the tokenized messages: an image named there is kept even when no raw row names it
+    (the partition was loaded again since)."""
+    from mm_assets.services.embedded_store import prune_embedded_images
+    from mm_assets.storage import schemas
+
+    storage, store, digests = _loaded_store(tmp_path)
+    named = embedded_image_path(store, digests[1])
+    schema = {
+        "normalized_conversations": schemas.NORMALIZED,
+        "target_responses": schemas.TARGET_RESPONSES,
+        "tokenized_samples": schemas.TOKENIZED,
+        "coco_image_availability": schemas.IMAGE_AVAILABILITY,
+    }[table]
+    storage.tables().write(table, "bench", [row(named)], schema)  # type: ignore[operator]
+    report = prune_embedded_images(storage.tables(), store, apply=True)
+    assert named.is_file() and report.removed == [embedded_image_path(store, digests[2])]
+
+
+def test_an_empty_or_unreadable_catalog_removes_nothing(tmp_path: Path) -> None:
+    """No table naming any image looks like "nothing referenced": refused with the
+    reason; so is a table that cannot be read."""
+    from mm_assets.assets.resources import StorageResource
+    from mm_assets.services.embedded_store import prune_embedded_images
+    from mm_assets.storage import schemas
+
+    storage = StorageResource(root=str(tmp_path / "root"))
+    store = storage.embedded_images_dir()
+    old = embedded_image_path(store, hashlib.sha256(PNG).hexdigest())
+    old.parent.mkdir(parents=True)
+    old.write_bytes(PNG)
+    _age([old])
+    empty = prune_embedded_images(storage.tables(), store, apply=True)
+    assert old.is_file() and not empty.removed
+    assert "no table" in (empty.refused or "") and str(store) in (empty.refused or "")
+
+    row = {"record": json.dumps({"image": "sha256:" + "0" * 64})}
+    written = storage.tables().write("raw_dataset", "d", [row], schemas.RAW_DATASET)
+    Path(written.path).write_bytes(b"not parquet")  # and its snapshot: the same file
+    broken = prune_embedded_images(storage.tables(), store, apply=True)
+    assert old.is_file() and "could not be read" in (broken.refused or "")
+
+
+def test_a_reference_written_between_the_scan_and_the_removal_keeps_its_image(
+    tmp_path: Path,
+) -> None:
+    """A load that writes its table after the prune's first read: the removal reads the
+    references again and keeps the image."""
+    from mm_assets.services.embedded_store import prune_embedded_images
+    from mm_assets.storage import TableStore, schemas
+
+    storage, store, digests = _loaded_store(tmp_path)
+    late = {"record": json.dumps({"image": "sha256:" + digests[1]})}
+
+    class WrittenMeanwhile(TableStore):  # another process, writing between two reads
+        reads = 0
+
+        def connect(self, wait_s: float = 10.0):  # type: ignore[no-untyped-def]
+            self.reads += 1
+            if self.reads == 2:
+                self.write("raw_dataset", "late", [late], schemas.RAW_DATASET)
+            return super().connect(wait_s)
+
+    tables = WrittenMeanwhile(storage.tables().root)
+    report = prune_embedded_images(tables, store, apply=True)
+    assert embedded_image_path(store, digests[1]).is_file()
+    assert report.kept_referenced_again == 1 and len(report.removed) == 1
+
+
+def test_a_prune_younger_than_an_hour_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """`min_age_hours: 0` would remove the images a load committed a moment ago."""
+    from mm_assets.assets.maintenance import prune_embedded_images as job
+
+    storage, store, _ = _loaded_store(tmp_path)
+    config = {"ops": {"prune_embedded_images_op": {"config": {"min_age_hours": 0, "apply": True}}}}
+    with pytest.raises(Exception, match="use at least 1"):
+        job.execute_in_process(run_config=config, resources={"storage": storage})
+    assert len(list(store.glob("??/*"))) == 3

@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from mm_assets.domain.ingest.images import ImageStatus, probe_reference, resolve_reference
+from mm_assets.services.target import TargetModel
 from tests.bad_inputs import png_declaring
 
 
@@ -183,3 +184,62 @@ def test_a_stored_image_must_be_a_plain_file_matching_its_name(tmp_path: Path) -
     path.symlink_to(good)  # the right bytes, but through a link out of the store
     linked = probe_reference(tmp_path, f"sha256:{digest}", embedded_dir=store)
     assert linked.status is ImageStatus.OUTSIDE_ROOT and "link" in linked.detail
+
+
+# -- the default pixel cap follows the target's processor --------------------------------
+
+
+def _target_with(tmp_path: Path, image_processor: object | None) -> TargetModel:
+    """A target directory holding only an image processor's config (no weights): what
+    the availability stage reads of it."""
+    directory = tmp_path / "target"
+    directory.mkdir(parents=True)
+    if image_processor is not None:
+        image_processor.save_pretrained(directory)  # type: ignore[attr-defined]
+    return TargetModel(str(directory))
+
+
+def test_the_default_pixel_cap_follows_the_target_processors_max_pixels(tmp_path: Path) -> None:
+    """A Qwen2-VL-style processor keeping 100,000 pixels of an image gives a cap of 32x
+    that; a setting wins; the cap never rises above Pillow's bomb threshold."""
+    from transformers import Qwen2VLImageProcessor
+
+    from mm_assets.domain.ingest.images import DEFAULT_MAX_PIXELS
+    from mm_assets.services.ingest import pixel_cap
+
+    target = _target_with(tmp_path, Qwen2VLImageProcessor(min_pixels=3136, max_pixels=100_000))
+    cap, source = pixel_cap(None, target)
+    assert cap == 3_200_000 and "100000" in source
+    assert pixel_cap(5_000, target) == (5_000, "max_image_pixels (set)")
+    png_declaring(tmp_path / "big.png", 2000, 2000)  # 4 MP: over the cap, under Pillow's
+    assert probe_reference(tmp_path, "big.png", max_pixels=cap).status is ImageStatus.TOO_LARGE
+    huge = Qwen2VLImageProcessor(min_pixels=3136, max_pixels=40_000_000)
+    assert pixel_cap(None, _target_with(tmp_path / "huge", huge))[0] == DEFAULT_MAX_PIXELS
+
+
+def test_the_demos_processor_admits_the_demos_largest_pictures(tmp_path: Path) -> None:
+    """Processors scale larger images down: the demo's (140x140 kept) must not refuse
+    its own 640x640 pictures, as a cap of exactly `max_pixels` would."""
+    from transformers import Qwen2VLImageProcessor
+
+    from mm_assets.demo.images import FIXED_SIZES
+    from mm_assets.demo.target_training import TeachingSettings
+    from mm_assets.services.ingest import pixel_cap
+
+    kept = TeachingSettings().max_pixels
+    target = _target_with(tmp_path, Qwen2VLImageProcessor(min_pixels=3136, max_pixels=kept))
+    assert pixel_cap(None, target)[0] >= max(w * h for w, h in FIXED_SIZES) > kept
+
+
+def test_a_processor_without_a_pixel_budget_keeps_pillows_cap(tmp_path: Path) -> None:
+    """An edge length (Pixtral's `longest_edge`) is not a pixel budget, and a target
+    without an image processor (text-only) says why it has none."""
+    from transformers import PixtralImageProcessor
+
+    from mm_assets.domain.ingest.images import DEFAULT_MAX_PIXELS
+    from mm_assets.services.ingest import pixel_cap
+
+    pixtral = _target_with(tmp_path / "pixtral", PixtralImageProcessor())
+    assert pixel_cap(None, pixtral)[0] == DEFAULT_MAX_PIXELS
+    cap, source = pixel_cap(None, _target_with(tmp_path / "text", None))
+    assert cap == DEFAULT_MAX_PIXELS and "image processor" in source

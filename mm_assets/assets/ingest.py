@@ -7,8 +7,8 @@ import dagster as dg
 from mm_assets.assets.checks import has_rows, has_rows_spec
 from mm_assets.assets.metadata import counts_table, rounded, table_links
 from mm_assets.assets.partitions import dataset_asset, dataset_spec
-from mm_assets.assets.resources import StorageResource
-from mm_assets.domain.ingest.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
+from mm_assets.assets.resources import StorageResource, TargetModelResource
+from mm_assets.domain.ingest.images import DEFAULT_MAX_BYTES
 
 if TYPE_CHECKING:
     from mm_assets.services.ingest import ImageAvailabilityReport
@@ -55,8 +55,10 @@ def raw_dataset(
 
 
 class ImageAvailabilityConfig(dg.Config):
-    max_image_pixels: int = DEFAULT_MAX_PIXELS
-    """Images declaring more pixels are refused as `too_large` (decompression bombs)."""
+    max_image_pixels: int | None = None
+    """Images declaring more pixels are refused as `too_large` (vLLM decodes each whole
+    before the processor scales it down). Default: 32 x the target processor's
+    `max_pixels`, at most Pillow's bomb threshold (89.5 MP)."""
     max_image_bytes: int = DEFAULT_MAX_BYTES
     """Image files larger than this are refused as `too_large`, before anything reads
     them (vLLM would read each whole, per request)."""
@@ -79,20 +81,24 @@ class ImageAvailabilityConfig(dg.Config):
     ],
 )
 def coco_image_availability(
-    context: dg.AssetExecutionContext, config: ImageAvailabilityConfig, storage: StorageResource
+    context: dg.AssetExecutionContext,
+    config: ImageAvailabilityConfig,
+    storage: StorageResource,
+    target_model: TargetModelResource,
 ) -> dg.MaterializeResult:
     """One row per referenced image: resolved path under the dataset's image root
     (default `$COCO_DIR`) — or, for an image that was inside the rows (`sha256:<hex>`),
     its file under the storage root's `images/sha256/` — status, width, height, format,
     bytes and content hash. Reads headers only and refuses anything resolving outside the
     root without opening it."""
-    from mm_assets.services.ingest import probe_dataset_images
+    from mm_assets.services.ingest import pixel_cap, probe_dataset_images
 
     spec, tables = dataset_spec(context), storage.tables()
+    max_pixels, cap_source = pixel_cap(config.max_image_pixels, target_model.model())
     report = probe_dataset_images(
         spec,
         tables,
-        config.max_image_pixels,
+        max_pixels,
         storage.embedded_images_dir(),
         config.max_image_bytes,
     )
@@ -105,6 +111,8 @@ def coco_image_availability(
                 "images_by_status": counts_table(report.by_status, "status", "images"),
                 "image_root": dg.MetadataValue.path(str(report.image_root)),
                 "embedded_images_dir": dg.MetadataValue.path(str(report.embedded_dir)),
+                "max_image_pixels": max_pixels,
+                "max_image_pixels_from": cap_source,
                 **table_links(tables, "coco_image_availability", spec.name),
             }
         ),

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import stat
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,7 +31,6 @@ from mm_assets.common.files import (
     fsync_path,
     make_dirs,
     remove_stale_temporaries,
-    temporary_name,
 )
 from mm_assets.domain.ingest.embedded_images import (
     IMAGE_KEYS,
@@ -38,7 +38,14 @@ from mm_assets.domain.ingest.embedded_images import (
     embedded_references,
     extract_embedded_images,
 )
-from mm_assets.domain.ingest.images import DEFAULT_MAX_BYTES, ImageProbe, probe_reference
+from mm_assets.domain.ingest.images import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MAX_PIXELS,
+    PROCESSOR_PIXELS_MULTIPLE,
+    ImageProbe,
+    pixel_cap_for,
+    probe_reference,
+)
 from mm_assets.domain.ingest.sources import (
     AS_READ,
     LoadedRows,
@@ -49,7 +56,9 @@ from mm_assets.domain.ingest.sources import (
 )
 from mm_assets.domain.prep.conversations import Rejected, image_references, parse_record
 from mm_assets.registry import DatasetSpec
+from mm_assets.services.embedded_store import new_staging_dir, store_lock
 from mm_assets.services.local_files import read_local
+from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, WrittenTable, schemas
 
 logger = logging.getLogger(__name__)
@@ -108,16 +117,18 @@ def _undecoded(feature: Any) -> Any:
 
 class EmbeddedImageWriter:
     """Takes the images out of each row the selection keeps (`RowSink`), never out of a
-    row the filter or the subsample leaves out. They are staged in a directory of this
-    load's own until `commit` moves them into the embedded-image directory
-    (`<hex[:2]>/<hex>`, skipped when present); `discard` drops the staged ones (a first
-    pass that turned out to hold more rows than the subsample keeps). A killed load's
-    staging directory is removed by the next load."""
+    row the filter or the subsample leaves out. Every image the load references is staged
+    in a directory of this load's own, a new one as a file and one already stored as a
+    hard link (so `prune_embedded_images` sees it referenced, and a removal that raced
+    the check leaves the link), until `commit` moves them into the embedded-image
+    directory (`<hex[:2]>/<hex>`); `discard` drops the staged ones (a first pass that
+    turned out to hold more rows than the subsample keeps). A killed load's staging
+    directory is removed by the next load."""
 
     def __init__(self, directory: Path, image_keys: frozenset[str] = IMAGE_KEYS) -> None:
         self.directory, self.image_keys = directory, image_keys
         self.written = 0  # files created by this load
-        self.staging = directory.parent / temporary_name("staging", "tmp")
+        self.staging = new_staging_dir(directory)
         self._staged: set[str] = set()
 
     def take(self, row: RawRow) -> RawRow:
@@ -129,12 +140,14 @@ class EmbeddedImageWriter:
         return RawRow(row.source_index, found.record, None, row.source_file)
 
     def _stage(self, digest: str, data: bytes) -> None:
-        if digest in self._staged or embedded_image_path(self.directory, digest).is_file():
+        if digest in self._staged:
             return
         if not self._staged:
             remove_stale_temporaries(self.staging.parent)
-        with atomic_path(self.staging / digest, len(data), sweep=False) as tmp:
-            tmp.write_bytes(data)
+            make_dirs(self.staging)
+        if not _link_stored(embedded_image_path(self.directory, digest), self.staging / digest):
+            with atomic_path(self.staging / digest, len(data), sweep=False) as tmp:
+                tmp.write_bytes(data)
         self._staged.add(digest)
 
     def discard(self) -> None:
@@ -142,15 +155,32 @@ class EmbeddedImageWriter:
         self._staged.clear()
 
     def commit(self) -> None:
-        """The staged images into the store, each by one rename."""
-        for digest in sorted(self._staged):
-            final = embedded_image_path(self.directory, digest)
-            if not final.is_file():
+        """The staged images into the store, each by one rename (a linked one renames
+        onto itself, or puts back a file removed meanwhile), each given a fresh mtime:
+        young, it outlives a prune until the table naming it is written."""
+        with store_lock(self.directory, exclusive=False):
+            for digest in sorted(self._staged):
+                final = embedded_image_path(self.directory, digest)
+                new = not final.is_file()
                 make_dirs(final.parent)
                 os.replace(self.staging / digest, final)
-                fsync_path(final.parent)
-                self.written += 1
-        self.discard()
+                os.utime(final)
+                if new:
+                    fsync_path(final.parent)
+                    self.written += 1
+            self.discard()
+
+
+def _link_stored(stored: Path, staged: Path) -> bool:
+    """Whether a plain stored file could be hard-linked as `staged` (else the caller
+    writes the bytes: a file removed meanwhile, a link, a filesystem without links)."""
+    try:
+        if not stat.S_ISREG(stored.lstat().st_mode):
+            return False
+        os.link(stored, staged, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
 
 
 def source_reader(spec: DatasetSpec) -> Callable[[], Iterator[RawRow]]:
@@ -245,6 +275,23 @@ class ImageAvailabilityReport:
 
     def first_unavailable(self, limit: int = 5) -> list[ImageProbe]:
         return [p for p in self.probes if not p.ok][:limit]
+
+
+def pixel_cap(setting: int | None, target: TargetModel) -> tuple[int, str]:
+    """The probe's pixel cap, and where it came from: the user's setting, else
+    `pixel_cap_for` the target processor's `max_pixels`. Only the image processor's
+    config is read (ingest runs before anything else needs the target, and must not
+    download a model for it); a target whose image processor does not load here (a
+    text-only one, a hub out of reach) gets Pillow's bomb threshold, and says why."""
+    if setting is not None:
+        return setting, "max_image_pixels (set)"
+    try:
+        pixels = target.image_processor_max_pixels()
+    except (OSError, ValueError) as exc:
+        return DEFAULT_MAX_PIXELS, f"Pillow's threshold: the target's image processor: {exc}"
+    if pixels is None:
+        return DEFAULT_MAX_PIXELS, "Pillow's threshold: the target's processor has no max_pixels"
+    return pixel_cap_for(pixels), f"{PROCESSOR_PIXELS_MULTIPLE} x the target's max_pixels {pixels}"
 
 
 def probe_dataset_images(

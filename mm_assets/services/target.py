@@ -10,6 +10,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from mm_assets.domain.ingest.images import processor_max_pixels
 from mm_assets.domain.model.hidden_states import (
     TextConfigFacts,
     default_layer_ids,
@@ -41,6 +42,17 @@ class TargetModel:
         return AutoProcessor.from_pretrained(
             str(local) if local.exists() else self.path, trust_remote_code=self.trust_remote_code
         )
+
+    def image_processor_max_pixels(self) -> int | None:
+        """The pixel budget its image processor declares (`processor_max_pixels`). Only
+        the processor's config is read (fetched alone for a hub id): no weights."""
+        from transformers import AutoImageProcessor
+
+        local = Path(self.path).expanduser()
+        processor = AutoImageProcessor.from_pretrained(
+            str(local) if local.exists() else self.path, trust_remote_code=self.trust_remote_code
+        )
+        return processor_max_pixels(processor)
 
     @cached_property
     def local_dir(self) -> Path:

@@ -40,6 +40,11 @@ from mm_assets.domain.ingest.embedded_images import (
 
 # Pillow's own default warning threshold (~89.5 MP); above it decoding is a bomb risk.
 DEFAULT_MAX_PIXELS = 89_478_485
+# vLLM decodes an image whole before the target's processor scales it down to its
+# `max_pixels`: past this multiple of it, decoding costs far more than the target keeps.
+# Not 1: processors scale larger images down rather than refuse them (the demo's toy
+# processor keeps 140x140 of its 640x640 pictures, 21x fewer pixels).
+PROCESSOR_PIXELS_MULTIPLE = 32
 # A file larger than this is refused before anything reads it: vLLM would read it whole
 # for every request that shows it.
 DEFAULT_MAX_BYTES = 64 << 20
@@ -267,3 +272,35 @@ def _probe_embedded(
         detail = f"its bytes do not match its name: delete {path} and materialize raw_dataset"
         return replace(probe, status=ImageStatus.UNREADABLE, detail=detail)
     return probe
+
+
+def processor_max_pixels(processor: Any) -> int | None:
+    """The most pixels the target's image processor keeps of an image (it scales larger
+    ones down), or None when it declares no pixel budget. Read from what the processor
+    declares, never from a model name: a `max_pixels` attribute or `size["max_pixels"]`,
+    else `size["longest_edge"]` for processors whose kwargs declare `max_pixels`
+    (transformers 5 keeps Qwen2-VL-style budgets there; elsewhere it is an edge length)."""
+    image_processor = getattr(processor, "image_processor", processor)
+    size = getattr(image_processor, "size", None)
+    declared = getattr(image_processor, "max_pixels", None) or _size_entry(size, "max_pixels")
+    kwargs = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {})
+    if declared is None and "max_pixels" in kwargs:
+        declared = _size_entry(size, "longest_edge")
+    if isinstance(declared, int | float) and not isinstance(declared, bool) and declared >= 1:
+        return int(declared)
+    return None
+
+
+def _size_entry(size: Any, key: str) -> Any:
+    try:
+        return size[key] if size is not None else None
+    except (KeyError, TypeError, AttributeError):
+        return None
+
+
+def pixel_cap_for(processor_pixels: int | None) -> int:
+    """The probe's default pixel cap: `PROCESSOR_PIXELS_MULTIPLE` times what the target's
+    processor keeps, never above Pillow's bomb threshold."""
+    if processor_pixels is None:
+        return DEFAULT_MAX_PIXELS
+    return min(DEFAULT_MAX_PIXELS, PROCESSOR_PIXELS_MULTIPLE * processor_pixels)
