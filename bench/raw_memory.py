@@ -1,7 +1,8 @@
 """Peak RSS of materializing `raw_dataset` from a 100k- vs a 1M-row local source.
 
-ShareGPT4V ships as one ~1.2M-record JSON list, and an entry with `max_samples: 50000`
-must not hold the whole source to keep 50,000 rows of it. Each measurement is a fresh
+ShareGPT4V ships as one ~1.2M-record JSON list: an entry keeping every row must not hold
+them all before the table is written, and one with `--max-samples 50000` must not hold
+the whole source to keep 50,000 rows of it. Each measurement is a fresh
 process running the real ingest path (`services.ingest.load_raw_dataset` into a
 `TableStore`) on a synthetic ShareGPT4V-like source: 80% of the rows reference a `coco/`
 image and are kept by the entry's `image_prefix: coco/` filter, the rest reference `sam/`
@@ -9,7 +10,7 @@ images. Every source is written twice, as a `.json` list and as `.jsonl`. `ru_ma
 the child is its peak; the goal is peak(1M) / peak(100k) <= 1.2 for both formats. The
 written table's hash shows both formats (and two commits) select the same rows.
 
-`.venv/bin/python -m bench.raw_memory` (~1 min on 2 cores, ~1.5 with `--baseline`). The
+`.venv/bin/python -m bench.raw_memory` (~2 min on 2 cores, ~4 with `--baseline`). The
 sources go to a temporary directory and are deleted after use: 65 MB per format at 100k
 rows, 646 MB per format at 1M rows (~1.3 GB on disk at once). `--sizes 1000 10000` for a
 quick try.
@@ -34,7 +35,6 @@ from pathlib import Path
 
 SIZES = (100_000, 1_000_000)
 FORMATS = (".json", ".jsonl")
-MAX_SAMPLES = 50_000
 SEED = 0
 COCO_SHARE = 0.8
 REPO = Path(__file__).resolve().parents[1]
@@ -87,7 +87,7 @@ def write_sources(directory: Path, rows: int) -> dict[str, Path]:
     return paths
 
 
-def _child(source: Path, root: Path) -> None:
+def _child(source: Path, root: Path, max_samples: int | None) -> None:
     """Runs in the fresh process: one `raw_dataset` materialization, then its peak RSS."""
     from mm_assets.domain.ingest.embedded_images import embedded_images_dir
     from mm_assets.registry import DatasetSpec
@@ -99,7 +99,7 @@ def _child(source: Path, root: Path) -> None:
         path=str(source),
         format="sharegpt4v",
         filter={"image_prefix": "coco/"},
-        max_samples=MAX_SAMPLES,
+        max_samples=max_samples,
         seed=SEED,
     )
     before = resource.getrusage(resource.RUSAGE_SELF)
@@ -124,12 +124,13 @@ def _child(source: Path, root: Path) -> None:
     )
 
 
-def measure(source: Path, root: Path, repo: Path = REPO) -> dict:
+def measure(source: Path, root: Path, max_samples: int | None, repo: Path = REPO) -> dict:
     """One fresh process materializing `raw_dataset` with `repo`'s code (this file runs
     as a script there, so `mm_assets` is imported from `repo`, not from this checkout)."""
     script = [sys.executable, str(Path(__file__).resolve())]
     proc = subprocess.run(
-        [*script, "--child", str(source), "--root", str(root)],
+        [*script, "--child", str(source), "--root", str(root)]
+        + (["--max-samples", str(max_samples)] if max_samples else []),
         capture_output=True,
         text=True,
         check=False,
@@ -141,16 +142,21 @@ def measure(source: Path, root: Path, repo: Path = REPO) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run(directory: Path, sizes: tuple[int, ...] = SIZES, baseline: Path | None = None) -> dict:
+def run(
+    directory: Path,
+    sizes: tuple[int, ...] = SIZES,
+    baseline: Path | None = None,
+    max_samples: int | None = None,
+) -> dict:
     """Figures per checkout ("this", and "baseline" when given), format and size."""
     directory.mkdir(parents=True, exist_ok=True)
     repos = {"this": REPO, **({"baseline": baseline} if baseline else {})}
-    results: dict = {"max_samples": MAX_SAMPLES, "checkouts": {name: {} for name in repos}}
+    results: dict = {"max_samples": max_samples, "checkouts": {name: {} for name in repos}}
     for rows in sizes:
         for fmt, path in write_sources(directory, rows).items():
             for name, repo in repos.items():
                 store = directory / f"store_{name}_{rows}{fmt.replace('.', '_')}"
-                figures = measure(path, store, repo)
+                figures = measure(path, store, max_samples, repo)
                 figures["file_mb"] = round(path.stat().st_size / 2**20, 1)
                 by_format = results["checkouts"][name].setdefault(fmt, {"rows": {}})
                 by_format["rows"][rows] = figures
@@ -191,17 +197,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs=2, default=SIZES, metavar=("SMALL", "LARGE"))
     parser.add_argument("--baseline", type=Path, help="another checkout to measure too")
+    parser.add_argument("--max-samples", type=int, help="the entry's max_samples (default: none)")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child, args.root)
+        _child(args.child, args.root, args.max_samples)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        results = run(Path(tmp), tuple(args.sizes), args.baseline)
+        results = run(Path(tmp), tuple(args.sizes), args.baseline, args.max_samples)
     command = ".venv/bin/python -m bench.raw_memory"
     if tuple(args.sizes) != SIZES:
         command += " --sizes " + " ".join(map(str, args.sizes))
+    if args.max_samples:
+        command += f" --max-samples {args.max_samples}"
     if args.baseline:
         command += f" --baseline {args.baseline}"
     print(markdown(results, command))
