@@ -315,3 +315,26 @@ def test_kept_rows_reach_the_table_in_batches_while_the_source_is_read(
     assert report.written.num_rows == len(chosen)
     assert report.written.content_hash == at_once.content_hash
     assert tables.read("raw_dataset", "d").equals(tables.read("raw_dataset", "at_once"))
+
+
+def test_parquet_rows_carrying_images_of_a_few_mib_are_read_one_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """Arrow holds one 5 MiB row (and its page) while it is in hand, not a batch of
+    four: a hub dataset's rows carry their images, and a batch of them is its size."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    mib = 1 << 20
+    rows = [{"image": {"bytes": bytes([i]) * (5 * mib), "path": f"{i}.png"}} for i in range(4)]
+    path = tmp_path / "images.parquet"
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, path, compression="none", use_dictionary=False, row_group_size=1)
+    del rows, table
+    before = peak = pa.total_allocated_bytes()
+    read = 0
+    for row in read_local(path):
+        peak = max(peak, pa.total_allocated_bytes())
+        read += row.record["image"]["bytes"] == bytes([read]) * (5 * mib)
+    assert read == 4
+    assert peak - before < 12 * mib  # one row and its page; a batch of four held 26 MiB
