@@ -7,7 +7,10 @@ of a one-row file (imports and the table store's first write are not the data's)
 - `parquet_24x8MiB`: a zstd Parquet of 24 rows, each an 8 MiB image struct, as pyarrow
   writes it by default: all 24 images in one dictionary page. The file is small on disk,
   because the images compress to almost nothing.
-- `parquet_24x8MiB_plain`: the same rows without dictionary encoding (a page per image).
+- `parquet_24x8MiB_plain`: the same rows without dictionary encoding (still one 192 MiB
+  page: pyarrow checks the page size once per 1,024 values).
+- `parquet_24x8MiB_datasets`: the same rows as `datasets` writes an `Image` column
+  (`Dataset.to_parquet`: plain, uncompressed, row groups of ~100 MB).
 - `parquet_filtered_out`: the same file, with a filter that keeps no row. No image byte
   may be written.
 - `data_url_40MiB`: one JSONL row holding a 40 MiB data URL.
@@ -62,7 +65,10 @@ def write_cases(directory: Path) -> dict[str, tuple[Path, dict]]:
     parquet, plain = directory / "rows.parquet", directory / "plain.parquet"
     pq.write_table(table, parquet, compression="zstd")  # pyarrow's defaults: a dictionary
     pq.write_table(table, plain, compression="zstd", use_dictionary=False)
-    del rows, table
+    del table
+    as_datasets = directory / "datasets.parquet"
+    _datasets_parquet(rows, as_datasets)
+    del rows
     payload = base64.b64encode(_image(99, 30 * MiB)).decode()  # 40 MiB of base64
     url = "data:image/png;base64," + payload
     broken = "data:image/png;base64," + "\n".join(
@@ -71,6 +77,7 @@ def write_cases(directory: Path) -> dict[str, tuple[Path, dict]]:
     cases: dict[str, tuple[Path, dict]] = {
         "parquet_24x8MiB": (parquet, {}),
         "parquet_24x8MiB_plain": (plain, {}),
+        "parquet_24x8MiB_datasets": (as_datasets, {}),
         "parquet_filtered_out": (parquet, {"filter": {"image_prefix": "coco/"}}),
     }
     for name, value in (("data_url_40MiB", url), ("data_url_40MiB_broken", broken)):
@@ -78,6 +85,20 @@ def write_cases(directory: Path) -> dict[str, tuple[Path, dict]]:
         path.write_text(json.dumps({"image": value, "conversations": turns}) + "\n")
         cases[name] = (path, {})
     return cases
+
+
+def _datasets_parquet(rows: list[dict], path: Path) -> None:
+    import datasets
+
+    text = datasets.Value("string")
+    features = datasets.Features(
+        {
+            "image": datasets.Image(decode=False),
+            "conversations": [{"from": text, "value": text}],
+        }
+    )
+    columns = {key: [row[key] for row in rows] for key in features}
+    datasets.Dataset.from_dict(columns, features=features).to_parquet(str(path))
 
 
 def _child(source: str, directory: str, extra: str) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
+from mm_assets.domain.ingest.sources import KeptRows
 from mm_assets.registry import DatasetSpec
 from mm_assets.services.ingest import load_rows
 
@@ -21,7 +22,7 @@ def test_a_line_a_service_logs_lands_in_the_run_log(tmp_path: Path) -> None:
 
     @dg.asset
     def tiny_rows() -> None:
-        load_rows(spec)
+        load_rows(spec, KeptRows())
 
     committed = yaml.safe_load((REPO / "dagster.yaml").read_text())
     with dg.instance_for_test(overrides={"python_logs": committed["python_logs"]}) as instance:

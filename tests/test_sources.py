@@ -5,14 +5,29 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from mm_assets.domain.ingest.sources import RawRow, build_filter, subsample
+from mm_assets.domain.ingest.sources import KeptRows, RawRow, build_filter, subsample
 from mm_assets.registry import DatasetSpec
 from mm_assets.services import ingest as sources
 from mm_assets.services.ingest import hub_source, load_rows, read_local
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    rows: list[RawRow]
+    total: int
+    after_filter: int
+
+
+def _load(spec: DatasetSpec) -> _Loaded:
+    kept = KeptRows()
+    selected = load_rows(spec, kept)
+    assert selected.kept == len(kept.rows)
+    return _Loaded(kept.rows, selected.total, selected.after_filter)
 
 
 def test_jsonl_keeps_unparseable_lines_as_rows(tmp_path: Path) -> None:
@@ -54,7 +69,7 @@ def test_image_prefix_filter_then_subsample(tmp_path: Path) -> None:
         filter={"image_prefix": "coco/"},
         max_samples=4,
     )
-    loaded = load_rows(spec)
+    loaded = _load(spec)
     assert (loaded.total, loaded.after_filter, len(loaded.rows)) == (20, 10, 4)
     assert all(r.record["image"].startswith("coco/") for r in loaded.rows)
     keep = build_filter(spec)
@@ -106,7 +121,7 @@ def test_streaming_selection_equals_sampling_the_filtered_list(
         chosen = sorted(random.Random(seed).sample(range(len(filtered)), max_samples))
         expected = [filtered[i] for i in chosen]
 
-    loaded = load_rows(_spec(path, max_samples, seed))
+    loaded = _load(_spec(path, max_samples, seed))
 
     assert [(r.source_index, r.record) for r in loaded.rows] == expected
     assert (loaded.total, loaded.after_filter) == (count, len(filtered))
@@ -127,7 +142,7 @@ def test_the_source_is_read_twice_only_when_it_is_subsampled(
 
     monkeypatch.setattr(sources, "read_local", counted)
 
-    loaded = load_rows(_spec(path, max_samples))
+    loaded = _load(_spec(path, max_samples))
 
     assert len(calls) == reads
     assert len(loaded.rows) == min(13, max_samples or 13)
@@ -146,7 +161,7 @@ def test_a_source_that_changes_between_the_two_reads_is_refused(
 
     monkeypatch.setattr(sources, "read_local", growing)
     with pytest.raises(RuntimeError, match="changed between its two reads"):
-        load_rows(_spec(path, 5))
+        _load(_spec(path, 5))
 
 
 def test_json_list_and_jsonl_give_the_same_rows_as_json_loads(tmp_path: Path) -> None:
@@ -199,7 +214,7 @@ def test_a_json_list_the_fast_parser_refuses_is_read_on_exactly(tmp_path: Path) 
         '{"s": "\\ud800x"}, {"b": 2}]'
     )
     spec = DatasetSpec(name="d", path=str(path), format="sharegpt")
-    rows = load_rows(spec).rows
+    rows = _load(spec).rows
     assert rows[0].record == {"a": 1}
     assert rows[2].record == {"big": 123456789012345678901234567890}
     assert rows[1].parse_error and "surrogate" in rows[1].parse_error
@@ -223,7 +238,7 @@ def test_crafted_jsonl_lines_become_rows_with_reasons_not_errors(tmp_path: Path)
     ]
     path = tmp_path / "d.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    rows = load_rows(DatasetSpec(name="d", path=str(path), format="sharegpt")).rows
+    rows = _load(DatasetSpec(name="d", path=str(path), format="sharegpt")).rows
     assert [r.parse_error is None for r in rows] == [True, False, False, False, False, False, True]
     errors = [r.parse_error for r in rows[1:-1]]
     assert "surrogate" in errors[0] and "surrogate" in errors[1]
@@ -239,3 +254,87 @@ def test_the_registry_allows_exactly_the_filters_implemented() -> None:
     from mm_assets.registry.specs import FilterName
 
     assert set(FILTERS) == set(get_args(FilterName))
+
+
+@pytest.mark.parametrize("max_samples", [None, 1500])
+def test_kept_rows_reach_the_table_in_batches_while_the_source_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_samples: int | None
+) -> None:
+    """`raw_dataset` holds no more than a batch of kept rows: batches are written while
+    the source is still being read (both passes of a subsample: its first pass writes
+    1,024 rows before learning that 2,000 pass, and starts the file over), and the table
+    is byte for byte the one written from the selected rows at once."""
+    from mm_assets.services.ingest import load_raw_dataset
+    from mm_assets.storage import TableStore, schemas
+    from mm_assets.storage.tables import BatchWriter
+
+    records = _mixed_records(3000)  # 2,000 pass the filter
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    read = {"rows": 0}
+    flushed_after: list[int] = []  # source rows read when each batch was written
+    real_read, real_flush = sources.read_local, BatchWriter.flush
+
+    def counted(p: Path, *data_files: list[str]) -> Iterator[RawRow]:
+        for row in real_read(p, *data_files):
+            read["rows"] += 1
+            yield row
+
+    def flush(self: BatchWriter) -> None:
+        if self._pending:
+            flushed_after.append(read["rows"])
+        real_flush(self)
+
+    monkeypatch.setattr(sources, "read_local", counted)
+    monkeypatch.setattr(BatchWriter, "flush", flush)
+    tables = TableStore(tmp_path / "store")
+
+    report = load_raw_dataset(_spec(path, max_samples, seed=5), tables, tmp_path / "images")
+
+    passes = 1 if max_samples is None else 2
+    assert read["rows"] == 3000 * passes
+    during_a_read = [n for n in flushed_after if n % 3000 != 0]
+    assert len(during_a_read) >= passes, flushed_after
+    filtered = [(i, r) for i, r in enumerate(records) if r["image"].startswith("coco/")]
+    positions = range(2000) if max_samples is None else random.Random(5).sample(range(2000), 1500)
+    chosen = [filtered[i] for i in sorted(positions)]
+    at_once = tables.write(
+        "raw_dataset",
+        "at_once",
+        (
+            {
+                "source_index": i,
+                "record": json.dumps(r, ensure_ascii=False),
+                "parse_error": None,
+                "source_file": "d.jsonl",
+            }
+            for i, r in chosen
+        ),
+        schemas.RAW_DATASET,
+    )
+    assert report.written.num_rows == len(chosen)
+    assert report.written.content_hash == at_once.content_hash
+    assert tables.read("raw_dataset", "d").equals(tables.read("raw_dataset", "at_once"))
+
+
+def test_parquet_rows_carrying_images_of_a_few_mib_are_read_one_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """Arrow holds one 5 MiB row (and its page) while it is in hand, not a batch of
+    four: a hub dataset's rows carry their images, and a batch of them is its size."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    mib = 1 << 20
+    rows = [{"image": {"bytes": bytes([i]) * (5 * mib), "path": f"{i}.png"}} for i in range(4)]
+    path = tmp_path / "images.parquet"
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, path, compression="none", use_dictionary=False, row_group_size=1)
+    del rows, table
+    before = peak = pa.total_allocated_bytes()
+    read = 0
+    for row in read_local(path):
+        peak = max(peak, pa.total_allocated_bytes())
+        read += row.record["image"]["bytes"] == bytes([read]) * (5 * mib)
+    assert read == 4
+    assert peak - before < 12 * mib  # one row and its page; a batch of four held 26 MiB

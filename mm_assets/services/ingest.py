@@ -1,10 +1,11 @@
 """Ingest: a registered dataset's rows into the `raw_dataset` table, and a probe of every
 image they reference into `coco_image_availability` (headers only).
 
-The source (local files, `local_files.py`, or the hub) is read a record at a time, so
-memory stays flat in its size (BENCHMARKS.md, "Raw dataset memory"); every row is checked
-as a table can hold it (`sources.checked`), and which rows are kept (filters, the
-deterministic subsample) is decided in `domain/ingest/sources.py`.
+The source (local files, `local_files.py`, or the hub) is read a record at a time and each
+kept row is written to the table in batches as it comes, so memory stays flat in the
+source's size (BENCHMARKS.md, "Raw dataset memory"); every row is checked as a table can
+hold it (`sources.checked`), and which rows are kept (filters, the deterministic
+subsample) is decided in `domain/ingest/sources.py`.
 
 Images kept inside the rows (`domain/ingest/embedded_images.py`) are taken out of each row
 as the selection keeps it and written once to the content-addressed directory under the
@@ -47,9 +48,9 @@ from mm_assets.domain.ingest.images import (
     probe_reference,
 )
 from mm_assets.domain.ingest.sources import (
-    AS_READ,
-    LoadedRows,
     RawRow,
+    RowSink,
+    Selection,
     build_filter,
     checked,
     select_rows,
@@ -60,6 +61,7 @@ from mm_assets.services.embedded_store import new_staging_dir, store_lock
 from mm_assets.services.local_files import read_local
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, WrittenTable, schemas
+from mm_assets.storage.tables import BatchWriter
 
 logger = logging.getLogger(__name__)
 
@@ -116,10 +118,10 @@ def _undecoded(feature: Any) -> Any:
 
 
 class EmbeddedImageWriter:
-    """Takes the images out of each row the selection keeps (`RowSink`), never out of a
-    row the filter or the subsample leaves out. Every image the load references is staged
-    in a directory of this load's own, a new one as a file and one already stored as a
-    hard link (so `prune_embedded_images` sees it referenced, and a removal that raced
+    """Takes the images out of each row the selection keeps (`RawTableSink`), never out
+    of a row the filter or the subsample leaves out. Every image the load references is
+    staged in a directory of this load's own, a new one as a file and one already stored as
+    a hard link (so `prune_embedded_images` sees it referenced, and a removal that raced
     the check leaves the link), until `commit` moves them into the embedded-image
     directory (`<hex[:2]>/<hex>`); `discard` drops the staged ones (a first pass that
     turned out to hold more rows than the subsample keeps). A killed load's staging
@@ -194,22 +196,48 @@ def source_reader(spec: DatasetSpec) -> Callable[[], Iterator[RawRow]]:
     return lambda: map(checked, read())
 
 
-def load_rows(spec: DatasetSpec, images: EmbeddedImageWriter | None = None) -> LoadedRows:
-    """The dataset's rows: read, filtered, then subsampled (`select_rows`); with `images`,
-    the embedded images of the rows kept written out, replaced by their references."""
+def load_rows(spec: DatasetSpec, sink: RowSink) -> Selection:
+    """The dataset's rows, read, filtered, then subsampled (`select_rows`), into `sink`."""
     keep = build_filter(spec)  # an unknown filter fails before a hub download
-    loaded = select_rows(spec, keep, source_reader(spec), images or AS_READ)
-    if images is not None:
-        images.commit()
+    selected = select_rows(spec, keep, source_reader(spec), sink)
     logger.info(
         "%s: %d rows in %s, %d after the filter, %d kept",
         spec.name,
-        loaded.total,
+        selected.total,
         spec.hub or spec.resolved_path(),
-        loaded.after_filter,
-        len(loaded.rows),
+        selected.after_filter,
+        selected.kept,
     )
-    return loaded
+    return selected
+
+
+class RawTableSink:
+    """Each kept row, its images taken out (`EmbeddedImageWriter`), into the table's
+    writer as it comes (`RowSink`), counted for the report; `discard` starts both over."""
+
+    def __init__(self, out: BatchWriter, images: EmbeddedImageWriter) -> None:
+        self.out, self.images = out, images
+        self.references: Counter[str] = Counter()
+        self.unparseable = 0
+
+    def take(self, row: RawRow) -> None:
+        row = self.images.take(row)
+        self.references.update(embedded_references(row.record))
+        self.unparseable += row.parse_error is not None
+        self.out.write(
+            {
+                "source_index": row.source_index,
+                "record": row.record_json(),
+                "parse_error": row.parse_error,
+                "source_file": row.source_file,
+            }
+        )
+
+    def discard(self) -> None:
+        self.images.discard()
+        self.out.discard()
+        self.references.clear()
+        self.unparseable = 0
 
 
 @dataclass(frozen=True)
@@ -226,29 +254,23 @@ class RawDatasetReport:
 
 def load_raw_dataset(spec: DatasetSpec, tables: TableStore, embedded_dir: Path) -> RawDatasetReport:
     """The dataset's rows as loaded, filtered and subsampled, with their source index and
-    file; images inside the rows are written to `embedded_dir` and referenced by hash."""
+    file, written as they are kept; images inside the rows are written to `embedded_dir`
+    and referenced by hash (committed before the table replaces the old one)."""
     configured = {spec.columns.image} if spec.columns.image else set()
     images = EmbeddedImageWriter(embedded_dir, IMAGE_KEYS | configured)
-    loaded = load_rows(spec, images)
-    references = Counter(ref for r in loaded.rows for ref in embedded_references(r.record))
-    rows = (
-        {
-            "source_index": r.source_index,
-            "record": r.record_json(),
-            "parse_error": r.parse_error,
-            "source_file": r.source_file,
-        }
-        for r in loaded.rows
-    )
-    written = tables.write("raw_dataset", spec.name, rows, schemas.RAW_DATASET)
+    with tables.writer("raw_dataset", spec.name, schemas.RAW_DATASET) as out:
+        sink = RawTableSink(out, images)
+        selected = load_rows(spec, sink)
+        images.commit()
+    assert out.result is not None
     return RawDatasetReport(
-        written,
-        loaded.total,
-        loaded.after_filter,
-        sum(r.parse_error is not None for r in loaded.rows),
+        out.result,
+        selected.total,
+        selected.after_filter,
+        sink.unparseable,
         spec.hub or str(spec.resolved_path()),
-        references.total(),
-        len(references),
+        sink.references.total(),
+        len(sink.references),
         images.written,
     )
 

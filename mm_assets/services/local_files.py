@@ -113,16 +113,19 @@ def _read_file(path: Path) -> Iterator[RawRow]:
         raise ValueError(f"{path}: unsupported file type; use one of {LOCAL_SUFFIXES}")
 
 
-BATCH_BYTES = 32 << 20
-"""What a batch of Parquet rows may hold decoded: rows carrying images are megabytes each."""
+BATCH_BYTES = 4 << 20
+"""What a batch of Parquet rows may hold decoded: rows carrying images of a few MiB or
+more are read one at a time (at 32 MiB, four 8 MiB images a batch cost ~50 MiB more
+peak RSS)."""
 
 
 def _read_parquet(path: Path) -> Iterator[RawRow]:
     """Rows in batches of about `BATCH_BYTES` decoded (sized from the row groups' own
     byte counts, 1 to 64 rows), read through a buffered stream, one row turned into
-    Python at a time. A dictionary-encoded column is still decoded a dictionary page at
-    a time: large images written that way cost about twice that page (BENCHMARKS.md,
-    "Images inside rows")."""
+    Python at a time. Arrow still decodes a page whole: a file whose images share one
+    page (pyarrow's defaults put a row group's images in one dictionary page) costs about
+    twice that page (BENCHMARKS.md, "Images inside rows"); `datasets`' own layout (a
+    plain, uncompressed page per ~100 MB row group) costs a fraction of it."""
     file = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
     meta = file.metadata
     groups = (meta.row_group(i) for i in range(meta.num_row_groups))

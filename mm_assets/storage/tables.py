@@ -67,12 +67,13 @@ class WrittenTable:
 
 
 class BatchWriter:
-    """Appends rows (dicts) in batches to an open Parquet writer."""
+    """Appends rows (dicts) in batches to a new Parquet file (zstd)."""
 
-    def __init__(self, writer: pq.ParquetWriter, schema: pa.Schema, batch_size: int) -> None:
-        self._writer = writer
+    def __init__(self, path: Path, schema: pa.Schema, batch_size: int) -> None:
+        self._path = path
         self._schema = schema
         self._batch_size = batch_size
+        self._writer = pq.ParquetWriter(path, schema, compression="zstd")
         self._pending: list[Mapping[str, Any]] = []
         self.num_rows = 0
         self.result: WrittenTable | None = None  # set when the block completes
@@ -95,17 +96,26 @@ class BatchWriter:
         self.num_rows += len(self._pending)
         self._pending = []
 
+    def discard(self) -> None:
+        """Drops every row written so far: the file starts over, empty (a selection that
+        learns mid-read that it must sample instead)."""
+        self._writer.close()
+        self._writer = pq.ParquetWriter(self._path, self._schema, compression="zstd")
+        self._pending, self.num_rows = [], 0
+
+    def close(self) -> None:
+        self._writer.close()
+
 
 @contextmanager
 def parquet_rows(path: Path, schema: pa.Schema, batch_size: int) -> Iterator[BatchWriter]:
-    """A new Parquet file (zstd) at `path`, fed rows; flushed and closed when the block ends."""
-    pq_writer = pq.ParquetWriter(path, schema, compression="zstd")
-    batch_writer = BatchWriter(pq_writer, schema, batch_size)
+    """A new Parquet file at `path`, fed rows; flushed and closed when the block ends."""
+    batch_writer = BatchWriter(path, schema, batch_size)
     try:
         yield batch_writer
         batch_writer.flush()
     finally:
-        pq_writer.close()
+        batch_writer.close()
 
 
 class TableStore:

@@ -5,10 +5,10 @@ row that fails later is quarantined with its original content. A line that is no
 is kept too (with a parse error) instead of aborting the load.
 
 Memory is flat in the source's size: rows arrive one at a time from a reader
-(`services/ingest.py` reads files and the hub), and `max_samples` is applied in two
-passes (count the rows that pass the filter, then keep the chosen ones) instead of
-holding the whole source to sample from it. ShareGPT4V is ~1.2M records; an entry
-keeping 50,000 of them holds 50,000.
+(`services/ingest.py` reads files and the hub), each kept row goes on to a sink (the
+table writer) as it is read, and `max_samples` is applied in two passes (count the rows
+that pass the filter, then keep the chosen ones) instead of holding the whole source to
+sample from it. ShareGPT4V is ~1.2M records; no row is held past its write.
 """
 
 from __future__ import annotations
@@ -119,51 +119,53 @@ def subsample(rows: Iterable[T], max_samples: int | None, seed: int) -> list[T]:
 
 
 @dataclass(frozen=True)
-class LoadedRows:
-    rows: list[RawRow]
-    total: int  # rows in the source
+class Selection:
+    total: int  # rows in the source (read by a pass)
     after_filter: int
+    kept: int
 
 
 class RowSink(Protocol):
-    """What becomes of a row as the selection keeps it (the embedded-image writer)."""
+    """Where the rows the selection keeps go, one at a time (the table writer)."""
 
-    def take(self, row: RawRow) -> RawRow:
-        """The row as kept."""
+    def take(self, row: RawRow) -> None:
+        """Keeps the row."""
 
     def discard(self) -> None:
         """The rows taken so far are not kept after all."""
 
 
-class _AsRead:
-    def take(self, row: RawRow) -> RawRow:
-        return row
+class KeptRows:
+    """A sink holding the kept rows in a list, for a caller that reads them all back."""
+
+    def __init__(self) -> None:
+        self.rows: list[RawRow] = []
+
+    def take(self, row: RawRow) -> None:
+        self.rows.append(row)
 
     def discard(self) -> None:
-        pass
-
-
-AS_READ: RowSink = _AsRead()
+        self.rows.clear()
 
 
 def select_rows(
     spec: DatasetSpec,
     keep: Callable[[RawRow], bool],
     read: Callable[[], Iterator[RawRow]],
-    sink: RowSink = AS_READ,
-) -> LoadedRows:
+    sink: RowSink,
+) -> Selection:
     """The entry's rows from `read` (which reads its source from the start each call):
     filtered by `keep` (`build_filter`), then subsampled (before any normalization);
     `sink` takes each row as it is kept, and is told when a first pass's are dropped.
 
-    Never holds more than `max_samples` rows: a first pass counts the rows that pass the
-    filter, keeping them while there are at most `max_samples`, which is all it takes
-    for a source that small; when more pass, a second pass keeps the chosen positions
-    (both passes must count the same rows: a source that changes in between is refused).
-    Without `max_samples` every row that passes is kept, as asked."""
+    Holds no row: a first pass counts the rows that pass the filter, giving them to
+    `sink` while there are at most `max_samples`, which is all it takes for a source that
+    small; when more pass, `sink` discards them and a second pass gives it the chosen
+    positions (both passes must count the same rows: a source that changes in between
+    is refused). Without `max_samples` every row that passes is kept, as asked."""
     first = _count_keeping_up_to(read(), keep, spec.max_samples, sink)
-    if first.holds_all:
-        return LoadedRows(first.rows, first.total, first.after_filter)
+    if first.kept == first.after_filter:
+        return first
     positions = sample_positions(first.after_filter, spec.max_samples, spec.seed)
     second = _pick(read(), keep, positions, sink)
     if (second.total, second.after_filter) != (first.total, first.after_filter):
@@ -172,52 +174,45 @@ def select_rows(
             f"two reads ({first.total} rows, {first.after_filter} after the filter, then "
             f"{second.total} and {second.after_filter}); rerun once nothing writes to it"
         )
-    return LoadedRows(second.rows, first.total, first.after_filter)
-
-
-@dataclass(frozen=True)
-class _Pass:
-    total: int  # rows read
-    after_filter: int
-    rows: list[RawRow]
-    holds_all: bool  # `rows` is every row that passed the filter
+    return second
 
 
 def _count_keeping_up_to(
     rows: Iterable[RawRow], keep: Callable[[RawRow], bool], limit: int | None, sink: RowSink
-) -> _Pass:
-    """Counts the rows and those passing `keep`, holding the passing ones only while
-    there are at most `limit` of them (all when `limit` is None)."""
-    total = after_filter = 0
-    kept: list[RawRow] = []
+) -> Selection:
+    """Counts the rows and those passing `keep`, giving the passing ones to `sink` only
+    while there are at most `limit` of them (all when `limit` is None)."""
+    total = after_filter = kept = 0
     for row in rows:
         total += 1
         if not keep(row):
             continue
         after_filter += 1
         if limit is None or after_filter <= limit:
-            kept.append(sink.take(row))
+            sink.take(row)
+            kept += 1
         elif kept:
-            kept = []  # too many to hold: the caller samples them in a second pass
+            kept = 0  # too many to keep all: the caller samples them in a second pass
             sink.discard()
-    return _Pass(total, after_filter, kept, holds_all=len(kept) == after_filter)
+    return Selection(total, after_filter, kept)
 
 
 def _pick(
     rows: Iterable[RawRow], keep: Callable[[RawRow], bool], positions: Sequence[int], sink: RowSink
-) -> _Pass:
-    """The rows passing `keep` whose position among them is in `positions` (ascending).
-    Reads to the end anyway, so the counts can be compared with the first pass."""
+) -> Selection:
+    """Gives `sink` the rows passing `keep` whose position among them is in `positions`
+    (ascending). Reads to the end anyway, so the counts can be compared with the first
+    pass."""
     wanted = iter(positions)
     next_wanted = next(wanted, None)
-    total = after_filter = 0
-    picked: list[RawRow] = []
+    total = after_filter = kept = 0
     for row in rows:
         total += 1
         if not keep(row):
             continue
         if after_filter == next_wanted:
-            picked.append(sink.take(row))
+            sink.take(row)
+            kept += 1
             next_wanted = next(wanted, None)
         after_filter += 1
-    return _Pass(total, after_filter, picked, holds_all=len(picked) == after_filter)
+    return Selection(total, after_filter, kept)
