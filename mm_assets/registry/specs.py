@@ -30,7 +30,10 @@ DEFAULT_CATEGORY = "all"
 # shown in metadata and logs, so variables named like secrets are refused.
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
 DATA_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".gz", ".zst", ".bz2", ".xz"}
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+# A dataset's or a draft's name becomes a directory (a partition, `speculators/<name>`):
+# one plain path component, never `..`, never a hidden file, never an option (`-x`).
+_NAME = re.compile(r"^(?!.*\.\.)[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+NAME_RULE = "letters, digits, '_', '-' and '.' only, without '..', not starting with '-' or '.'"
 
 DatasetFormat = Literal["sharegpt4v", "sharegpt", "messages", "prompts"]
 DatasetRole = Literal["training", "benchmark"]
@@ -64,7 +67,7 @@ class DatasetSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field(description="letters, digits, '_', '-' and '.'")
+    name: str = Field(description=NAME_RULE)
     hub: str | None = Field(default=None, description="a Hugging Face dataset id")
     path: str | None = Field(
         default=None, description="a local json/jsonl/parquet file or a directory of them"
@@ -154,12 +157,7 @@ class DatasetSpec(BaseModel):
     @field_validator("name")
     @classmethod
     def _check_name(cls, value: str) -> str:
-        if not _NAME.match(value):
-            raise ValueError(
-                "a dataset name may hold only letters, digits, '_', '-' and '.', "
-                "and may not start with '-' or '.'"
-            )
-        return value
+        return checked_name(value, "a dataset")
 
     @field_validator("path", "image_root")
     @classmethod
@@ -219,6 +217,13 @@ class DatasetSpec(BaseModel):
         if self.path is None:
             raise ValueError(f"dataset {self.name!r} has no local path (it is a hub dataset)")
         return Path(_expand(self.path)).expanduser()
+
+
+def checked_name(value: str, what: str) -> str:
+    """`value` when it is a valid entry name (`_NAME`), else why not."""
+    if not _NAME.match(value):
+        raise ValueError(f"{what} name may hold {NAME_RULE}")
+    return value
 
 
 def _expand(value: str) -> str:
