@@ -25,6 +25,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    FiniteFloat,
     ValidationError,
     field_validator,
     model_validator,
@@ -52,7 +53,7 @@ class SourceCap(BaseModel):
     max_rows: int | None = Field(
         default=None, gt=0, strict=True, description="at most this many training rows"
     )
-    fraction: float | None = Field(
+    fraction: FiniteFloat | None = Field(
         default=None, gt=0, le=1, description="this share of the rows, from 0 to 1"
     )
 

@@ -21,7 +21,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from mm_assets.common import paths
 
@@ -125,7 +133,7 @@ class DatasetSpec(BaseModel):
         description="a positive whole number of rows to keep; leave it out to keep all",
     )
     seed: int = Field(default=0, strict=True, description="a whole number")
-    min_image_availability: float = Field(
+    min_image_availability: FiniteFloat = Field(
         default=0.95, ge=0.0, le=1.0, strict=True, description="a fraction from 0 to 1"
     )
     min_supervised_tokens: int = Field(
@@ -135,7 +143,7 @@ class DatasetSpec(BaseModel):
         description="a positive whole number: rows whose loss reads fewer tokens besides "
         "the tokenizer's special tokens (the end-of-turn marker) are quarantined",
     )
-    max_tokenization_quarantine_ratio: float = Field(
+    max_tokenization_quarantine_ratio: FiniteFloat = Field(
         default=0.1,
         ge=0.0,
         le=1.0,
