@@ -3,11 +3,13 @@
 from typing import TYPE_CHECKING
 
 import dagster as dg
+from pydantic import Field
 
 from mm_assets.assets.checks import has_rows, has_rows_spec
 from mm_assets.assets.metadata import counts_table, rounded, table_links
 from mm_assets.assets.partitions import dataset_asset, dataset_spec
 from mm_assets.assets.resources import StorageResource
+from mm_assets.clients.media_urls import MAX_INLINE_BYTES
 from mm_assets.domain.ingest.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS
 
 if TYPE_CHECKING:
@@ -57,9 +59,10 @@ def raw_dataset(
 class ImageAvailabilityConfig(dg.Config):
     max_image_pixels: int = DEFAULT_MAX_PIXELS
     """Images declaring more pixels are refused as `too_large` (decompression bombs)."""
-    max_image_bytes: int = DEFAULT_MAX_BYTES
+    max_image_bytes: int = Field(default=DEFAULT_MAX_BYTES, ge=1, le=MAX_INLINE_BYTES)
     """Image files larger than this are refused as `too_large`, before anything reads
-    them (vLLM would read each whole, per request)."""
+    them (vLLM would read each whole, per request); at most 256 MiB, what a request
+    carries inline."""
 
 
 @dataset_asset(
