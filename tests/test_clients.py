@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import importlib.util
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,10 +25,19 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pydantic
 import pytest
+from PIL import Image
 
+from mm_assets.assets.ingest import ImageAvailabilityConfig
 from mm_assets.clients import vllm_server
-from mm_assets.clients.media_urls import ServerAccess, file_url_path, outgoing_url
+from mm_assets.clients.media_urls import (
+    MAX_INLINE_BYTES,
+    ImageNotAsProbed,
+    ServerAccess,
+    file_url_path,
+    outgoing_url,
+)
 from mm_assets.clients.vllm_client import (
     CircuitOpen,
     ExtractionRequest,
@@ -52,6 +63,9 @@ from mm_assets.clients.vllm_server import (
     speculative_decoding_args,
 )
 from mm_assets.common.request_settings import RequestSettings
+from mm_assets.domain.ingest.images import probe_image
+from mm_assets.domain.prep.conversations import image_urls, to_vllm_messages
+from mm_assets.domain.prep.formats import image_part
 
 BASE_URL = "http://vllm.test/v1"
 HIDDEN_STATES_PATH = "/tmp/x.safetensors"
@@ -273,22 +287,20 @@ def test_a_row_with_images_goes_to_the_token_in_route_under_the_fleets_prefix() 
 
 def test_only_images_the_server_may_open_go_as_files_the_rest_inline(tmp_path: Path) -> None:
     """vLLM opens files under one directory. A file there is sent as its URL; one outside
-    it, or reached through a link out of it (vLLM resolves links), is sent as its bytes,
-    and a name with URL syntax is the file the URL names."""
+    it is sent as its bytes (a link is never followed: see below), and a name with URL
+    syntax is the file the URL names."""
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir(), outside.mkdir()
     inside = root / "odd #1 %41.png"
     inside.write_bytes(b"inside")
     (outside / "x.png").write_bytes(b"outside")
-    (root / "link.png").symlink_to(outside / "x.png")
     assert file_url_path(inside.as_uri()) == inside
     assert outgoing_url(inside.as_uri(), root) == inside.as_uri()
-    for url in ((outside / "x.png").as_uri(), (root / "link.png").as_uri()):
-        assert (
-            outgoing_url(url, root)
-            == "data:image/png;base64," + base64.b64encode(b"outside").decode()
-        )
-        assert outgoing_url(url, None).startswith("data:image/png;base64,")
+    url = (outside / "x.png").as_uri()
+    assert (
+        outgoing_url(url, root) == "data:image/png;base64," + base64.b64encode(b"outside").decode()
+    )
+    assert outgoing_url(url, None).startswith("data:image/png;base64,")
     data = "data:image/png;base64,AAAA"
     assert outgoing_url(data, root) == data
 
@@ -305,6 +317,92 @@ def test_an_image_gone_since_its_probe_fails_its_request_only(tmp_path: Path) ->
     request = ExtractionRequest("r0", [1, 2, 3], ((tmp_path / "gone.png").as_uri(),))
     with pytest.raises(RequestRefused, match=r"could not be read.*coco_image_availability"):
         _extract(_client(FakeVllm(), ServerAccess("k", tmp_path / "elsewhere")), request)
+
+
+def _picture(path: Path, color: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (8, 8), color).save(path)
+    return path
+
+
+def _probed_url(path: Path) -> str:
+    """The URL prep writes for an image: the file its probe checked, and the probe's hash."""
+    turns = [{"role": "user", "content": [image_part(probe_image(path.name, path))]}]
+    (url,) = image_urls(to_vllm_messages(turns))
+    return url
+
+
+def _extract_all(
+    client: HiddenStatesClient, requests: list[ExtractionRequest]
+) -> dict[str, ExtractionResponse | Exception]:
+    outcomes: dict[str, ExtractionResponse | Exception] = {}
+
+    async def handle(request: ExtractionRequest, outcome: ExtractionResponse | Exception) -> None:
+        outcomes[request.row_id] = outcome
+
+    async def main() -> None:
+        try:
+            await client.run(requests, handle)
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+    return outcomes
+
+
+def test_an_image_changed_since_its_probe_fails_its_request_only(tmp_path: Path) -> None:
+    """The probe's hash rides with the URL (never to the server, which opens files
+    itself); an image sent inline whose bytes differ now is refused, the others go."""
+    root = tmp_path / "root"
+    kept, changed = _picture(tmp_path / "a.png", "red"), _picture(tmp_path / "b.png", "red")
+    kept_url, changed_url = _probed_url(kept), _probed_url(changed)
+    assert kept_url == f"{kept.as_uri()}#sha256={hashlib.sha256(kept.read_bytes()).hexdigest()}"
+    _picture(changed, "blue")  # same size, other bytes
+    with pytest.raises(ImageNotAsProbed, match="changed since its probe"):
+        outgoing_url(changed_url, root)
+    _picture(root / "c.png", "green")
+    assert outgoing_url(_probed_url(root / "c.png"), root) == (root / "c.png").as_uri()
+    fake = FakeVllm()
+    urls = {"kept": kept_url, "changed": changed_url}
+    requests = [ExtractionRequest(name, [1, 2, 3], (url,)) for name, url in urls.items()]
+    outcomes = _extract_all(_client(fake, ServerAccess("k", root)), requests)
+    assert isinstance(outcomes["kept"], ExtractionResponse)
+    assert isinstance(outcomes["changed"], RequestRefused)
+    assert re.search(r"changed since its probe.*coco_image_availability", str(outcomes["changed"]))
+    (sent,) = fake.generation_requests
+    (part,) = json.loads(sent.content)["content_parts"]
+    assert part["url"] == "data:image/png;base64," + base64.b64encode(kept.read_bytes()).decode()
+
+
+def test_a_link_put_in_an_images_place_is_refused_not_followed(tmp_path: Path) -> None:
+    """Even to a file with the very bytes probed: the probe recorded the real path, so a
+    link at it now is something else (and could point anywhere the worker may read)."""
+    picture = _picture(tmp_path / "a.png", "red")
+    url = _probed_url(picture)
+    copy = tmp_path / "copy.png"
+    copy.write_bytes(picture.read_bytes())
+    picture.unlink()
+    picture.symlink_to(copy)
+    with pytest.raises(ImageNotAsProbed, match="symbolic link"):
+        outgoing_url(url, tmp_path / "elsewhere")
+    fake = FakeVllm()
+    request = ExtractionRequest("r0", [1, 2, 3], (url,))
+    with pytest.raises(RequestRefused, match=r"symbolic link.*coco_image_availability"):
+        _extract(_client(fake, ServerAccess("k", tmp_path / "elsewhere")), request)
+    assert fake.generation_requests == []
+
+
+def test_a_file_over_the_byte_cap_is_refused_before_it_is_read_whole(tmp_path: Path) -> None:
+    """A sparse terabyte: read whole it would exhaust memory; at most cap + 1 bytes are."""
+    huge = tmp_path / "huge.png"
+    with huge.open("wb") as fh:
+        fh.truncate(1 << 40)
+    with pytest.raises(ImageNotAsProbed, match=f"more than {1 << 20} bytes"):
+        outgoing_url(huge.as_uri(), None, max_bytes=1 << 20)
+    with pytest.raises(ImageNotAsProbed, match=f"more than {MAX_INLINE_BYTES} bytes"):
+        outgoing_url(huge.as_uri(), None)
+    with pytest.raises(pydantic.ValidationError, match="max_image_bytes"):
+        ImageAvailabilityConfig(max_image_bytes=MAX_INLINE_BYTES + 1)
 
 
 def test_each_start_draws_a_new_key_given_in_the_environment(

@@ -48,7 +48,7 @@ def test_sharegpt4v_image_line_becomes_an_image_part() -> None:
         {
             "role": "user",
             "content": [
-                {"type": "image", "path": "/data/coco/coco/a.jpg"},
+                {"type": "image", "path": "/data/coco/coco/a.jpg", "sha256": "h1"},
                 {"type": "text", "text": "What is this?"},
             ],
         },
@@ -158,7 +158,11 @@ def test_messages_format_with_image_parts() -> None:
     }
     assert image_references(record, "messages") == ["coco/a.jpg"]
     conv = normalize(record, "messages", PROBES)
-    assert conv.turns[0]["content"][0] == {"type": "image", "path": "/data/coco/coco/a.jpg"}
+    assert conv.turns[0]["content"][0] == {
+        "type": "image",
+        "path": "/data/coco/coco/a.jpg",
+        "sha256": "h1",
+    }
 
 
 def test_parse_record_rejects_non_objects_and_bad_json() -> None:
@@ -190,7 +194,7 @@ def test_vllm_messages_use_file_urls_never_pixels() -> None:
     messages = to_vllm_messages(conv.turns)
     assert messages[0]["content"][0] == {
         "type": "image_url",
-        "image_url": {"url": "file:///data/coco/coco/a.jpg"},
+        "image_url": {"url": "file:///data/coco/coco/a.jpg#sha256=h1"},
     }
     assert messages[1] == {"role": "assistant", "content": "A cat."}
     json.dumps(messages)  # serializable as stored
@@ -251,9 +255,9 @@ def test_trl_image_parts_take_the_images_column_in_order() -> None:
     assert image_references(record, "messages") == ["coco/a.jpg", "coco/b.jpg"]
     conv = normalize(record, "messages", PROBES)
     assert conv.turns[0]["content"] == [
-        {"type": "image", "path": "/data/coco/coco/a.jpg"},
+        {"type": "image", "path": "/data/coco/coco/a.jpg", "sha256": "h1"},
         {"type": "text", "text": "Compare with"},
-        {"type": "image", "path": "/data/coco/coco/b.jpg"},
+        {"type": "image", "path": "/data/coco/coco/b.jpg", "sha256": "h2"},
     ]
     assert conv.turns[1] == {
         "role": "assistant",
@@ -335,8 +339,8 @@ def test_prompt_images_come_before_the_first_turns_text() -> None:
         {
             "role": "user",
             "content": [
-                {"type": "image", "path": "/data/coco/coco/a.jpg"},
-                {"type": "image", "path": "/data/coco/coco/b.jpg"},
+                {"type": "image", "path": "/data/coco/coco/a.jpg", "sha256": "h1"},
+                {"type": "image", "path": "/data/coco/coco/b.jpg", "sha256": "h2"},
                 {"type": "text", "text": "Which?"},
             ],
         },

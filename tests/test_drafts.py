@@ -63,6 +63,19 @@ def test_bad_drafts_are_refused_naming_file_draft_and_field() -> None:
     assert "draft 'shape': expected a mapping with 'sources'" in text
 
 
+def test_a_draft_name_that_is_not_one_plain_directory_name_is_refused_naming_it() -> None:
+    """`../../x` would put the draft's directory outside `speculators/` (and a retrain
+    replaces that directory whole); every such name is refused as the registry loads."""
+    names = ["../../x", "a/b", "..", ".hidden", "a..b"]
+    with pytest.raises(ValueError) as info:
+        parse_drafts({n: {"sources": {"chat": {}}} for n in names}, "f.yaml", DATASETS, {})
+    lines = str(info.value).splitlines()
+    assert [line.split(": a draft name may hold ")[0] for line in lines] == [
+        f"f.yaml: draft {n!r}" for n in names
+    ]
+    assert all("without '..'" in line for line in lines)
+
+
 def test_every_training_dataset_is_its_own_draft_and_the_demo_mix_is_built_in(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

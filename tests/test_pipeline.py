@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import dagster as dg
 import duckdb
 import pytest
 
+from mm_assets.clients.media_urls import file_url_path
 from tests.bad_inputs import write_bad_inputs
 from tests.conftest import PREP_ASSETS, materialize
 from tests.plots import PLOT_SIZE, decode_plot
@@ -92,7 +92,10 @@ def test_multimodal_rows_carry_vllm_messages_with_file_urls(demo_results) -> Non
         if part["type"] == "image_url"
     ]
     assert len(urls) == sum(len(r["image_hashes"]) for r in multimodal)
-    assert all(u.startswith("file:///") and os.path.isfile(u[len("file://") :]) for u in urls)
+    assert all(u.startswith("file:///") and file_url_path(u).is_file() for u in urls)
+    # each carries its probe's hash, which the client checks when it sends the file inline
+    hashes = [h for r in multimodal for h in r["image_hashes"]]
+    assert [u.partition("#sha256=")[2] for u in urls] == hashes
 
 
 def test_metadata_a_user_reads(demo_results) -> None:

@@ -165,6 +165,17 @@ def test_bad_name_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     assert "letters, digits, '_', '-' and '.'" in message
 
 
+def test_a_dataset_name_that_would_leave_its_directory_is_refused_naming_it() -> None:
+    entries = {n: {"path": "x.json", "format": "sharegpt"} for n in ("a/b", "../x", "a..b")}
+    with pytest.raises(ValueError) as info:
+        parse_entries(entries, "f.yaml")
+    lines = str(info.value).splitlines()
+    assert [line.split(": 'name'")[0] for line in lines] == [
+        f"f.yaml: dataset {n!r}" for n in entries
+    ]
+    assert all("without '..'" in line for line in lines)
+
+
 def test_every_problem_is_reported_one_per_line() -> None:
     entries = {
         "a": {"path": "x", "format": "sharegpt", "max_sample": 5, "seed": "s"},

@@ -3,6 +3,7 @@ settings models, with the same names, defaults and bounds."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from mm_assets.assets.resources import StorageResource, VllmResource
 from mm_assets.assets.responses import ResponsesConfig
 from mm_assets.clients.vllm_server import EngineOptions
 from mm_assets.domain.model.settings import OnlineSettings, SpeculatorSettings
-from mm_assets.registry import DatasetSpec, DraftSpec
+from mm_assets.registry import DatasetSpec, DraftSpec, parse_entries
 from mm_assets.services.settings import STAGE_SETTINGS, resolve
 from mm_assets.train import parser
 
@@ -117,6 +118,41 @@ def test_asset_config_keeps_the_bounds() -> None:
         SpeculatorConfig(epochs=0)
     with pytest.raises(pydantic.ValidationError, match="held_out_fraction"):
         SpeculatorConfig(held_out_fraction=1.5)
+
+
+@pytest.mark.parametrize(
+    ("config", "field", "value"),
+    [
+        (SpeculatorConfig, "learning_rate", math.inf),
+        (SpeculatorConfig, "noise_std", math.inf),
+        (ResponsesConfig, "temperature", math.inf),
+        (ResponsesConfig, "request_timeout_s", math.inf),
+        (VllmResource, "kv_cache_gib", math.inf),
+        (VllmResource, "startup_timeout_s", math.inf),
+        (HiddenStatesConfig, "concurrency", 10**6),
+        (ResponsesConfig, "max_retries", 10**4),
+        (BenchmarkConfig, "concurrency", 1025),
+    ],
+)
+def test_floats_are_finite_and_counts_have_a_ceiling(config: Any, field: str, value: Any) -> None:
+    """`inf` as a cache size or a timeout fails later as an OverflowError; a million
+    requests in flight or retries exhaust memory or never give up: refused, naming the field."""
+    with pytest.raises(pydantic.ValidationError, match=field):
+        config(**{field: value})
+
+
+def test_a_registry_entry_cannot_set_an_unbounded_value() -> None:
+    settings = {"target_responses": {"concurrency": 10**9, "top_p": math.nan}}
+    with pytest.raises(ValueError) as info:
+        parse_entries(
+            {"d": {"path": "x", "format": "sharegpt", "settings": settings}},
+            "f.yaml",
+            STAGE_SETTINGS,
+        )
+    text = str(info.value)
+    where = "f.yaml: dataset 'd': 'settings.target_responses."
+    assert f"{where}concurrency': input should be less than or equal to 1024" in text
+    assert f"{where}top_p': input should be a finite number, got nan" in text
 
 
 def test_training_cli_options_are_the_settings() -> None:

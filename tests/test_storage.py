@@ -8,6 +8,7 @@ import pyarrow as pa
 import pytest
 
 from mm_assets.storage import TableStore
+from mm_assets.storage.layout import StorageLayout
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string())])
 
@@ -61,3 +62,16 @@ def test_a_written_table_is_in_the_catalog_at_once(tmp_path: Path) -> None:
     store.write("things", "p2", [{"id": 2, "name": "b"}], SCHEMA)
     with duckdb.connect(str(store.catalog_path), read_only=True) as con:
         assert con.execute("SELECT count(*) FROM things").fetchone() == (2,)
+
+
+def test_a_name_that_would_leave_its_directory_never_becomes_a_path(tmp_path: Path) -> None:
+    """Whatever a caller passes: the registry refuses such names, this holds without it."""
+    layout = StorageLayout(tmp_path)
+    for name in ("../../x", "a/b", "..", "/etc", ""):
+        for where in (layout.draft, layout.untrained_draft, layout.train_state):
+            with pytest.raises(ValueError, match="not a plain name"):
+                where(name)
+    assert layout.draft("a..b.c") == tmp_path / "speculators" / "a..b.c"
+    with pytest.raises(ValueError, match="not a plain name"):
+        TableStore(tmp_path).write("t", "x/../../../y", [{"id": 1, "name": "a"}], SCHEMA)
+    assert not (tmp_path.parent / "y").exists()

@@ -3,11 +3,13 @@
 from typing import TYPE_CHECKING
 
 import dagster as dg
+from pydantic import Field
 
 from mm_assets.assets.checks import has_rows, has_rows_spec
 from mm_assets.assets.metadata import counts_table, rounded, table_links
 from mm_assets.assets.partitions import dataset_asset, dataset_spec
 from mm_assets.assets.resources import StorageResource, TargetModelResource
+from mm_assets.clients.media_urls import MAX_INLINE_BYTES
 from mm_assets.domain.ingest.images import DEFAULT_MAX_BYTES
 
 if TYPE_CHECKING:
@@ -59,9 +61,10 @@ class ImageAvailabilityConfig(dg.Config):
     """Images declaring more pixels are refused as `too_large` (vLLM decodes each whole
     before the processor scales it down). Default: 32 x the target processor's
     `max_pixels`, at most Pillow's bomb threshold (89.5 MP)."""
-    max_image_bytes: int = DEFAULT_MAX_BYTES
+    max_image_bytes: int = Field(default=DEFAULT_MAX_BYTES, ge=1, le=MAX_INLINE_BYTES)
     """Image files larger than this are refused as `too_large`, before anything reads
-    them (vLLM would read each whole, per request)."""
+    them (vLLM would read each whole, per request); at most 256 MiB, what a request
+    carries inline."""
 
 
 @dataset_asset(

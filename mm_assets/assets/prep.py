@@ -31,7 +31,7 @@ ALL_QUARANTINED = (
 
 @dataset_asset(
     "prep",
-    code_version="4",  # 4: TRL's images column, prompts, benchmark rows and their category
+    code_version="5",  # 5: image parts carry their probe's hash, checked when sent inline
     deps=[raw_dataset, coco_image_availability],
     check_specs=[has_rows_spec("normalized_conversations", ALL_QUARANTINED)],
 )

@@ -111,7 +111,9 @@ class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignor
     connector: str = Field(
         default="auto", description="auto | cpu | stock hidden-states connector."
     )
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = Field(
+        default=600.0, gt=0, allow_inf_nan=False, description="How long a server may take to start."
+    )
     api_key: str = Field(
         default="",
         description=f"The servers' API key; empty: ${API_KEY_ENV} when the step runs. Set "

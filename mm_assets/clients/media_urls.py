@@ -7,17 +7,35 @@ several datasets. Widening the directory to their common parent would let the se
 open any file under it (`/` in the worst case). So the directory stays one narrow root
 (`services.media`), and an image outside it is read here and sent as a base64 data URL.
 The server then sees exactly the bytes this process read, and opens no other file.
+
+Those bytes are the ones the availability stage probed: a file URL carries the probe's
+content hash as its fragment (`#sha256=<hex>`, `domain.prep.conversations`), and the
+inline read refuses a link at the file's name, reads at most `MAX_INLINE_BYTES` (+1 to
+tell) and checks the hash. A file changed since its probe fails its own request only.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
+import hashlib
 import mimetypes
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
+
+# The most a request carries inline: also the ceiling of `max_image_bytes`, so every file
+# the probe passed fits, while a file swapped for a larger one since is never read whole.
+MAX_INLINE_BYTES = 256 << 20
+HASH_FRAGMENT = "sha256="  # what a file URL's fragment holds (`to_vllm_messages`)
+
+
+class ImageNotAsProbed(OSError):
+    """An image to send inline is not the file its probe checked (its request fails)."""
 
 
 @dataclass(frozen=True)
@@ -41,19 +59,48 @@ def readable_by_server(path: Path, media_dir: Path | None) -> bool:
     return media_dir is not None and Path(media_dir).resolve() in path.resolve().parents
 
 
-def data_url(path: Path) -> str:
-    """The file's bytes as a base64 data URL (vLLM decodes by content, not by type)."""
+def read_as_probed(path: Path, sha256: str | None, max_bytes: int = MAX_INLINE_BYTES) -> bytes:
+    """The file's bytes, never through a link at its name, at most `max_bytes`, and (with
+    the probe's `sha256`) exactly the bytes it hashed; else `ImageNotAsProbed`."""
+    try:  # O_NONBLOCK: a FIFO put at the name must not hang the request
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise ImageNotAsProbed(f"{path} is a symbolic link; the probe read a plain file") from exc
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            raise ImageNotAsProbed(f"{path} is not a regular file")
+        data = fh.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ImageNotAsProbed(f"{path} holds more than {max_bytes} bytes")
+    if sha256 is not None and (found := hashlib.sha256(data).hexdigest()) != sha256:
+        raise ImageNotAsProbed(
+            f"{path} changed since its probe (its bytes hash to {found[:16]}…, "
+            f"the probe's to {sha256[:16]}…)"
+        )
+    return data
+
+
+def data_url(path: Path, sha256: str | None = None, max_bytes: int = MAX_INLINE_BYTES) -> str:
+    """The file's bytes (`read_as_probed`) as a base64 data URL (vLLM decodes by content,
+    not by type)."""
     kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
-    return f"data:{kind};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"
+    data = read_as_probed(path, sha256, max_bytes)
+    return f"data:{kind};base64,{base64.b64encode(data).decode('ascii')}"
 
 
-def outgoing_url(url: str, media_dir: Path | None) -> str:
-    """`url` as sent: a `file://` URL the server may open stays; any other file goes
-    inline. Raises `OSError` when the file cannot be read."""
+def outgoing_url(url: str, media_dir: Path | None, max_bytes: int = MAX_INLINE_BYTES) -> str:
+    """`url` as sent: a `file://` URL the server may open stays (without the hash
+    fragment); any other file goes inline, checked against the hash. Raises `OSError`
+    when the file cannot be read or is not the file probed."""
     if not url.startswith("file:"):
         return url
-    path = file_url_path(url)
-    return url if readable_by_server(path, media_dir) else data_url(path)
+    plain, _, fragment = url.partition("#")  # a `#` in a name is percent-encoded
+    path = file_url_path(plain)
+    if readable_by_server(path, media_dir):
+        return plain
+    return data_url(path, fragment.removeprefix(HASH_FRAGMENT) or None, max_bytes)
 
 
 def outgoing_messages(

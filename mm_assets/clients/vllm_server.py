@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
 
 from mm_assets.clients.media_urls import ServerAccess
 from mm_assets.common.urls import url_password
@@ -52,10 +52,10 @@ class EngineOptions(BaseModel):
     max_model_len: int | None = Field(
         default=None, ge=1, description="--max-model-len; None: the model's own."
     )
-    kv_cache_gib: float | None = Field(
+    kv_cache_gib: FiniteFloat | None = Field(
         default=2.0, gt=0, description="KV cache size in GiB; None: vLLM's own default."
     )
-    gpu_memory_utilization: float | None = Field(
+    gpu_memory_utilization: FiniteFloat | None = Field(
         default=None,
         gt=0,
         le=1,

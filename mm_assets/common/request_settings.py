@@ -5,14 +5,29 @@ are — so it sits on the floor both stand on."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
+
+MAX_CONCURRENCY = 1024
 
 
 class RequestSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    concurrency: int = Field(default=8, ge=1, description="Requests in flight across all servers.")
-    max_retries: int = Field(default=4, ge=0, description="Retries of a transient failure.")
+    concurrency: int = Field(
+        default=8,
+        ge=1,
+        le=MAX_CONCURRENCY,
+        description="Requests in flight across all servers; at most 1024: more only queue in "
+        "the servers (vLLM schedules 256 sequences per server by default) while each holds "
+        "its prompt and inline images in memory here.",
+    )
+    max_retries: int = Field(
+        default=4,
+        ge=0,
+        le=10,
+        description="Retries of a transient failure; at most 10: the waits double up to 30 s, "
+        "so 10 retries span about 2.5 minutes, and a failure that lasts longer is not transient.",
+    )
     breaker_failures: int = Field(
         default=8,
         ge=1,
@@ -20,7 +35,7 @@ class RequestSettings(BaseModel):
         "remains (its requests go to the others); requests in a row that failed all their "
         "tries that stop the step.",
     )
-    probe_after_s: float = Field(
+    probe_after_s: FiniteFloat = Field(
         default=30.0, gt=0, description="When a server out of rotation gets a request again."
     )
-    request_timeout_s: float = Field(default=600.0, gt=0, description="Per request.")
+    request_timeout_s: FiniteFloat = Field(default=600.0, gt=0, description="Per request.")

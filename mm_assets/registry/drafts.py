@@ -9,10 +9,10 @@ capped, read from the `drafts:` section of the same YAML files as the datasets.
 
 A draft is benchmarked on the benchmarks its sources list (`benchmarks:`). Every dataset
 is also a one-source draft of its own name, so a draft's name may not be a dataset's.
-Entries are checked when the registry loads, like datasets: an unknown source or key, a
-bad cap, or sources whose states cannot be trained on together (other layer ids; states
-fetched online for a draft that reads stored ones) are refused with a line naming the
-file, the draft and the field.
+Entries are checked when the registry loads, like datasets: a name that is not one plain
+directory name (`../x`, `a/b`), an unknown source or key, a bad cap, or sources whose
+states cannot be trained on together (other layer ids; states fetched online for a draft
+that reads stored ones) are refused with a line naming the file, the draft and the field.
 """
 
 from __future__ import annotations
@@ -21,10 +21,25 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from mm_assets.registry.loading import DRAFTS_KEY, registry_documents
-from mm_assets.registry.specs import DatasetSpec, StageSettings, describe_error, stage_problems
+from mm_assets.registry.specs import (
+    NAME_RULE,
+    DatasetSpec,
+    StageSettings,
+    checked_name,
+    describe_error,
+    stage_problems,
+)
 
 STAGE = "trained_speculator"  # the stage whose settings a draft entry sets at its top level
 BENCHMARK_STAGE = "speculator_benchmark"  # and the one it may set under its name
@@ -38,7 +53,7 @@ class SourceCap(BaseModel):
     max_rows: int | None = Field(
         default=None, gt=0, strict=True, description="at most this many training rows"
     )
-    fraction: float | None = Field(
+    fraction: FiniteFloat | None = Field(
         default=None, gt=0, le=1, description="this share of the rows, from 0 to 1"
     )
 
@@ -54,7 +69,7 @@ class DraftSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str
+    name: str = Field(description=NAME_RULE)
     sources: dict[str, SourceCap] = Field(
         min_length=1, description="a mapping {dataset name: {max_rows | fraction}}"
     )
@@ -62,6 +77,11 @@ class DraftSpec(BaseModel):
     benchmarks: tuple[str, ...] = Field(
         default=(), description="the benchmark entries it is measured on: its sources' own"
     )
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        return checked_name(value, "a draft")
 
     @property
     def is_dataset(self) -> bool:
@@ -104,8 +124,14 @@ def parse_drafts(
 
 
 def _draft_problems(
-    name: str, entry: Any, datasets: Mapping[str, DatasetSpec], stages: StageSettings
+    name: Any, entry: Any, datasets: Mapping[str, DatasetSpec], stages: StageSettings
 ) -> list[str]:
+    if not isinstance(name, str):
+        return [f"a draft's name is text, got {type(name).__name__}"]
+    try:
+        checked_name(name, "a draft")
+    except ValueError as exc:  # its directory would lie elsewhere (`../x`, `a/b`)
+        return [str(exc)]
     if name in datasets:
         return ["a dataset has this name (every dataset is already a draft of its own)"]
     if not isinstance(entry, dict) or not isinstance(entry.get("sources"), dict):

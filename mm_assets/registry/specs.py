@@ -21,7 +21,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from mm_assets.common import paths
 from mm_assets.common.urls import url_password
@@ -32,7 +40,10 @@ DEFAULT_CATEGORY = "all"
 # values holding a URL with a password (`DATABASE_URL`) when the path is resolved.
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
 DATA_SUFFIXES = {".jsonl", ".json", ".parquet", ".csv", ".gz", ".zst", ".bz2", ".xz"}
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+# A dataset's or a draft's name becomes a directory (a partition, `speculators/<name>`):
+# one plain path component, never `..`, never a hidden file, never an option (`-x`).
+_NAME = re.compile(r"^(?!.*\.\.)[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+NAME_RULE = "letters, digits, '_', '-' and '.' only, without '..', not starting with '-' or '.'"
 
 DatasetFormat = Literal["sharegpt4v", "sharegpt", "messages", "prompts"]
 DatasetRole = Literal["training", "benchmark"]
@@ -66,7 +77,7 @@ class DatasetSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str = Field(description="letters, digits, '_', '-' and '.'")
+    name: str = Field(description=NAME_RULE)
     hub: str | None = Field(default=None, description="a Hugging Face dataset id")
     path: str | None = Field(
         default=None, description="a local json/jsonl/parquet file or a directory of them"
@@ -124,7 +135,7 @@ class DatasetSpec(BaseModel):
         description="a positive whole number of rows to keep; leave it out to keep all",
     )
     seed: int = Field(default=0, strict=True, description="a whole number")
-    min_image_availability: float = Field(
+    min_image_availability: FiniteFloat = Field(
         default=0.95, ge=0.0, le=1.0, strict=True, description="a fraction from 0 to 1"
     )
     min_supervised_tokens: int = Field(
@@ -134,7 +145,7 @@ class DatasetSpec(BaseModel):
         description="a positive whole number: rows whose loss reads fewer tokens besides "
         "the tokenizer's special tokens (the end-of-turn marker) are quarantined",
     )
-    max_tokenization_quarantine_ratio: float = Field(
+    max_tokenization_quarantine_ratio: FiniteFloat = Field(
         default=0.1,
         ge=0.0,
         le=1.0,
@@ -156,12 +167,7 @@ class DatasetSpec(BaseModel):
     @field_validator("name")
     @classmethod
     def _check_name(cls, value: str) -> str:
-        if not _NAME.match(value):
-            raise ValueError(
-                "a dataset name may hold only letters, digits, '_', '-' and '.', "
-                "and may not start with '-' or '.'"
-            )
-        return value
+        return checked_name(value, "a dataset")
 
     @field_validator("path", "image_root")
     @classmethod
@@ -221,6 +227,13 @@ class DatasetSpec(BaseModel):
         if self.path is None:
             raise ValueError(f"dataset {self.name!r} has no local path (it is a hub dataset)")
         return Path(_expand(self.path)).expanduser()
+
+
+def checked_name(value: str, what: str) -> str:
+    """`value` when it is a valid entry name (`_NAME`), else why not."""
+    if not _NAME.match(value):
+        raise ValueError(f"{what} name may hold {NAME_RULE}")
+    return value
 
 
 def _expand(value: str) -> str:

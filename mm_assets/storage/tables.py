@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 from mm_assets.common.crashpoints import crash_point
 from mm_assets.common.files import atomic_path
 from mm_assets.common.hashing import file_sha256
+from mm_assets.storage.layout import child
 
 PARTITION_COLUMN = "dataset"
 DATA_FILE = "data.parquet"
@@ -154,7 +155,7 @@ class TableStore:
         return file_sha256(self._existing(table, partition))
 
     def _local_path(self, table: str, partition: str) -> Path:
-        return self.tables_dir / table / f"{PARTITION_COLUMN}={partition}" / DATA_FILE
+        return child(self.tables_dir / table, f"{PARTITION_COLUMN}={partition}") / DATA_FILE
 
     @contextmanager
     def writer(

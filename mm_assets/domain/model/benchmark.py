@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mm_assets.common.request_settings import MAX_CONCURRENCY
 from mm_assets.domain.model.acceptance import OVERALL, Acceptance, WithAcceptance, combine
 
 Turn = dict[str, Any]
@@ -38,7 +39,9 @@ class BenchmarkSettings(BaseModel):
     concurrency: int = Field(
         default=1,
         ge=1,
-        description="Requests in flight. 1: the latency regime speculative decoding is for.",
+        le=MAX_CONCURRENCY,
+        description="Requests in flight. 1: the latency regime speculative decoding is for; "
+        "at most 1024, as for the other stages' requests.",
     )
     ngram_speculative_tokens: int | None = Field(
         default=None,

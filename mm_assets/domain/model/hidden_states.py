@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, FiniteFloat
 
 from mm_assets.common.hashing import json_sha256
 from mm_assets.common.request_settings import RequestSettings
@@ -139,7 +139,7 @@ class ExtractionSettings(RequestSettings):
         description="Three auxiliary layers and the last (default [2, L//2, L-3, L]), checked "
         "against the target before any request; training reads them from the stored states.",
     )
-    max_rejection_ratio: float = Field(
+    max_rejection_ratio: FiniteFloat = Field(
         default=0.01, ge=0, le=1, description="The blocking check fails above this share."
     )
     storage_dtype: Literal["native", "bf16", "fp8_e4m3"] = Field(

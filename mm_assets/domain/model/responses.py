@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, FiniteFloat
 
 from mm_assets.common.hashing import json_sha256
 from mm_assets.common.request_settings import RequestSettings
@@ -35,8 +35,8 @@ class ResponseSettings(RequestSettings):
     """Knobs of a regeneration run (the `target_responses` asset's config). Greedy by
     default, as the default evaluation decodes greedily."""
 
-    temperature: float = Field(default=0.0, ge=0, description="0 = greedy.")
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    temperature: FiniteFloat = Field(default=0.0, ge=0, description="0 = greedy.")
+    top_p: FiniteFloat = Field(default=1.0, gt=0, le=1, description="Nucleus sampling mass.")
     seed: int = Field(default=0, description="Sampling seed (per request).")
     max_tokens: int = Field(default=256, ge=1, description="Longest reply per turn.")
     system_prompt: str | None = Field(
@@ -44,7 +44,7 @@ class ResponseSettings(RequestSettings):
         description="None keeps each conversation's system turn; a text replaces it (or "
         "is added first); an empty text removes it.",
     )
-    max_response_quarantine_ratio: float = Field(
+    max_response_quarantine_ratio: FiniteFloat = Field(
         default=0.05,
         ge=0,
         le=1,

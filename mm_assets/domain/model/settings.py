@@ -13,7 +13,14 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    field_validator,
+    model_validator,
+)
 
 LOSSES = ("kl", "rkl", "jsd", "tv", "nla", "lk_hybrid", "ce")  # what each computes: losses.py
 
@@ -47,12 +54,12 @@ class SpeculatorSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     epochs: int = Field(default=8, ge=1, description="Passes over the training rows.")
-    learning_rate: float = Field(default=1e-3, gt=0, description="AdamW learning rate.")
+    learning_rate: FiniteFloat = Field(default=1e-3, gt=0, description="AdamW learning rate.")
     batch_tokens: int = Field(default=1024, ge=1, description="Tokens per packed batch.")
     ttt_steps: int = Field(
         default=3, ge=1, description="Test-time-training unroll: draft positions trained per root."
     )
-    step_loss_decay: float = Field(
+    step_loss_decay: FiniteFloat = Field(
         default=1.0, gt=0, description="Weight of draft step k's loss is decay**k."
     )
     loss: str = Field(
@@ -68,16 +75,16 @@ class SpeculatorSettings(BaseModel):
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         default="constant", description="How the learning rate moves after the warmup."
     )
-    warmup_ratio: float = Field(
+    warmup_ratio: FiniteFloat = Field(
         default=0.0, ge=0, lt=1, description="Share of the steps the rate rises over from 0."
     )
-    min_lr_ratio: float = Field(
+    min_lr_ratio: FiniteFloat = Field(
         default=0.0,
         ge=0,
         le=1,
         description="linear / cosine: the last step's rate, as a share of learning_rate.",
     )
-    noise_std: float = Field(
+    noise_std: FiniteFloat = Field(
         default=0.0,
         ge=0,
         description="Gaussian noise on the target's auxiliary states while training, as a "
@@ -116,12 +123,12 @@ class SpeculatorSettings(BaseModel):
         ge=0,
         description="Stop after this many epochs without a higher held-out estimate (0: never).",
     )
-    grad_clip: float = Field(default=1.0, gt=0, description="Gradient norm clipping.")
+    grad_clip: FiniteFloat = Field(default=1.0, gt=0, description="Gradient norm clipping.")
     seed: int = Field(default=0, description="Initialisation, batch order and held-out split.")
     draft_vocab_size: int = Field(
         default=32000, ge=1, description="Target tokens the draft can propose (most supervised)."
     )
-    held_out_fraction: float = Field(
+    held_out_fraction: FiniteFloat = Field(
         default=0.1, ge=0, lt=1, description="Share of rows kept out of training for evaluation."
     )
     speculative_tokens: int = Field(

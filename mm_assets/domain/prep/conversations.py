@@ -2,7 +2,7 @@
 
 Normalized form: a list of turns `{"role": system|user|assistant|tool, "content": ...}`
 where content is a string or a list of parts `{"type": "text", "text": ...}` /
-`{"type": "image", "path": <absolute path>}`.
+`{"type": "image", "path": <absolute path>, "sha256": <its probe's content hash>}`.
 
 Unknown roles quarantine the whole row rather than being dropped or guessed: a turn
 silently removed or relabelled would train the draft on a conversation shape the target
@@ -162,11 +162,14 @@ def turn_text(turn: Turn) -> str:
 def to_vllm_messages(turns: list[Turn]) -> list[dict[str, Any]]:
     """OpenAI chat messages for vLLM: image parts as `file://` URLs (never pixels),
     percent-encoded (`Path.as_uri`) so that vLLM, which parses the URL, opens the file the
-    probe checked: `a#b.png` would otherwise be read as `a`, `%41` as `A`."""
+    probe checked: `a#b.png` would otherwise be read as `a`, `%41` as `A`. The probe's
+    content hash rides as the fragment (`#sha256=<hex>`): the client checks it when it
+    sends the file inline (`clients/media_urls.py`), and sends the server no fragment."""
 
     def part(p: dict[str, Any]) -> dict[str, Any]:
         if p["type"] == "image":
-            return {"type": "image_url", "image_url": {"url": Path(p["path"]).as_uri()}}
+            url = Path(p["path"]).as_uri() + (f"#sha256={p['sha256']}" if p.get("sha256") else "")
+            return {"type": "image_url", "image_url": {"url": url}}
         return {"type": "text", "text": p["text"]}
 
     return [

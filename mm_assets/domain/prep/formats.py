@@ -149,6 +149,12 @@ def _role(raw: Any) -> str:
     return role
 
 
+def image_part(probe: ImageProbe) -> dict[str, Any]:
+    """An image part: the file the probe checked and its content hash, which the client
+    checks again when it sends the bytes itself (`to_vllm_messages`)."""
+    return {"type": "image", "path": probe.path, "sha256": probe.content_hash}
+
+
 def _split_placeholders(text: str, images: list[ImageProbe], cursor: list[int]) -> list[dict]:
     """Text with `<image>` placeholders as parts; the newline that separates a
     placeholder from its text belongs to the placeholder."""
@@ -161,7 +167,7 @@ def _split_placeholders(text: str, images: list[ImageProbe], cursor: list[int]) 
                     DropReason.IMAGE_PLACEHOLDER_MISMATCH,
                     f"more {IMAGE_PLACEHOLDER} placeholders than the {len(images)} image(s)",
                 )
-            parts.append({"type": "image", "path": images[cursor[0]].path})
+            parts.append(image_part(images[cursor[0]]))
             cursor[0] += 1
             continue
         if i > 0 and segments[i - 1] == IMAGE_PLACEHOLDER and segment.startswith("\n"):
@@ -234,9 +240,9 @@ def _messages(
                         f"more {{'type': 'image'}} parts than the {len(column)} image(s) in "
                         f"the '{IMAGES_COLUMN}' column (turn {index})",
                     )
-                parts.append({"type": "image", "path": next(pending).path})
+                parts.append(image_part(next(pending)))
             elif _part_image_ref(part) is not None:
-                parts.append({"type": "image", "path": next(pending).path})
+                parts.append(image_part(next(pending)))
             elif isinstance(part, dict) and isinstance(part.get("text"), str):
                 parts.append({"type": "text", "text": part["text"]})
             else:
@@ -266,7 +272,7 @@ def _prompts(
         content: str | list[dict[str, Any]] = text
         if index == 0 and images:
             content = [
-                *({"type": "image", "path": p.path} for p in images),
+                *(image_part(p) for p in images),
                 {"type": "text", "text": text},
             ]
         turns.append({"role": "user", "content": content})

@@ -3,7 +3,7 @@ the tokenizer and the rejection watch take their values from here."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
 
 
 class TokenizationSettings(BaseModel):
@@ -19,7 +19,7 @@ class TokenizationSettings(BaseModel):
         ge=1,
         description="How many first rows `max_repeated_rejection_share` looks at.",
     )
-    max_repeated_rejection_share: float = Field(
+    max_repeated_rejection_share: FiniteFloat = Field(
         default=0.5,
         gt=0,
         le=1,
