@@ -16,8 +16,8 @@ its place, drives it around its key, or moves it off loopback.
   argparse takes any unambiguous prefix (`--ho`) and `_` for `-`: the flags the
   server's confinement rests on are refused there (`refuse_reserved_flags`).
 
-This module is imported inside the vLLM server (`--middleware`): the standard library
-and psutil only.
+This module is imported inside the vLLM server (`--middleware`): the standard library,
+psutil and `mm_assets.common` only.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from __future__ import annotations
 import contextlib
 import hmac
 import os
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import psutil
+
+from mm_assets.common.urls import url_password
 
 MIDDLEWARE = f"{__name__}.KeyOnEveryRoute"
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # the start-up probe; counters, no model run
@@ -41,7 +43,7 @@ RESERVED_FLAGS = {
     "--config": "a config file could set any of the flags above",
 }
 
-# Variables the server's environment allow-list (`vllm_server.server_environment`) lets
+# Variables the server's environment allow-list (`server_environment`) lets
 # through by prefix but withholds: the key, and vLLM switches a shell may hold for its
 # own servers that would open routes or loosen this one (the tests check each name
 # against vLLM's envs.py, so a rename upstream is noticed).
@@ -134,3 +136,28 @@ class KeyOnEveryRoute:
             headers = [(b"content-type", b"application/json")]
             await send({"type": "http.response.start", "status": 401, "headers": headers})
             await send({"type": "http.response.body", "body": b'{"error": "Unauthorized"}'})
+
+
+# What a managed server inherits of the caller's environment: what Python, vLLM, torch,
+# the CPU and GPU runtimes and the hub client (offline, from its cache) read, and the run
+# marker the dead-run watch finds a run's processes by. Nothing else: cloud credentials,
+# API keys and tokens stay with the caller (the server loads the target from a local
+# directory, so it needs no hub token).
+_NAMES = """PATH HOME USER LOGNAME SHELL LANG LANGUAGE TZ TERM TMPDIR PYTHONPATH PYTHONHOME
+VIRTUAL_ENV LD_LIBRARY_PATH LD_PRELOAD XDG_CACHE_HOME XDG_CONFIG_HOME XDG_RUNTIME_DIR CC CXX
+HF_HOME HF_HUB_CACHE HF_HUB_OFFLINE TRANSFORMERS_OFFLINE MM_ASSETS_RUN_ID"""
+_PREFIXES = (
+    "VLLM_ LC_ CUDA_ NVIDIA_ NCCL_ OMP_ KMP_ MKL_ GOMP_ TORCH PYTORCH_ TRITON_ MM_ASSETS_CRASH_"
+)
+SERVER_ENV_NAMES, SERVER_ENV_PREFIXES = frozenset(_NAMES.split()), tuple(_PREFIXES.split())
+
+
+def server_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The allowed variables of `env`, less any whose value is a URL with a password."""
+    return {
+        name: value
+        for name, value in env.items()
+        if (name in SERVER_ENV_NAMES or name.startswith(SERVER_ENV_PREFIXES))
+        and name not in SERVER_ENV_WITHHELD
+        and not url_password(value)
+    }

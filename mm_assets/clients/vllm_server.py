@@ -23,7 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -34,11 +34,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat
 from mm_assets.clients.media_urls import ServerAccess
 from mm_assets.clients.server_lockdown import (
     MIDDLEWARE,
-    SERVER_ENV_WITHHELD,
     foreign_listeners,
     refuse_reserved_flags,
+    server_environment,
 )
-from mm_assets.common.urls import url_password
 
 CPU_CONNECTOR = ("CpuHiddenStatesConnector", "mm_assets.clients.cpu_hidden_states_connector")
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
@@ -158,31 +157,6 @@ def exit_status(code: int) -> str:
     signum = -code if code < 0 else code - 128 if code > 128 else 0
     name = next((s.name for s in signal.Signals if s.value == signum), None)
     return f"code {code}" + (f", killed by {name}" if name else "")
-
-
-# What a managed server inherits of the caller's environment: what Python, vLLM, torch,
-# the CPU and GPU runtimes and the hub client (offline, from its cache) read, and the run
-# marker the dead-run watch finds a run's processes by. Nothing else: cloud credentials,
-# API keys and tokens stay with the caller (the server loads the target from a local
-# directory, so it needs no hub token).
-_NAMES = """PATH HOME USER LOGNAME SHELL LANG LANGUAGE TZ TERM TMPDIR PYTHONPATH PYTHONHOME
-VIRTUAL_ENV LD_LIBRARY_PATH LD_PRELOAD XDG_CACHE_HOME XDG_CONFIG_HOME XDG_RUNTIME_DIR CC CXX
-HF_HOME HF_HUB_CACHE HF_HUB_OFFLINE TRANSFORMERS_OFFLINE MM_ASSETS_RUN_ID"""
-_PREFIXES = (
-    "VLLM_ LC_ CUDA_ NVIDIA_ NCCL_ OMP_ KMP_ MKL_ GOMP_ TORCH PYTORCH_ TRITON_ MM_ASSETS_CRASH_"
-)
-SERVER_ENV_NAMES, SERVER_ENV_PREFIXES = frozenset(_NAMES.split()), tuple(_PREFIXES.split())
-
-
-def server_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """The allowed variables of `env`, less any whose value is a URL with a password."""
-    return {
-        name: value
-        for name, value in env.items()
-        if (name in SERVER_ENV_NAMES or name.startswith(SERVER_ENV_PREFIXES))
-        and name not in SERVER_ENV_WITHHELD
-        and not url_password(value)
-    }
 
 
 def _exited(pid: int) -> bool:
