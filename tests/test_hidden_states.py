@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from mm_assets.assets.resources import StorageResource, VllmResource
+from mm_assets.clients.connector_files import ConnectorDir
 from mm_assets.clients.vllm_client import HiddenStatesClient
 from mm_assets.common.request_settings import RequestSettings
 from mm_assets.domain.model.hidden_state_format import FP8_ERROR_BOUND
@@ -30,7 +31,7 @@ from mm_assets.services.extraction import HiddenStatesJob, requests_for
 from mm_assets.services.request_stage import run_requests
 from mm_assets.services.target import target_fingerprint
 from mm_assets.storage.blobs import BlobStore
-from tests.conftest import PREP_ASSETS, SESSION_HOME, materialize
+from tests.conftest import PREP_ASSETS, SESSION_HOME, SESSION_INCOMING, materialize
 from tests.server_kills import doomed_server, kill_servers_at_store
 
 pytestmark = pytest.mark.slow
@@ -179,7 +180,7 @@ def test_token_mismatch_is_rejected_and_nothing_stored(
     )
     (request,) = requests_for(rows, {row["row_id"]}, image_token)
     assert request.image_urls and request.prompt_ids.count(image_token) == 1
-    job = HiddenStatesJob(plan.keys(), settings, blobs)
+    job = HiddenStatesJob(plan.keys(), settings, blobs, ConnectorDir(SESSION_INCOMING))
     report = run_requests(client, [request], job, len(plan.missing))
     assert report.stored == 0 and len(report.rejections) == 1
     assert report.rejections[0]["reason"] == "token_mismatch"
