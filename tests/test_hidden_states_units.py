@@ -307,6 +307,24 @@ def test_store_response_rejects_and_discards_what_it_cannot_use(
     assert not source.exists() and not any(blobs.dir.rglob("*.safetensors"))
 
 
+def test_a_file_that_is_not_safetensors_rejects_its_row_not_the_partition(
+    tmp_path: Path,
+) -> None:
+    """A connector file cut short or holding anything else is a row's `bad_file` once
+    its tries are spent (before: the decoder's own error stopped the whole step)."""
+    from mm_assets.services.extraction import store_outcome
+
+    blobs, layout = BlobStore(tmp_path), HiddenStatesLayout("t", [2, 4, 5, 8], 8, "float32")
+    source = tmp_path / "incoming" / "req.safetensors"
+    source.parent.mkdir()
+    source.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n")
+    request = ExtractionRequest("r", [0, 1, 2])
+    dest = StatesDestination(layout, blobs, ConnectorDir(source.parent))
+    answer = ExtractionResponse([0, 1, 2], str(source))
+    outcome = store_outcome(request, answer, True, "k" * 64, dest, None)
+    assert outcome.reason == "bad_file" and "req.safetensors" in outcome.detail
+
+
 def test_a_row_answered_without_a_readable_file_is_requested_again(tmp_path: Path) -> None:
     """A server can answer and die before its connector wrote the file (seen with a
     server killed mid-run): the row goes out again instead of being rejected, and a file

@@ -142,10 +142,14 @@ def _store_file(
 ) -> Path:
     """Store the opened, checked file: read through its descriptor, moved by name only
     when the name still is that file (and checked again once moved)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     layout, blobs = dest.layout, dest.blobs
-    tensors = load_file(file.read_path)
+    try:
+        tensors = load_file(file.read_path)
+    except SafetensorError as exc:  # cut short or not safetensors: unreadable, asked again
+        raise ValueError(f"{file.path}: {exc}") from exc
     hidden = validate_tensors(
         tensors, request.input_ids, len(layout.layer_ids), layout.hidden_size, layout.dtype
     )
