@@ -9,6 +9,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -18,8 +19,11 @@ from safetensors.torch import save_file
 
 from mm_assets.clients.connector_files import ConnectorDir, OutsideConnectorDir
 from mm_assets.domain.model.hidden_states import ExtractionSettings
+from mm_assets.domain.model.settings import OnlineSettings
 from mm_assets.services.engine import Serving, VllmEngine
 from mm_assets.services.extraction import PartitionExtraction
+from mm_assets.services.online_batches import OnlineBatches, TooManyRejections
+from mm_assets.services.online_states import OnlineStates
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, schemas
 from mm_assets.storage.blobs import BlobStore
@@ -87,71 +91,122 @@ def _snapshot(paths: list[Path]) -> dict[Path, tuple]:
     return seen
 
 
+@dataclass
+class _Attack:
+    """What the impostor answers for each row, and the paths that must stay as they were."""
+
+    connector: Path
+    rows: dict[str, list[int]]
+    answers: dict[int, str]  # a row's first id -> the path answered for it
+    watched: list[Path]
+
+    @classmethod
+    def staged(cls, tmp_path: Path) -> _Attack:
+        """Every answer names a file the checks would accept, but not one the connector
+        wrote in the step's directory: a file outside, a link inside pointing out, a hard
+        link to a file outside, `..` out of the directory, a directory inside, one
+        outside, a system file (a stand-in: a regressed worker would delete the real one)."""
+        connector, outside = tmp_path / "connector", tmp_path / "home" / ".ssh"
+        connector.mkdir()
+        outside.mkdir(parents=True)
+        system = tmp_path / "etc" / "passwd"
+        system.parent.mkdir()
+        system.write_text("root:x:0:0:root:/root:/bin/bash\n")
+        system.chmod(0o444)
+        rows = {f"r{i}": [10 * i + 1, 10 * i + 2, 10 * i + 3] for i in range(7)}
+        names = ("file", "link", "hard", "dots")
+        victims = {name: outside / f"{name}.safetensors" for name in names}
+        for victim, ids in zip(victims.values(), rows.values(), strict=False):
+            _states_file(victim, ids)
+        (connector / "link.safetensors").symlink_to(victims["link"])
+        os.link(victims["hard"], connector / "hard.safetensors")
+        (connector / "dir.safetensors").mkdir()
+        Path(f"{connector}/dir.safetensors.lock").touch()  # what a writer leaves beside it
+        _states_file(connector / "dir.safetensors" / "inner.safetensors", rows["r4"])
+        Path(f"{outside}.lock").touch()
+        answers = [
+            victims["file"],
+            connector / "link.safetensors",
+            connector / "hard.safetensors",
+            f"{connector}/../home/.ssh/dots.safetensors",
+            connector / "dir.safetensors",
+            outside,
+            system,
+        ]
+        watched = [*victims.values(), *(Path(a) for a in answers[1:3]), answers[4], outside]
+        watched += [system, Path(f"{outside}.lock"), Path(f"{connector}/dir.safetensors.lock")]
+        by_id = {ids[0]: str(a) for ids, a in zip(rows.values(), answers, strict=True)}
+        return cls(connector, rows, by_id, watched)
+
+    def tokenized(self) -> list[dict]:
+        return [
+            {"row_id": row_id, "sample_id": row_id, "source_index": i, "input_ids": ids,
+             "loss_mask": [0, 1, 1], "seq_len": 3, "num_supervised": 2, "truncated": False,
+             "multimodal": False, "messages": None, "image_hashes": []}
+            for i, (row_id, ids) in enumerate(self.rows.items())
+        ]  # fmt: skip
+
+    def serving(self, url: str, tmp_path: Path) -> Serving:
+        """The impostor as an external server, its connector directory named."""
+        target = tmp_path / "target"
+        target.mkdir(exist_ok=True)
+        (target / "config.json").write_text(json.dumps(TARGET_CONFIG))
+        engine = VllmEngine((url,), api_key="k", connector_dir=str(self.connector))
+        return Serving.for_target(engine, target, None, tmp_path / "vllm.log")
+
+
+def _stored_files(root: Path) -> list[Path]:
+    return [p for p in (root / "blobs").rglob("*") if not p.is_dir()]
+
+
 def test_an_impostor_answering_paths_outside_the_connector_dir_touches_nothing(
     tmp_path: Path,
 ) -> None:
-    """Every answer names a file the checks would accept, but not one the connector
-    wrote in the step's directory: a file outside, a link inside pointing out, a hard
-    link to a file outside, `..` out of the directory, a directory, a system file (a
-    stand-in: a worker that regressed would delete the real one). Each row is rejected
-    with the reason; every victim is intact and the blob store holds nothing."""
-    connector, outside = tmp_path / "connector", tmp_path / "home" / ".ssh"
-    connector.mkdir()
-    outside.mkdir(parents=True)
-    system = tmp_path / "etc" / "passwd"
-    system.parent.mkdir()
-    system.write_text("root:x:0:0:root:/root:/bin/bash\n")
-    system.chmod(0o444)
-    rows = {f"r{i}": [10 * i + 1, 10 * i + 2, 10 * i + 3] for i in range(7)}
-    victims = {name: outside / f"{name}.safetensors" for name in ("file", "link", "hard", "dots")}
-    for victim, ids in zip(victims.values(), rows.values(), strict=False):
-        _states_file(victim, ids)
-    (connector / "link.safetensors").symlink_to(victims["link"])
-    os.link(victims["hard"], connector / "hard.safetensors")
-    (connector / "dir.safetensors").mkdir()
-    Path(f"{connector}/dir.safetensors.lock").touch()  # what a writer leaves beside it
-    _states_file(connector / "dir.safetensors" / "inner.safetensors", rows["r4"])
-    Path(f"{outside}.lock").touch()  # a lock beside the outside directory
-    answers = [
-        victims["file"],
-        connector / "link.safetensors",
-        connector / "hard.safetensors",
-        f"{connector}/../home/.ssh/dots.safetensors",
-        connector / "dir.safetensors",
-        outside,
-        system,
-    ]
-    watched = [*victims.values(), *(Path(a) for a in answers[1:3]), answers[4], outside, system]
-    watched += [Path(f"{outside}.lock"), Path(f"{connector}/dir.safetensors.lock")]
-    before = _snapshot(watched)
-
+    """Offline extraction against the impostor (`_Attack`): each row is rejected with
+    the reason; every victim is intact and the blob store holds nothing."""
+    attack = _Attack.staged(tmp_path)
+    before = _snapshot(attack.watched)
     root = tmp_path / "root"
     tables = TableStore(root)
-    tokenized = [
-        {"row_id": row_id, "sample_id": row_id, "source_index": i, "input_ids": ids,
-         "loss_mask": [0, 1, 1], "seq_len": 3, "num_supervised": 2, "truncated": False,
-         "multimodal": False, "messages": None, "image_hashes": []}
-        for i, (row_id, ids) in enumerate(rows.items())
-    ]  # fmt: skip
-    tables.write("tokenized_samples", "p", tokenized, schemas.TOKENIZED)
-    target = tmp_path / "target"
-    target.mkdir()
-    (target / "config.json").write_text(json.dumps(TARGET_CONFIG))
-    paths = {ids[0]: str(answer) for ids, answer in zip(rows.values(), answers, strict=True)}
-    with _impostor(paths) as url:
-        engine = VllmEngine((url,), api_key="k", connector_dir=str(connector))
-        serving = Serving.for_target(engine, target, None, tmp_path / "vllm.log")
-        blobs = BlobStore(root)
+    tables.write("tokenized_samples", "p", attack.tokenized(), schemas.TOKENIZED)
+    with _impostor(attack.answers) as url:
+        serving = attack.serving(url, tmp_path)
+        target = TargetModel(str(serving.target_dir))
         extraction = PartitionExtraction(
-            "p", tables, blobs, TargetModel(str(target)), serving, ExtractionSettings()
+            "p", tables, BlobStore(root), target, serving, ExtractionSettings()
         )
         report = extraction.run()
 
-    assert _snapshot(watched) == before
-    assert not [p for p in blobs.dir.rglob("*") if not p.is_dir()]
+    assert _snapshot(attack.watched) == before
+    assert not _stored_files(root)
     rejected = {r["row_id"]: r["reason"] for r in tables.iter_rows("hidden_states_rejections", "p")}
-    assert rejected == dict.fromkeys(rows, "hidden_states_path_outside")
+    assert rejected == dict.fromkeys(attack.rows, "hidden_states_path_outside")
     assert report.requests.stored == 0
+
+
+@pytest.mark.parametrize("cache", ["keep", "discard"])
+def test_online_training_against_the_impostor_touches_nothing(tmp_path: Path, cache) -> None:
+    """The same answers while training online: every row of the pass is rejected with
+    the reason (the step then fails on `max_rejection_ratio`), nothing is touched and
+    nothing stored, in the blob store or its scratch."""
+    attack = _Attack.staged(tmp_path)
+    before = _snapshot(attack.watched)
+    root = tmp_path / "root"
+    with _impostor(attack.answers) as url:
+        serving = attack.serving(url, tmp_path)
+        target = TargetModel(str(serving.target_dir))
+        online = OnlineSettings(hidden_states="online", online_cache=cache)
+        states = OnlineStates.for_target(
+            target, serving, ExtractionSettings(), online, BlobStore(root)
+        )
+        refs, keys, requests = states.training_rows(attack.tokenized())
+        with OnlineBatches(states, keys, requests) as source, pytest.raises(TooManyRejections):
+            list(source.batches([refs[:4], refs[4:]], "epoch 1"))
+
+    assert _snapshot(attack.watched) == before
+    assert not _stored_files(root)
+    (passed,) = source.report.passes
+    assert dict(passed.rejected) == {"hidden_states_path_outside": len(attack.rows)}
 
 
 def test_the_connector_dir_accepts_only_its_own_regular_files(tmp_path: Path) -> None:
@@ -194,13 +249,24 @@ def test_the_connector_dir_accepts_only_its_own_regular_files(tmp_path: Path) ->
     assert not good.exists() and not Path(f"{good}.lock").exists()
 
 
-def test_external_servers_need_their_connector_dir_named(tmp_path: Path) -> None:
+def test_external_servers_need_their_connector_dir_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A managed server writes into the step's own directory; the files of external
-    servers are taken only from `connector_dir`, and without one the step refuses to
-    start, naming the setting."""
+    servers are taken only from `connector_dir` (the resource's, else the environment's),
+    and without one the step refuses to start, naming the setting."""
+    from mm_assets.assets.resources import VllmResource
+
     incoming = tmp_path / "incoming"
     assert VllmEngine().connector_files(incoming).path == incoming
     external = VllmEngine(("http://fleet:8000/v1",), connector_dir="/mnt/states")
     assert external.connector_files(incoming).path == Path("/mnt/states")
+    monkeypatch.delenv("MM_ASSETS_VLLM_CONNECTOR_DIR", raising=False)
     with pytest.raises(ValueError, match="connector_dir"):
-        VllmEngine(("http://fleet:8000/v1",)).connector_files(incoming)
+        VllmResource(base_urls=["http://fleet:8000/v1"]).engine().connector_files(incoming)
+    monkeypatch.setenv("MM_ASSETS_VLLM_URLS", "http://fleet:8000/v1")
+    monkeypatch.setenv("MM_ASSETS_VLLM_CONNECTOR_DIR", "/mnt/env")
+    for engine in (VllmEngine.from_environment(), VllmResource().engine()):
+        assert engine.connector_files(incoming).path == Path("/mnt/env")
+    own = VllmResource(connector_dir="/mnt/own").engine()
+    assert own.connector_files(incoming).path == Path("/mnt/own")

@@ -131,17 +131,17 @@ class ConnectorDir:
         directory or a file with other links is left as it is, its lock too."""
         try:
             name = self.name_of(reported)
-        except OutsideConnectorDir:
+            with self._dir_fd() as dir_fd:
+                for entry in (name, f"{name}.lock"):
+                    try:
+                        st = os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                        return
+                    os.unlink(entry, dir_fd=dir_fd)
+        except (OutsideConnectorDir, FileNotFoundError):  # no such directory (here)
             return
-        with self._dir_fd() as dir_fd:
-            for entry in (name, f"{name}.lock"):
-                try:
-                    st = os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                    return
-                os.unlink(entry, dir_fd=dir_fd)
 
 
 def _wait_for_writer(dir_fd: int, name: str, timeout_s: float) -> None:
