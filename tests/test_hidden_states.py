@@ -226,7 +226,7 @@ def _copy_prep_tables(src_root: Path, dest_root: Path, partition: str) -> None:
 
 
 def _servers_started_with(marker: str) -> Callable[[], list[int]]:
-    """The vLLM API servers whose command line holds `marker` (their own directory)."""
+    """The vLLM API servers whose command line holds `marker` (their own port)."""
 
     def pids() -> list[int]:
         found = []
@@ -432,7 +432,7 @@ def test_a_server_killed_mid_extraction_leaves_the_rotation_and_every_row_is_sto
     with doomed:
         killed = kill_servers_at_store(
             monkeypatch, _blobs_at_least(blob_dir, total // 5),
-            _servers_started_with(str(root / "doomed_incoming")),
+            _servers_started_with(f"--port {doomed.port} "),
         )  # fmt: skip
         result = materialize(
             partition,
