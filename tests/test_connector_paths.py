@@ -218,10 +218,15 @@ def test_the_connector_dir_accepts_only_its_own_regular_files(tmp_path: Path) ->
     good = connector.path / "cmpl-9f2c1d0e-0-ab12cd34.safetensors"
     good.write_bytes(b"states")
     Path(f"{good}.lock").touch()
-    with connector.open("/srv/in/cmpl-9f2c1d0e-0-ab12cd34.safetensors", 1.0) as file:
-        assert file.st.st_size == 6 and os.read(file.fd, 6) == b"states"
     outside = tmp_path / "victim.safetensors"
     outside.write_bytes(b"keep")
+    with connector.open("/srv/in/cmpl-9f2c1d0e-0-ab12cd34.safetensors", 1.0) as file:
+        assert file.st.st_size == 6 and file.is_same(good)
+        os.rename(good, tmp_path / "moved")  # the name now points out: reads stay with
+        good.symlink_to(outside)  # the checked file, and the swap is seen
+        assert Path(file.read_path).read_bytes() == b"states" and not file.is_same(good)
+    good.unlink()
+    (tmp_path / "moved").rename(good)
     (connector.path / "link.safetensors").symlink_to(outside)
     (connector.path / "sub").mkdir()
     (connector.path / "sub" / "x.safetensors").write_bytes(b"keep")
