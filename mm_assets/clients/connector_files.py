@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 CONNECTOR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,250}\.safetensors")
-"""`<request id>.safetensors`, as vLLM's connector names a request's file (its ids are
-`cmpl-…`, `chatcmpl-…` with hex and `-` parts): no separator, no leading dot."""
+"""`<request id>.safetensors`, as vLLM's connector names a request's file (ids such as
+`cmpl-<hex>-0-<hex>`, `generate-tokens-<hex>-<hex>`): no separator, no leading dot."""
 _NO_LINK = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # no wait on a FIFO
 
 
