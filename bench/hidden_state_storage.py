@@ -124,6 +124,7 @@ def client_cost_at_real_width(tokens: int = 1000, hidden_size: int = 3584, rows:
     import torch
     from safetensors.torch import save_file
 
+    from mm_assets.clients.connector_files import ConnectorDir
     from mm_assets.domain.model.hidden_state_format import FinalLayer, StorageDtype, StorageFormat
     from mm_assets.domain.model.hidden_states import HiddenStatesLayout
     from mm_assets.services.extraction import StatesDestination, store_response
@@ -153,7 +154,7 @@ def client_cost_at_real_width(tokens: int = 1000, hidden_size: int = 3584, rows:
                 hidden = torch.randn(tokens, 4, hidden_size).to(torch.bfloat16)
                 save_file({"hidden_states": hidden, "token_ids": torch.tensor(ids)}, str(source))
                 started = time.process_time()
-                dest = StatesDestination(layout, blobs)
+                dest = StatesDestination(layout, blobs, ConnectorDir(source.parent))
                 key = f"{i:02d}{name[:2]}"
                 store_response(Request(ids), Response(str(source), ids), key, dest, mask)
                 cost[name].append((time.process_time() - started) * 1e6 / tokens)
@@ -206,7 +207,11 @@ def run(home: Path, rounds: int, train: bool = True) -> dict:
         EngineOptions(dtype="float32", kv_cache_gib=2.0),
     )
     with server as base_url:
-        external = VllmResource(base_urls=[base_url], api_key=server.access.api_key)
+        external = VllmResource(
+            base_urls=[base_url],
+            api_key=server.access.api_key,
+            connector_dir=str(scratch / "incoming"),
+        )
         for partition in PARTITIONS:  # warm-up: first-call costs are not throughput
             _materialize("hidden_states", partition, scratch / "warmup", external, {})
         for _ in range(rounds):

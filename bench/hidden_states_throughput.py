@@ -83,7 +83,11 @@ def _asset_run(home: Path, base_url: str, api_key: str, attempt: int) -> tuple[f
             resources={
                 **defs.resources,
                 "storage": StorageResource(root=str(storage_root)),
-                "vllm": VllmResource(base_urls=[base_url], api_key=api_key),
+                "vllm": VllmResource(
+                    base_urls=[base_url],
+                    api_key=api_key,
+                    connector_dir=str(home / "blobs" / "incoming" / "bench"),
+                ),
             },
             run_config={"ops": {"hidden_states": {"config": {"concurrency": CONCURRENCY}}}},
             instance=dg.DagsterInstance.ephemeral(),

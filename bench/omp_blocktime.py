@@ -76,7 +76,11 @@ def run(home: Path, blocks: int) -> dict:
                 args = extraction_args(default_layer_ids(8), scratch / "incoming", "auto")
                 server = ManagedVllmServer(target, args, images, scratch / "ext.log", options)
                 with server as url:
-                    fleet = VllmResource(base_urls=[url], api_key=server.access.api_key)
+                    fleet = VllmResource(
+                        base_urls=[url],
+                        api_key=server.access.api_key,
+                        connector_dir=str(scratch / "incoming"),
+                    )
                     for partition in PARTITIONS:
                         _materialize("hidden_states", partition, warmup, fleet, {})
                     for _ in range(2):

@@ -19,6 +19,8 @@ import pytest
 
 SESSION_HOME: Path
 """The session's storage root (`MM_ASSETS_HOME`), made by `pytest_configure`."""
+SESSION_INCOMING: Path
+"""Where the session's extraction servers write (`MM_ASSETS_VLLM_CONNECTOR_DIR`)."""
 FLEET_KEY = secrets.token_urlsafe(24)
 """The API key of the session's servers, which tests use as an external fleet: steps
 read it from `MM_ASSETS_VLLM_API_KEY`, as a deployment's would."""
@@ -28,8 +30,9 @@ _ENVIRONMENT = pytest.StashKey[pytest.MonkeyPatch]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global SESSION_HOME, BAD_DIR
+    global SESSION_HOME, SESSION_INCOMING, BAD_DIR
     SESSION_HOME = Path(tempfile.mkdtemp(prefix="mm_assets_test_"))
+    SESSION_INCOMING = SESSION_HOME / "blobs" / "incoming" / "session_server"
     BAD_DIR = SESSION_HOME / "bad_inputs"
     env = config.stash[_ENVIRONMENT] = pytest.MonkeyPatch()
     env.setenv("MM_ASSETS_HOME", str(SESSION_HOME))
@@ -38,6 +41,7 @@ def pytest_configure(config: pytest.Config) -> None:
     env.delenv("MM_ASSETS_TARGET_MODEL", raising=False)
     env.delenv("COCO_DIR", raising=False)
     env.setenv("MM_ASSETS_VLLM_API_KEY", FLEET_KEY)
+    env.setenv("MM_ASSETS_VLLM_CONNECTOR_DIR", str(SESSION_INCOMING))
     # the trained demo target: built once per user (as `make` keeps it), whatever the home
     cache_root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     cache = Path(cache_root) / "mm_assets" / "demo_targets"
@@ -217,10 +221,9 @@ def vllm_server(demo_dir: Path):
     from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
     from mm_assets.domain.model.hidden_states import default_layer_ids
 
-    incoming = SESSION_HOME / "blobs" / "incoming" / "session_server"
     server = ManagedVllmServer(
         str(demo_dir / "target"),
-        extraction_args(default_layer_ids(8), incoming, "auto"),
+        extraction_args(default_layer_ids(8), SESSION_INCOMING, "auto"),
         demo_dir / "coco",
         SESSION_HOME / "logs" / "session_vllm.log",
         EngineOptions(dtype="float32", kv_cache_gib=1.0),

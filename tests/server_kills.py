@@ -48,14 +48,15 @@ def kill_servers_at_store(
 
 
 def doomed_server(demo_dir: Path, root: Path) -> ManagedVllmServer:
-    """A second extraction server for the demo target (as the session's), its files and
-    log under `root`: the one a test kills."""
+    """A second extraction server for the demo target (as the session's, writing into
+    the same connector directory), its log under `root`: the one a test kills."""
     from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
     from mm_assets.domain.model.hidden_states import default_layer_ids
+    from tests.conftest import SESSION_INCOMING
 
     return ManagedVllmServer(
         str(demo_dir / "target"),
-        extraction_args(default_layer_ids(8), root / "doomed_incoming", "auto"),
+        extraction_args(default_layer_ids(8), SESSION_INCOMING, "auto"),
         demo_dir / "coco",
         root / "logs" / "doomed.log",
         EngineOptions(dtype="float32", kv_cache_gib=1.0),

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mm_assets.clients.connector_files import ConnectorDir
 from mm_assets.clients.vllm_client import ExtractionRequest, ExtractionResponse
 from mm_assets.domain.model import hidden_state_codec
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
@@ -206,7 +207,9 @@ def test_a_received_file_is_stored_compactly_with_its_error(tmp_path: Path) -> N
     request = ExtractionRequest("r", list(range(6)))
     key = layout.key(request.input_ids, [], mask)
     response = ExtractionResponse(list(range(6)), str(source))
-    path = store_response(request, response, key, StatesDestination(layout, blobs), mask)
+    path = store_response(
+        request, response, key, StatesDestination(layout, blobs, ConnectorDir(source.parent)), mask
+    )
     with safe_open(str(path), framework="pt") as blob:
         assert set(blob.keys()) == {
             "aux", "aux_scale", "final", "final_scale", "final_runs", "token_ids",

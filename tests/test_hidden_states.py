@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from mm_assets.assets.resources import StorageResource, VllmResource
+from mm_assets.clients.connector_files import ConnectorDir
 from mm_assets.clients.vllm_client import HiddenStatesClient
 from mm_assets.common.request_settings import RequestSettings
 from mm_assets.domain.model.hidden_state_format import FP8_ERROR_BOUND
@@ -30,7 +31,7 @@ from mm_assets.services.extraction import HiddenStatesJob, requests_for
 from mm_assets.services.request_stage import run_requests
 from mm_assets.services.target import target_fingerprint
 from mm_assets.storage.blobs import BlobStore
-from tests.conftest import PREP_ASSETS, SESSION_HOME, materialize
+from tests.conftest import PREP_ASSETS, SESSION_HOME, SESSION_INCOMING, materialize
 from tests.server_kills import doomed_server, kill_servers_at_store
 
 pytestmark = pytest.mark.slow
@@ -179,7 +180,7 @@ def test_token_mismatch_is_rejected_and_nothing_stored(
     )
     (request,) = requests_for(rows, {row["row_id"]}, image_token)
     assert request.image_urls and request.prompt_ids.count(image_token) == 1
-    job = HiddenStatesJob(plan.keys(), settings, blobs)
+    job = HiddenStatesJob(plan.keys(), settings, blobs, ConnectorDir(SESSION_INCOMING))
     report = run_requests(client, [request], job, len(plan.missing))
     assert report.stored == 0 and len(report.rejections) == 1
     assert report.rejections[0]["reason"] == "token_mismatch"
@@ -225,7 +226,7 @@ def _copy_prep_tables(src_root: Path, dest_root: Path, partition: str) -> None:
 
 
 def _servers_started_with(marker: str) -> Callable[[], list[int]]:
-    """The vLLM API servers whose command line holds `marker` (their own directory)."""
+    """The vLLM API servers whose command line holds `marker` (their own port)."""
 
     def pids() -> list[int]:
         found = []
@@ -431,7 +432,7 @@ def test_a_server_killed_mid_extraction_leaves_the_rotation_and_every_row_is_sto
     with doomed:
         killed = kill_servers_at_store(
             monkeypatch, _blobs_at_least(blob_dir, total // 5),
-            _servers_started_with(str(root / "doomed_incoming")),
+            _servers_started_with(f"--port {doomed.port} "),
         )  # fmt: skip
         result = materialize(
             partition,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mm_assets.clients.connector_files import wait_for_writer
+from mm_assets.clients.connector_files import ConnectorDir
 from mm_assets.clients.vllm_client import (
     ExtractionRequest,
     ExtractionResponse,
@@ -177,10 +177,11 @@ def test_disk_budget_refuses_what_cannot_fit(tmp_path: Path, monkeypatch) -> Non
     assert check_disk_budget(plan, settings, blobs) == needed
 
 
-def test_wait_for_writer_blocks_until_the_lock_is_released(tmp_path: Path) -> None:
+def test_a_connector_file_is_opened_only_once_the_writer_released_it(tmp_path: Path) -> None:
     """The waiter returns only once the writer released its lock, never before; a lock
     never released is a `TimeoutError`."""
     path = tmp_path / "x.safetensors"
+    connector = ConnectorDir(tmp_path)
     fd = os.open(f"{path}.lock", os.O_CREAT | os.O_WRONLY)
     fcntl.flock(fd, fcntl.LOCK_EX)
     events: list[str] = []
@@ -188,8 +189,8 @@ def test_wait_for_writer_blocks_until_the_lock_is_released(tmp_path: Path) -> No
 
     def wait() -> None:
         waiting.set()
-        wait_for_writer(path, timeout_s=10)
-        events.append("returned")
+        with connector.open(str(path), lock_timeout_s=10):
+            events.append("returned")
         returned.set()
 
     waiter = threading.Thread(target=wait)
@@ -204,8 +205,8 @@ def test_wait_for_writer_blocks_until_the_lock_is_released(tmp_path: Path) -> No
     assert not waiter.is_alive() and events == ["released", "returned"]
     fd2 = os.open(f"{path}.lock", os.O_WRONLY)
     fcntl.flock(fd2, fcntl.LOCK_EX)
-    with pytest.raises(TimeoutError):
-        wait_for_writer(path, timeout_s=0.2)
+    with pytest.raises(TimeoutError), connector.open(str(path), lock_timeout_s=0.2):
+        pass
     os.close(fd2)
 
 
@@ -255,7 +256,9 @@ def test_store_response_moves_a_valid_file_into_the_blob_store(tmp_path: Path) -
     request = ExtractionRequest("r", [0, 1, 2, 3, 4])
     key = layout.key(request.input_ids, [], [0, 0, 1, 1, 1])
     response = ExtractionResponse(list(range(5)), str(source))
-    stored = store_response(request, response, key, StatesDestination(layout, blobs))
+    stored = store_response(
+        request, response, key, StatesDestination(layout, blobs, ConnectorDir(source.parent))
+    )
     assert stored == blobs.path(key) and blobs.has(key)
     assert torch.equal(load_file(str(stored))["hidden_states"], tensors["hidden_states"])
     assert not source.exists() and not Path(f"{source}.lock").exists()
@@ -269,7 +272,9 @@ def test_store_response_keeps_the_rows_prefix_of_an_untruncated_render(tmp_path:
     source = _response_file(tmp_path, tensors)
     request = ExtractionRequest("r", [0, 1, 2, 3])  # the row was truncated to 4 tokens
     response = ExtractionResponse(list(range(7)), str(source))
-    stored = store_response(request, response, "k" * 64, StatesDestination(layout, blobs))
+    stored = store_response(
+        request, response, "k" * 64, StatesDestination(layout, blobs, ConnectorDir(source.parent))
+    )
     kept = load_file(str(stored))
     assert kept["hidden_states"].shape == (4, 4, 8) and kept["token_ids"].tolist() == [0, 1, 2, 3]
     assert torch.equal(kept["hidden_states"], tensors["hidden_states"][:4])
@@ -292,9 +297,32 @@ def test_store_response_rejects_and_discards_what_it_cannot_use(
     request = ExtractionRequest("r", [0, 1, 2])
     with pytest.raises(HiddenStatesRejected) as info:
         response = ExtractionResponse(prompt_ids, str(source))
-        store_response(request, response, "k" * 64, StatesDestination(layout, blobs))
+        store_response(
+            request,
+            response,
+            "k" * 64,
+            StatesDestination(layout, blobs, ConnectorDir(source.parent)),
+        )
     assert info.value.reason == problem
     assert not source.exists() and not any(blobs.dir.rglob("*.safetensors"))
+
+
+def test_a_file_that_is_not_safetensors_rejects_its_row_not_the_partition(
+    tmp_path: Path,
+) -> None:
+    """A connector file cut short or holding anything else is a row's `bad_file` once
+    its tries are spent (before: the decoder's own error stopped the whole step)."""
+    from mm_assets.services.extraction import store_outcome
+
+    blobs, layout = BlobStore(tmp_path), HiddenStatesLayout("t", [2, 4, 5, 8], 8, "float32")
+    source = tmp_path / "incoming" / "req.safetensors"
+    source.parent.mkdir()
+    source.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n")
+    request = ExtractionRequest("r", [0, 1, 2])
+    dest = StatesDestination(layout, blobs, ConnectorDir(source.parent))
+    answer = ExtractionResponse([0, 1, 2], str(source))
+    outcome = store_outcome(request, answer, True, "k" * 64, dest, None)
+    assert outcome.reason == "bad_file" and "req.safetensors" in outcome.detail
 
 
 def test_a_row_answered_without_a_readable_file_is_requested_again(tmp_path: Path) -> None:
@@ -325,7 +353,8 @@ def test_a_row_answered_without_a_readable_file_is_requested_again(tmp_path: Pat
         if prompt == [1, 2, 3] and asked.count(prompt) == 2:
             path = _response_file(tmp_path, _tensors(3, ids=prompt), name)
         else:  # a server that died while writing: its lock released, no file
-            path = tmp_path / name
+            path = tmp_path / "incoming" / name
+            path.parent.mkdir(exist_ok=True)
             Path(f"{path}.lock").touch()
         choice = {"index": 0, "text": "x", "finish_reason": "length", "prompt_token_ids": prompt}
         return httpx.Response(200, json={
@@ -336,13 +365,13 @@ def test_a_row_answered_without_a_readable_file_is_requested_again(tmp_path: Pat
     transport = httpx.AsyncClient(transport=httpx.MockTransport(server))
     client = HiddenStatesClient(["http://vllm.test/v1"], http_client=transport)
     requests = [ExtractionRequest(r["row_id"], r["input_ids"]) for r in rows]
-    job = HiddenStatesJob(plan.keys(), layout, blobs)
+    job = HiddenStatesJob(plan.keys(), layout, blobs, ConnectorDir(tmp_path / "incoming"))
     tally = run_requests(client, requests, job, len(plan.missing))
     assert tally.stored == 1 and blobs.has(plan.rows[0].key)
     assert asked.count([1, 2, 3]) == 2 and asked.count([4, 5, 6]) == 3
     (rejection,) = tally.rejections
     assert rejection["row_id"] == "never" and rejection["reason"] == "bad_file"
-    assert "after 3 requests" in rejection["detail"] and "local_path_prefix" in rejection["detail"]
+    assert "after 3 requests" in rejection["detail"] and "connector_dir" in rejection["detail"]
 
 
 def _completions_server(tmp_path: Path, ask: list[list[int]] | None = None):
@@ -394,7 +423,7 @@ def test_counts_of_many_concurrent_stores_equal_the_manifest(tmp_path: Path) -> 
             http_client=_completions_server(tmp_path),
         )
         requests = [ExtractionRequest(r["row_id"], r["input_ids"]) for r in rows]
-        job = HiddenStatesJob(plan.keys(), layout, blobs)
+        job = HiddenStatesJob(plan.keys(), layout, blobs, ConnectorDir(tmp_path / "incoming"))
         tally = run_requests(client, requests, job, len(plan.missing))
     finally:
         sys.setswitchinterval(previous)

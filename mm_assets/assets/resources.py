@@ -20,6 +20,7 @@ from mm_assets.common import paths
 from mm_assets.domain.ingest.embedded_images import embedded_images_dir
 from mm_assets.services.engine import (
     API_KEY_ENV,
+    CONNECTOR_DIR_ENV,
     RESPONSE_URLS_ENV,
     URLS_ENV,
     Serving,
@@ -123,6 +124,11 @@ class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignor
         default="", description="External mode: prefix of the paths the servers report…"
     )
     local_path_prefix: str = Field(default="", description="…and what it is mounted as here.")
+    connector_dir: str = Field(
+        default="",
+        description="External mode: the servers' shared_storage_path as mounted here, the "
+        f"only directory their files are taken from; empty: ${CONNECTOR_DIR_ENV}.",
+    )
 
     def engine(self, fleet: str = "extraction", target: TargetModel | None = None) -> VllmEngine:
         """The engine of one fleet: `extraction` (hidden states) or `responses`; for a
@@ -146,6 +152,7 @@ class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignor
             self.api_key or os.environ.get(API_KEY_ENV) or "EMPTY",
             self.server_path_prefix,
             self.local_path_prefix,
+            self.connector_dir or os.environ.get(CONNECTOR_DIR_ENV, ""),
         )
 
     def serving(self, target: TargetModel, image_root: Path | None, log_path: Path) -> Serving:

@@ -1,34 +1,180 @@
-"""The files vLLM's hidden-states connector writes: one safetensors file per request,
-with a `.lock` file beside it that the connector holds (exclusively) while writing."""
+"""The files vLLM's hidden-states connector writes: `<request id>.safetensors` directly
+inside its `shared_storage_path`, with a `.lock` file beside it that the connector holds
+(exclusively) while writing.
+
+A path in a server's answer is only a claim: an external fleet, a compromised server or
+a process that took the managed server's port can answer with any path the worker may
+read, move or delete. `ConnectorDir` is the one rule every consumer goes through: a
+reported path is used only when it names a regular file directly inside the step's
+connector directory under the name the connector writes, opened without following a
+link; anything else is `OutsideConnectorDir` and nothing is touched.
+"""
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import os
+import re
+import stat
 import time
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+CONNECTOR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,250}\.safetensors")
+"""`<request id>.safetensors`, as vLLM's connector names a request's file (ids such as
+`cmpl-<hex>-0-<hex>`, `generate-tokens-<hex>-<hex>`): no separator, no leading dot."""
+_NO_LINK = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # no wait on a FIFO
 
 
-def wait_for_writer(path: Path, timeout_s: float) -> None:
-    """Block until the connector released its exclusive lock on `<path>.lock` (or, with
-    no lock file, until the file exists)."""
-    lock = Path(f"{path}.lock")
+class OutsideConnectorDir(Exception):
+    """A reported path that is not a connector file of the step's own directory."""
+
+
+@dataclass(frozen=True)
+class ConnectorFile:
+    """A connector file opened once without following links and checked to be a regular
+    file with one link: `read_path` reads that very file, whatever its name points at now."""
+
+    dir: Path
+    name: str
+    fd: int
+    st: os.stat_result
+
+    @property
+    def path(self) -> Path:
+        return self.dir / self.name
+
+    @property
+    def read_path(self) -> str:
+        """The opened file itself (`/dev/fd/N`), for readers that take a path."""
+        return f"/dev/fd/{self.fd}"
+
+    def is_same(self, path: Path) -> bool:
+        """Whether `path` (not followed) is the file that was opened and checked."""
+        try:
+            now = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        return (now.st_dev, now.st_ino) == (self.st.st_dev, self.st.st_ino)
+
+    def moved_to(self, path: Path) -> bool:
+        """Whether the file moved to `path` is this one: renamed on its own filesystem, a
+        regular file of the same size where it was copied to another."""
+        now = os.lstat(path)
+        if now.st_dev == self.st.st_dev:
+            return now.st_ino == self.st.st_ino
+        return stat.S_ISREG(now.st_mode) and now.st_size == self.st.st_size
+
+
+@dataclass(frozen=True)
+class ConnectorDir:
+    """The directory a step's servers write hidden states into, as this machine sees it,
+    and how a path a server reports reads here (`path_map`, external servers)."""
+
+    path: Path
+    path_map: Callable[[str], str] = lambda p: p
+
+    def name_of(self, reported: str) -> str:
+        """The file name when `reported` names a connector file directly inside this
+        directory, compared as written (`..` and links are never resolved)."""
+        local = PurePosixPath(self.path_map(reported))
+        if local.parent != PurePosixPath(self.path) or not CONNECTOR_NAME.fullmatch(local.name):
+            raise OutsideConnectorDir(
+                f"the server reported {reported!r}, which is not a connector file "
+                f"(<request id>.safetensors) directly inside {self.path}"
+            )
+        return local.name
+
+    @contextmanager
+    def _dir_fd(self) -> Iterator[int]:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise OutsideConnectorDir(f"{self.path} is not a directory (a link?)") from exc
+            raise
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def open(self, reported: str, lock_timeout_s: float) -> Iterator[ConnectorFile]:
+        """The reported file, once its writer released it, opened and checked (see the
+        module's docstring); `FileNotFoundError` and `TimeoutError` when it never came."""
+        name = self.name_of(reported)
+        with self._dir_fd() as dir_fd:
+            _wait_for_writer(dir_fd, name, lock_timeout_s)
+            try:
+                fd = os.open(name, _NO_LINK, dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise OutsideConnectorDir(f"{self.path / name} is a link") from exc
+                raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                raise OutsideConnectorDir(
+                    f"{self.path / name} is not a regular file with one link "
+                    f"(mode {stat.filemode(st.st_mode)}, {st.st_nlink} links)"
+                )
+            yield ConnectorFile(self.path, name, fd, st)
+        finally:
+            os.close(fd)
+
+    def discard(self, reported: str) -> None:
+        """Remove a connector file and its lock (read, rejected or moved away), where the
+        rule accepts the file (or it is gone): a path outside this directory, a link, a
+        directory or a file with other links is left as it is, its lock too."""
+        try:
+            name = self.name_of(reported)
+            with self._dir_fd() as dir_fd:
+                for entry in (name, f"{name}.lock"):
+                    try:
+                        st = os.stat(entry, dir_fd=dir_fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                        return
+                    os.unlink(entry, dir_fd=dir_fd)
+        except (OutsideConnectorDir, FileNotFoundError):  # no such directory (here)
+            return
+
+
+def _wait_for_writer(dir_fd: int, name: str, timeout_s: float) -> None:
+    """Block until the connector released its exclusive lock on `<name>.lock` (or, with
+    no lock file, until the file exists); a link in either place is not waited on."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with open(lock) as fh:
-                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                break
+            fd = os.open(f"{name}.lock", _NO_LINK, dir_fd=dir_fd)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise OutsideConnectorDir(f"{name}.lock is not a regular file")
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            finally:
+                os.close(fd)
         except FileNotFoundError:
-            if path.is_file():
-                break
+            if _exists(dir_fd, name):
+                return
         except BlockingIOError:
             pass
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OutsideConnectorDir(f"{name}.lock is a link") from exc
+            raise
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} still locked by the writer after {timeout_s:.0f}s")
+            raise TimeoutError(f"{name} still locked by the writer after {timeout_s:.0f}s")
         time.sleep(0.01)
 
 
-def discard(path: Path) -> None:
-    """Remove a connector's file and its lock (read, rejected or moved away)."""
-    path.unlink(missing_ok=True)
-    Path(f"{path}.lock").unlink(missing_ok=True)
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True

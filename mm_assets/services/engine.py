@@ -3,8 +3,9 @@
 Managed (the default): one server per step, bound to 127.0.0.1, reading images only
 under the dataset's image root, stopped when the step ends (its memory goes with it).
 External (`base_urls`): a fleet someone else runs, started with the same extraction
-config; the hidden-state files it reports are read through `server_path_prefix` →
-`local_path_prefix` when the two machines mount the storage at different paths.
+config; the hidden-state files it reports are taken only from `connector_dir`, read
+through `server_path_prefix` → `local_path_prefix` when the two machines mount the
+storage at different paths.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mm_assets.clients.connector_files import ConnectorDir
 from mm_assets.clients.media_urls import ServerAccess
 from mm_assets.clients.vllm_server import (
     EngineOptions,
@@ -42,6 +44,7 @@ class ServerSession:
 URLS_ENV = "MM_ASSETS_VLLM_URLS"  # external extraction servers, comma-separated
 RESPONSE_URLS_ENV = "MM_ASSETS_VLLM_RESPONSE_URLS"  # external plain servers (target replies)
 API_KEY_ENV = "MM_ASSETS_VLLM_API_KEY"
+CONNECTOR_DIR_ENV = "MM_ASSETS_VLLM_CONNECTOR_DIR"  # where external servers' files appear
 
 
 def env_list(name: str) -> list[str]:
@@ -57,12 +60,18 @@ class VllmEngine:
     api_key: str = field(default="EMPTY", repr=False)  # never in a log or an error
     server_path_prefix: str = ""
     local_path_prefix: str = ""
+    connector_dir: str = ""
+    """External servers: the directory their connector writes into, as seen here."""
 
     @classmethod
     def from_environment(cls) -> VllmEngine:
         """The extraction engine outside Dagster, as the `vllm` resource's defaults make
         it: the fleet at $MM_ASSETS_VLLM_URLS (managed when unset), its API key."""
-        return cls(tuple(env_list(URLS_ENV)), api_key=os.environ.get(API_KEY_ENV) or "EMPTY")
+        return cls(
+            tuple(env_list(URLS_ENV)),
+            api_key=os.environ.get(API_KEY_ENV) or "EMPTY",
+            connector_dir=os.environ.get(CONNECTOR_DIR_ENV, ""),
+        )
 
     @property
     def managed(self) -> bool:
@@ -88,6 +97,20 @@ class VllmEngine:
         if self.server_path_prefix and path.startswith(self.server_path_prefix):
             return self.local_path_prefix + path[len(self.server_path_prefix) :]
         return path
+
+    def connector_files(self, incoming: Path) -> ConnectorDir:
+        """The only directory a step takes hidden-state files from: the managed server's
+        `incoming`, or the external servers' `connector_dir` (their paths mapped)."""
+        if self.managed:
+            return ConnectorDir(incoming)
+        if not self.connector_dir:
+            raise ValueError(
+                "external extraction servers report hidden-state files that this step reads, "
+                "moves and deletes, so it takes them only from one directory: set the vllm "
+                f"resource's connector_dir (or ${CONNECTOR_DIR_ENV}) to the servers' "
+                "shared_storage_path as this machine mounts it"
+            )
+        return ConnectorDir(Path(self.connector_dir), self.map_path)
 
     def server(
         self, model: str, serve_args: list[str], image_root: Path | None, log_path: Path

@@ -17,9 +17,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mm_assets.clients.connector_files import discard, wait_for_writer
+from mm_assets.clients.connector_files import ConnectorDir, ConnectorFile, OutsideConnectorDir
 from mm_assets.clients.vllm_client import ExtractionRequest, ExtractionResponse, HiddenStatesClient
 from mm_assets.domain.model.hidden_state_checks import (
+    HiddenStatesProblem,
     HiddenStatesRejected,
     check_prompt_ids,
     validate_tensors,
@@ -104,11 +105,11 @@ def check_disk_budget(plan: Plan, layout: HiddenStatesLayout, blobs: BlobStore) 
 @dataclass(frozen=True)
 class StatesDestination:
     """Where answers' states go: what they must be (`layout`), the store they are moved
-    into, and how a path the server reported reads on this machine."""
+    into, and the only directory their files may come from (`connector`)."""
 
     layout: HiddenStatesLayout
     blobs: BlobStore
-    path_map: Callable[[str], str] = lambda p: p
+    connector: ConnectorDir
 
 
 def store_response(
@@ -120,30 +121,54 @@ def store_response(
     lock_timeout_s: float = LOCK_TIMEOUT_S,
 ) -> Path:
     """Verify one response and its file, then move the file into the blob store — in
-    another storage format, encoded once here, with its decoding error recorded."""
+    another storage format, encoded once here, with its decoding error recorded. A path
+    outside the connector directory is rejected untouched (`ConnectorDir`)."""
+    try:
+        check_prompt_ids(response.prompt_token_ids, request.input_ids)
+        with dest.connector.open(response.hidden_states_path, lock_timeout_s) as file:
+            return _store_file(request, file, key, dest, loss_mask)
+    except OutsideConnectorDir as exc:
+        raise HiddenStatesRejected(HiddenStatesProblem.PATH_OUTSIDE, str(exc)) from exc
+    finally:
+        dest.connector.discard(response.hidden_states_path)
+
+
+def _store_file(
+    request: ExtractionRequest,
+    file: ConnectorFile,
+    key: str,
+    dest: StatesDestination,
+    loss_mask: list[int] | None,
+) -> Path:
+    """Store the opened, checked file: read through its descriptor, moved by name only
+    when the name still is that file (and checked again once moved)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     layout, blobs = dest.layout, dest.blobs
-    source = Path(dest.path_map(response.hidden_states_path))
     try:
-        check_prompt_ids(response.prompt_token_ids, request.input_ids)
-        wait_for_writer(source, lock_timeout_s)
-        tensors = load_file(str(source))
-        hidden = validate_tensors(
-            tensors, request.input_ids, len(layout.layer_ids), layout.hidden_size, layout.dtype
-        )
-        token_ids = tensors["token_ids"][: hidden.shape[0]]
-        if not layout.storage.is_native:
-            if loss_mask is None:
-                raise ValueError(f"{layout.storage.name} needs the row's loss mask")
-            encoded, metadata = encode(hidden, token_ids, layout.storage, loss_mask)
-            return blobs.put_tensors(encoded, key, metadata)
-        if hidden.shape[0] == tensors["hidden_states"].shape[0]:
-            return blobs.put_file(source, key)
+        tensors = load_file(file.read_path)
+    except SafetensorError as exc:  # cut short or not safetensors: unreadable, asked again
+        raise ValueError(f"{file.path}: {exc}") from exc
+    hidden = validate_tensors(
+        tensors, request.input_ids, len(layout.layer_ids), layout.hidden_size, layout.dtype
+    )
+    token_ids = tensors["token_ids"][: hidden.shape[0]]
+    if not layout.storage.is_native:
+        if loss_mask is None:
+            raise ValueError(f"{layout.storage.name} needs the row's loss mask")
+        encoded, metadata = encode(hidden, token_ids, layout.storage, loss_mask)
+        return blobs.put_tensors(encoded, key, metadata)
+    if hidden.shape[0] != tensors["hidden_states"].shape[0]:
         # an untruncated render: keep the row's prefix only
         return blobs.put_tensors({"hidden_states": hidden, "token_ids": token_ids}, key)
-    finally:
-        discard(source)
+    if not file.is_same(file.path):
+        raise OutsideConnectorDir(f"{file.path} was replaced while it was read")
+    stored = blobs.put_file(file.path, key)
+    if not file.moved_to(stored):  # replaced between the check and the rename
+        stored.unlink()
+        raise OutsideConnectorDir(f"{file.path} was replaced while it was moved")
+    return stored
 
 
 def stored_blobs(blobs: BlobStore, layout: HiddenStatesLayout) -> Callable[[str], dict | None]:
@@ -171,7 +196,7 @@ class HiddenStatesJob:
     keys: dict[str, str]
     layout: HiddenStatesLayout
     blobs: BlobStore
-    path_map: Callable[[str], str] = lambda p: p
+    connector: ConnectorDir
     loss_masks: dict[str, list[int]] | None = None
     """The rows' masks as `requests_for` fills them (compact formats need them)."""
     what = "hidden states"
@@ -190,7 +215,7 @@ class HiddenStatesJob:
         """Store one response (`store_outcome`). A row's mask is held only while it is asked."""
         masks = self.loss_masks if self.loss_masks is not None else {}
         mask = masks.pop(request.row_id, None)
-        dest = StatesDestination(self.layout, self.blobs, self.path_map)
+        dest = StatesDestination(self.layout, self.blobs, self.connector)
         outcome = store_outcome(request, answer, final, self.keys[request.row_id], dest, mask)
         if outcome is ASK_AGAIN and mask is not None:
             masks[request.row_id] = mask
@@ -220,8 +245,8 @@ def store_outcome(
             request.row_id,
             "bad_file",
             f"{exc} (after {FILE_RETRIES + 1} requests; for external servers: is the "
-            "directory their connector writes to visible here, at server_path_prefix → "
-            "local_path_prefix?)",
+            "directory their connector writes to visible here, as connector_dir, with "
+            "server_path_prefix → local_path_prefix where mounted elsewhere?)",
         )
     return Stored(request.num_tokens, os.path.getsize(path))
 
@@ -326,13 +351,14 @@ class PartitionExtraction:
     ) -> RequestReport:
         """Start (or reach) the servers and run the plan's missing rows through them."""
         incoming = self.blobs.incoming_dir()
+        connector = engine.connector_files(incoming)
         session = self.serving.extraction_session(layout.layer_ids, incoming)
         rows = self.tables.iter_rows(
             TOKENIZED, self.partition, ["row_id", "input_ids", "messages", "loss_mask"]
         )
         masks = None if layout.storage.is_native else {}
         requests = requests_for(rows, plan.missing, self.target.facts.image_token_id, masks)
-        job = HiddenStatesJob(plan.keys(), layout, self.blobs, engine.map_path, masks)
+        job = HiddenStatesJob(plan.keys(), layout, self.blobs, connector, masks)
         stage = RequestStage(session, self.settings)
         with _one_torch_thread():
             report = stage.run(HiddenStatesClient, job, requests, len(plan.missing))

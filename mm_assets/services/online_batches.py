@@ -25,12 +25,13 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mm_assets.clients.connector_files import ConnectorDir
 from mm_assets.clients.vllm_client import CircuitOpen, ExtractionRequest, HiddenStatesClient
 from mm_assets.clients.vllm_server import ManagedVllmServer, unavailable
 from mm_assets.domain.model.training_data import Batch, SampleRef, load_batch
@@ -97,7 +98,7 @@ class _FetchJob:
     """The request stage's job: ask for one row's states, store them where it says."""
 
     states: OnlineStates
-    path_map: Callable[[str], str]
+    connector: ConnectorDir | None = None  # set when the servers start
     what = "hidden states (online)"
     kept = "The training state of the last finished epoch is kept"
     ask_again = FILE_RETRIES
@@ -107,7 +108,8 @@ class _FetchJob:
         return await client.extract(item.request)
 
     def write(self, item: _Fetch, answer: Any, final: bool) -> Outcome:
-        dest = StatesDestination(self.states.layout, item.dest, self.path_map)
+        assert self.connector is not None
+        dest = StatesDestination(self.states.layout, item.dest, self.connector)
         return store_outcome(item.request, answer, final, item.key, dest, item.mask)
 
 
@@ -138,7 +140,7 @@ class OnlineBatches:
         self.scratch = states.blobs.scratch() if self._discard else None
         if self.scratch is not None:
             stack.callback(shutil.rmtree, self.scratch.dir, True)
-        self.job = _FetchJob(states, states.serving.engine.map_path)
+        self.job = _FetchJob(states)
         self.loop = asyncio.new_event_loop()
         thread = threading.Thread(target=self.loop.run_forever, name="online-states", daemon=True)
         thread.start()
@@ -162,10 +164,11 @@ class OnlineBatches:
     def _start_servers(self) -> None:
         states, servers = self.states, self._servers
         incoming = states.blobs.incoming_dir()
+        servers.callback(_remove_if_empty, incoming)
+        self.job.connector = states.serving.engine.connector_files(incoming)
         session = servers.enter_context(
             states.serving.extraction_session(states.layout.layer_ids, incoming)
         )
-        servers.callback(_remove_if_empty, incoming)
         self.managed = session.managed
         if managed := session.managed:  # its memory, just before it stops
             self.report.requests.startup_s = managed.startup_seconds

@@ -19,6 +19,7 @@ class HiddenStatesProblem(StrEnum):
     BAD_SHAPE = "bad_shape"
     BAD_DTYPE = "bad_dtype"
     NON_FINITE = "non_finite"
+    PATH_OUTSIDE = "hidden_states_path_outside"  # not a file of the step's connector dir
 
 
 class HiddenStatesRejected(RowRejected):
