@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from mm_assets.assets.resources import StorageResource, VllmResource
 from mm_assets.clients.connector_files import ConnectorDir
+from mm_assets.clients.media_urls import file_url_path
 from mm_assets.clients.vllm_client import HiddenStatesClient
 from mm_assets.common.request_settings import RequestSettings
 from mm_assets.domain.model.hidden_state_format import FP8_ERROR_BOUND
@@ -97,7 +98,10 @@ def _reference_hidden_states(
             content = m["content"]
             if isinstance(content, list):
                 content = [
-                    {"type": "image", "image": Image.open(p["image_url"]["url"][7:]).convert("RGB")}
+                    {
+                        "type": "image",
+                        "image": Image.open(file_url_path(p["image_url"]["url"])).convert("RGB"),
+                    }
                     if p["type"] == "image_url"
                     else p
                     for p in content
