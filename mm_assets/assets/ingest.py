@@ -69,7 +69,7 @@ class ImageAvailabilityConfig(dg.Config):
 
 @dataset_asset(
     "ingest",
-    code_version="2",
+    code_version="3",
     deps=[raw_dataset],
     check_specs=[
         dg.AssetCheckSpec(
