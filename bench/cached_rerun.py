@@ -3,7 +3,7 @@
 In fresh MM_ASSETS_HOME / DAGSTER_HOME directories (the repo's dagster.yaml; managed CPU
 vLLM, as `make demo` uses), after `python -m mm_assets.demo build`:
 
-1. first run: the README's command,
+1. first run: docs/running.md's command,
    `dagster asset materialize -m mm_assets.definitions --select '*trained_speculator'
    --partition demo_sharegpt4v_coco`;
 2. forced rerun: the same command again, nothing changed;

@@ -12,7 +12,7 @@ What is computed, and from what:
   public Qwen2.5-VL-7B config; the MFU and batch figures are inputs, printed with the
   table, not measurements: none of this ran on a GPU here.
 
-`.venv/bin/python -m bench.capacity` prints the Markdown table for the README.
+`.venv/bin/python -m bench.capacity` prints the Markdown table for docs/capacity.md.
 """
 
 from __future__ import annotations

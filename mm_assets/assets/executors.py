@@ -18,7 +18,7 @@ the least fixed cost per CLI run (BENCHMARKS.md, "Fixed cost of a CLI run").
   is the `K8sRunLauncher`; accelerator steps ask for `MM_ASSETS_ACCELERATOR_GPUS` GPUs
   (default 1).
 Workers must see the same storage root (`MM_ASSETS_HOME`) and the same environment; see
-the README, "Scaling out".
+docs/scaling.md.
 
 Every executor runs under a pool watch (`mm_assets/orchestration/`): while a step waits
 for a slot of its pool (the accelerator), slots held by runs whose worker died are freed.

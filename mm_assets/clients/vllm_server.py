@@ -69,7 +69,7 @@ class EngineOptions(BaseModel):
         description="GPU only: the share of the device's memory the server may use (vLLM's "
         "--gpu-memory-utilization; None: vLLM's default, ~0.9). Online training shares the "
         "device with the server: with kv_cache_gib set the server takes its weights plus that "
-        "cache, otherwise set this to leave the trainer its memory (README, online).",
+        "cache, otherwise set this to leave the trainer its memory (docs/online.md).",
     )
     enforce_eager: bool | None = Field(
         default=None, description="None: eager on CPU (fast start), CUDA graphs on GPU."
