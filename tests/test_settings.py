@@ -132,6 +132,8 @@ def test_asset_config_keeps_the_bounds() -> None:
         (HiddenStatesConfig, "concurrency", 10**6),
         (ResponsesConfig, "max_retries", 10**4),
         (BenchmarkConfig, "concurrency", 1025),
+        (ResponsesConfig, "breaker_failures", 10**6),
+        (SpeculatorConfig, "prefetch_batches", 10**6),
     ],
 )
 def test_floats_are_finite_and_counts_have_a_ceiling(config: Any, field: str, value: Any) -> None:

@@ -31,9 +31,10 @@ class RequestSettings(BaseModel):
     breaker_failures: int = Field(
         default=8,
         ge=1,
+        le=100,
         description="Failed tries in a row that take a server out of rotation while another "
         "remains (its requests go to the others); requests in a row that failed all their "
-        "tries that stop the step.",
+        "tries that stop the step. At most 100: past that a dead server is never taken out.",
     )
     probe_after_s: FiniteFloat = Field(
         default=30.0, gt=0, description="When a server out of rotation gets a request again."

@@ -214,5 +214,7 @@ class OnlineSettings(BaseModel):
     prefetch_batches: int = Field(
         default=2,
         ge=0,
-        description="Online only. Batches whose states are requested ahead of the one training.",
+        le=64,
+        description="Online only. Batches whose states are requested ahead of the one training; "
+        "at most 64: each holds its states on disk until it trains.",
     )
