@@ -3,6 +3,7 @@ kept epoch is the best held-out estimate, early stopping, the schedule's rates."
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,16 @@ def test_noise_scales_with_each_states_rms() -> None:
     out = noisy(aux, 0.1, 2, torch.Generator().manual_seed(0))
     spread = (out - aux).view(4, 2, 8).std(dim=(0, 2))
     assert 0.05 < spread[0] < 0.2 and 5 < spread[1] < 20
+
+
+def test_an_epochs_acceptance_estimate_is_logged_to_three_decimals(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger="mm_assets.domain.model.selection"):
+        evaluation = Evaluation.replayed(2, 0.5, {"row": [[1, 0, 0]]}, ttt_steps=3)
+        Evaluation.replayed(3, 0.5, {}, ttt_steps=3)
+    assert evaluation.acceptance == pytest.approx(4 / 3)
+    assert "epoch 2: held-out loss 0.5000, acceptance estimate 1.333" in caplog.messages
+    assert "epoch 3: held-out loss 0.5000, acceptance estimate none (no held-out reply)" in (
+        caplog.messages
+    )

@@ -45,7 +45,6 @@ def build(demo_dir: Path | None = None, force: bool = False) -> Path:
         shutil.rmtree(demo_dir)
     build_demo_datasets(demo_dir)
     build_demo_benchmark(demo_dir)
-    print("demo: training the demo target on its lessons (once per home)", flush=True)
     report = build_trained_target(demo_dir / "target", demo_dir, cache=paths.demo_cache(), say=_say)
     print("demo: the target's greedy answers to held-out questions")
     print(format_report(report), flush=True)

@@ -39,11 +39,12 @@ class Evaluation:
     ) -> Evaluation:
         """The epoch's figures from the held-out replay (`trainer.evaluate`)."""
         summary = summarize(replies_of(replies), ttt_steps)
+        estimate = summary.acceptance_length
         logger.info(
             "epoch %d: held-out loss %.4f, acceptance estimate %s",
             epoch,
             loss,
-            summary.acceptance_length,
+            "none (no held-out reply)" if estimate is None else f"{estimate:.3f}",
         )
         return cls(epoch, loss, summary.acceptance_length, summary.per_position, replies)
 
