@@ -277,9 +277,41 @@ def test_move_into_place_flushes_the_servers_file_before_the_rename(
     blobs = BlobStore(tmp_path)
     final = blobs.put_file(source, "abcd")
     renamed = events.index(("rename", final.name))
-    assert ("fsync", source.name) in events[:renamed]
+    moved = [name for kind, name in events[:renamed] if kind == "fsync"]
+    assert any(name.startswith(f".{final.name}.") for name in moved)  # its temporary
     assert events[renamed + 1] == ("fsync", final.parent.name)
     assert final.read_bytes() == b"hidden states" and not source.exists()
+
+
+def test_a_move_is_checked_on_its_own_file_when_another_writer_stores_the_same_key(
+    tmp_path: Path,
+) -> None:
+    """Two ranks fetching the same held-out row store one key at once: the check of a
+    move must see that move's file, not the other writer's, which took the key meanwhile
+    (it used to see the other's, refuse its row as replaced and delete the other's blob)."""
+    blobs = BlobStore(tmp_path / "store")
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    ours.write_bytes(b"ours")
+    theirs.write_bytes(b"theirs")
+    inode = ours.stat().st_ino
+    seen: list[int] = []
+
+    def verify(moved: Path) -> None:
+        blobs.put_file(theirs, "k1")  # the other writer lands first
+        seen.append(os.lstat(moved).st_ino)
+
+    final = blobs.put_file(ours, "k1", verify)
+    assert seen == [inode] and final.read_bytes() == b"ours"  # both whole; the last wins
+
+    swapped = tmp_path / "swapped.safetensors"
+    swapped.write_bytes(b"swapped")
+
+    def refuse(moved: Path) -> None:
+        raise ValueError(f"{moved} is not the file that was checked")
+
+    with pytest.raises(ValueError, match="not the file"):
+        blobs.put_file(swapped, "k2", refuse)
+    assert not blobs.has("k2") and _temporary_files(blobs.dir) == []
 
 
 # -- temporaries of dead writers -------------------------------------------------------

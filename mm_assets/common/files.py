@@ -21,7 +21,7 @@ import shutil
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -214,33 +214,37 @@ def atomic_write_text(final: Path, text: str) -> None:
         out.write(data)
 
 
-def move_into_place(source: Path, final: Path) -> None:
-    """Move a finished file to `final`: a rename on the same filesystem, else a copy to
-    a temporary sibling and a rename, so `final` is never partial.
+def move_into_place(
+    source: Path,
+    final: Path,
+    verify: Callable[[Path], None] | None = None,
+    copy_from: str | None = None,
+) -> None:
+    """Move a finished file to `final`: renamed (or, from another filesystem, copied) to
+    a private temporary sibling, `verify`'d there, then renamed over `final`, so `final`
+    is never partial and the check sees this move's file, not one a concurrent writer of
+    the same key put at `final` meanwhile. `verify` raises to refuse the file (the
+    temporary is removed); `copy_from` is what a cross-filesystem copy reads (an opened
+    file's `/dev/fd/N`, rather than a name that may have been swapped).
 
-    The source's data is flushed before the rename: it was written by another process
-    (the vLLM connector) that does not fsync, and a filesystem may persist the rename
-    before the data, so a power loss could leave `final` empty or short, which a
+    The data is flushed before the final rename: it was written by another process (the
+    vLLM connector) that does not fsync, and a filesystem may persist the rename before
+    the data, so a power loss could leave `final` empty or short, which a
     content-addressed store would then reuse as a complete blob."""
     size = source.stat().st_size
-    with _replacing(final, None, size):  # a failed rename leaves `final` as it was
-        make_dirs(final.parent)
-        remove_stale_temporaries(final.parent)
-        fsync_path(source)
-        crash_point("before_rename")
-        cross_device = False
+    copied = False
+    with atomic_path(final, size) as tmp:
         try:
-            os.replace(source, final)
+            os.replace(source, tmp)
         except OSError as exc:
             if exc.errno != errno.EXDEV:
                 raise
-            cross_device = True
-    if cross_device:
-        with atomic_path(final, size) as tmp:
-            shutil.copyfile(source, tmp)
+            shutil.copyfile(copy_from or source, tmp)
+            copied = True
+        if verify is not None:
+            verify(tmp)
+    if copied:
         source.unlink(missing_ok=True)
-        return
-    fsync_path(final.parent)
 
 
 @contextmanager

@@ -164,11 +164,12 @@ def _store_file(
         return blobs.put_tensors({"hidden_states": hidden, "token_ids": token_ids}, key)
     if not file.is_same(file.path):
         raise OutsideConnectorDir(f"{file.path} was replaced while it was read")
-    stored = blobs.put_file(file.path, key)
-    if not file.moved_to(stored):  # replaced between the check and the rename
-        stored.unlink()
-        raise OutsideConnectorDir(f"{file.path} was replaced while it was moved")
-    return stored
+
+    def verify(moved: Path) -> None:  # replaced between the check and the rename
+        if not file.moved_to(moved):
+            raise OutsideConnectorDir(f"{file.path} was replaced while it was moved")
+
+    return blobs.put_file(file.path, key, verify, copy_from=file.read_path)
 
 
 def stored_blobs(blobs: BlobStore, layout: HiddenStatesLayout) -> Callable[[str], dict | None]:

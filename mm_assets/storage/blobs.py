@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,12 +68,18 @@ class BlobStore:
         kind = f"{parent.name}/{temporary_name(self.dir.name)}"
         return BlobStore(self.root, kind, self.suffix)
 
-    def put_file(self, src: Path, key: str) -> Path:
-        """Move a finished file in (rename on the same filesystem, else copy + rename).
-        Its data is fsync'd first: the server that wrote it does not, and a blob that a
-        power loss left short would be reused as complete."""
+    def put_file(
+        self,
+        src: Path,
+        key: str,
+        verify: Callable[[Path], None] | None = None,
+        copy_from: str | None = None,
+    ) -> Path:
+        """Move a finished file in, checked by `verify` before it takes its key (see
+        `move_into_place`: its data is fsync'd first, since the server that wrote it does
+        not, and a blob that a power loss left short would be reused as complete)."""
         dest = self.path(key)
-        move_into_place(src, dest)
+        move_into_place(src, dest, verify, copy_from)
         return dest
 
     def put_tensors(
