@@ -27,7 +27,15 @@ dataset_chain_job = dg.define_asset_job(
     "dataset_chain",
     selection=dg.AssetSelection.assets(speculator_benchmark).upstream(),
     description="A dataset's whole chain, down to its own draft (`trained_speculator`) "
-    "benchmarked (`speculator_benchmark`); on a benchmark's partition, its preparation.",
+    "benchmarked (`speculator_benchmark`); on a benchmark's partition, its preparation "
+    "(the `prepare` job does only that).",
+)
+prepare_job = dg.define_asset_job(
+    "prepare",
+    selection=dg.AssetSelection.assets(normalized_conversations).upstream(),
+    description="A partition's preparation, no server: rows loaded, images probed, "
+    "conversations normalized. What a benchmark's partition needs before drafts are "
+    "measured on it.",
 )
 drafts_job = dg.define_asset_job(
     "drafts",
@@ -49,7 +57,13 @@ defs = dg.Definitions(
         speculator_benchmark,
         draft_benchmark,
     ],
-    jobs=[refresh_raw_datasets_job, dataset_chain_job, drafts_job, prune_embedded_images],
+    jobs=[
+        refresh_raw_datasets_job,
+        dataset_chain_job,
+        prepare_job,
+        drafts_job,
+        prune_embedded_images,
+    ],
     schedules=[refresh_raw_datasets],
     executor=step_executor(),  # in the run's process unless MM_ASSETS_EXECUTOR says otherwise
     resources={

@@ -388,7 +388,7 @@ def test_the_products_accelerator_steps_carry_the_watch(monkeypatch: pytest.Monk
     from mm_assets.definitions import defs as product
 
     assert wiring.is_watched(product.executor)
-    for job in ("dataset_chain", "drafts"):
+    for job in ("dataset_chain", "prepare", "drafts"):
         assert wiring.is_watched(product.resolve_job_def(job).executor_def)
     monkeypatch.setenv("MM_ASSETS_EXECUTOR", "multiprocess")
     assert wiring.is_watched(step_executor())

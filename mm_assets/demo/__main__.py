@@ -29,6 +29,9 @@ BUILD_VERSION = "3"  # 2: the demo benchmark; 3: a trained target
 DEMO_PARTITIONS = ("demo_sharegpt4v_coco", "demo_sharegpt")
 DEMO_DRAFTS = ("demo_mix",)  # trained on both, after them
 DEMO_BENCHMARK = "demo_benchmark"  # prepared first; each dataset's draft is measured on it
+# The console shows the steps' own progress (INFO), not Dagster's per-step DEBUG events;
+# every event is still in the run's history (`make dev`).
+QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 
 
 def build(demo_dir: Path | None = None, force: bool = False) -> Path:
@@ -68,7 +71,7 @@ def run(
     instance = dg.DagsterInstance.get()
     speculators = {}
     # no run config: the demo's settings are its registry entries', as for the UI and CLI
-    _materialize(defs, instance, "dataset_chain", DEMO_BENCHMARK)
+    _materialize(defs, instance, "prepare", DEMO_BENCHMARK)
     for partition in partitions:
         speculators[partition] = _materialize(defs, instance, "dataset_chain", partition)
     mixes = {draft: _materialize(defs, instance, "drafts", draft) for draft in drafts}
@@ -83,10 +86,11 @@ def run(
 
 
 def _materialize(defs: Any, instance: Any, job: str, partition: str) -> dict[str, Any]:
-    """One partition of a job (`dataset_chain`, `drafts`); the metadata of its draft."""
+    """One partition of a job (`prepare`, `dataset_chain`, `drafts`); the metadata of
+    its draft."""
     started = time.perf_counter()
     result = defs.resolve_job_def(job).execute_in_process(
-        partition_key=partition, instance=instance
+        partition_key=partition, instance=instance, run_config=QUIET
     )
     if not result.success:
         sys.exit(f"demo: materializing {partition} failed; see the run in `make dev`")

@@ -40,7 +40,7 @@ def load_benchmark(
         raise FileNotFoundError(
             f"benchmark {benchmark!r} is not prepared: materialize its partition first "
             f"(`dagster asset materialize -m mm_assets.definitions --select "
-            f"'+normalized_conversations' --partition {benchmark}`, or the dataset_chain job)"
+            f"'+normalized_conversations' --partition {benchmark}`, or the prepare job)"
         )
     categories: dict[str, list[list[Turn]]] = {}
     images = False
