@@ -70,7 +70,7 @@ def run(
     build()
     instance = dg.DagsterInstance.get()
     speculators = {}
-    # no run config: the demo's settings are its registry entries', as for the UI and CLI
+    # no op config: the demo's settings are its registry entries', as for the UI and CLI
     _materialize(defs, instance, "prepare", DEMO_BENCHMARK)
     for partition in partitions:
         speculators[partition] = _materialize(defs, instance, "dataset_chain", partition)
