@@ -28,17 +28,14 @@ def _run(args: list[str], env: dict[str, str], timeout: int = 600) -> str:
 
 
 def _latest_metadata(env: dict[str, str], asset: str) -> dict:
-    """The newest materialization's metadata of `asset`, read from the CLI's instance."""
-    code = (
-        "import json, sys, dagster as dg\n"
-        "key = dg.AssetKey(sys.argv[1])\n"
-        "event = dg.DagsterInstance.get().get_latest_materialization_event(key)\n"
-        "meta = event.asset_materialization.metadata\n"
-        "print(json.dumps({k: v.value for k, v in meta.items()}, default=str))\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code, asset], env=env, capture_output=True,
-                          text=True, check=True)  # fmt: skip
-    return json.loads(proc.stdout.splitlines()[-1])
+    """The newest materialization's metadata of `asset`, read from the CLI's instance
+    (in this process: a Python subprocess per read cost 2.8 s, five times)."""
+    import dagster as dg
+
+    with dg.DagsterInstance.from_config(env["DAGSTER_HOME"]) as instance:
+        event = instance.get_latest_materialization_event(dg.AssetKey(asset))
+    assert event is not None and event.asset_materialization is not None, asset
+    return {k: v.value for k, v in event.asset_materialization.metadata.items()}
 
 
 def test_the_whole_chain_through_both_clis(tmp_path: Path, vllm_server, plain_vllm_server) -> None:
