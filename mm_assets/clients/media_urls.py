@@ -28,10 +28,11 @@ from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
+from mm_assets.common.urls import HASH_FRAGMENT
+
 # The most a request carries inline: also the ceiling of `max_image_bytes`, so every file
 # the probe passed fits, while a file swapped for a larger one since is never read whole.
 MAX_INLINE_BYTES = 256 << 20
-HASH_FRAGMENT = "sha256="  # what a file URL's fragment holds (`to_vllm_messages`)
 
 
 class ImageNotAsProbed(OSError):

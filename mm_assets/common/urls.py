@@ -1,10 +1,24 @@
-"""URLs as they are shown. A password in one (`https://user:pass@gateway/v1`: a fleet
-behind a proxy's basic auth; `postgres://u:pass@db/x`) is a secret, and a URL ends up in
-metadata, logs, errors and reprs: each of those shows `shown_url`, never the URL itself."""
+"""URLs as they are shown, and a probed file's URL.
+
+A password in a URL (`https://user:pass@gateway/v1`: a fleet behind a proxy's basic auth;
+`postgres://u:pass@db/x`) is a secret, and a URL ends up in metadata, logs, errors and
+reprs: each of those shows `shown_url`, never the URL itself."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from urllib.parse import urlsplit
+
+HASH_FRAGMENT = "sha256="
+"""What a probed file's URL carries as its fragment, before the content hash: the client
+that sends the file inline checks the bytes against it (`clients/media_urls.py`)."""
+
+
+def probed_file_url(path: str, sha256: str | None) -> str:
+    """`file://` URL of `path`, percent-encoded (`Path.as_uri`), with the probe's content
+    hash as its fragment when there is one (`file:///a%23b.png#sha256=<hex>`)."""
+    url = Path(path).as_uri()
+    return f"{url}#{HASH_FRAGMENT}{sha256}" if sha256 else url
 
 
 def url_password(value: str) -> str | None:

@@ -23,10 +23,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from mm_assets.common.hashing import json_sha256
+from mm_assets.common.urls import probed_file_url
 from mm_assets.domain.ingest.images import ImageProbe
 from mm_assets.domain.prep.formats import (
     NORMALIZERS,
@@ -168,7 +168,7 @@ def to_vllm_messages(turns: list[Turn]) -> list[dict[str, Any]]:
 
     def part(p: dict[str, Any]) -> dict[str, Any]:
         if p["type"] == "image":
-            url = Path(p["path"]).as_uri() + (f"#sha256={p['sha256']}" if p.get("sha256") else "")
+            url = probed_file_url(p["path"], p.get("sha256"))
             return {"type": "image_url", "image_url": {"url": url}}
         return {"type": "text", "text": p["text"]}
 
