@@ -188,7 +188,8 @@ def run(home: Path, rounds: int, train: bool = True) -> dict:
     os.environ["MM_ASSETS_HOME"] = str(home)
     os.environ.setdefault("DAGSTER_HOME", str(home / "dagster_home"))
     from mm_assets.assets.resources import VllmResource
-    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
+    from mm_assets.clients.serve_args import extraction_args
+    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
     from mm_assets.domain.model.hidden_states import default_layer_ids
 
     client_cost = client_cost_at_real_width()  # before the server takes the cores

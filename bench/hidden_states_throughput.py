@@ -112,7 +112,8 @@ def run(home: Path) -> dict:
     (home / "dagster_home").mkdir(parents=True, exist_ok=True)
     import dagster as dg
 
-    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
+    from mm_assets.clients.serve_args import extraction_args
+    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
     from mm_assets.definitions import defs
     from mm_assets.demo.__main__ import build
     from mm_assets.domain.model.hidden_states import default_layer_ids

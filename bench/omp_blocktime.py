@@ -48,8 +48,9 @@ def run(home: Path, blocks: int) -> dict:
     os.environ["MM_ASSETS_HOME"] = str(home)
     os.environ.setdefault("DAGSTER_HOME", str(home / "dagster_home"))
     from mm_assets.assets.resources import VllmResource
+    from mm_assets.clients.serve_args import extraction_args
     from mm_assets.clients.vllm_generation import generate_greedy
-    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
+    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
     from mm_assets.domain.model.hidden_states import default_layer_ids
 
     scratch = Path(tempfile.mkdtemp(prefix="mm_assets_blocktime_"))

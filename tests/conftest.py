@@ -218,7 +218,8 @@ def prepared_demo(demo_dir: Path) -> dict:
 @pytest.fixture(scope="session")
 def vllm_server(demo_dir: Path):
     """One real vLLM server (CPU engine) for the demo target, shared by the test run."""
-    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
+    from mm_assets.clients.serve_args import extraction_args
+    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
     from mm_assets.domain.model.hidden_states import default_layer_ids
 
     server = ManagedVllmServer(

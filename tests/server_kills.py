@@ -50,7 +50,8 @@ def kill_servers_at_store(
 def doomed_server(demo_dir: Path, root: Path) -> ManagedVllmServer:
     """A second extraction server for the demo target (as the session's, writing into
     the same connector directory), its log under `root`: the one a test kills."""
-    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer, extraction_args
+    from mm_assets.clients.serve_args import extraction_args
+    from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
     from mm_assets.domain.model.hidden_states import default_layer_ids
     from tests.conftest import SESSION_INCOMING
 

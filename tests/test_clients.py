@@ -30,7 +30,7 @@ import pytest
 from PIL import Image
 
 from mm_assets.assets.ingest import ImageAvailabilityConfig
-from mm_assets.clients import parent_guard, vllm_server
+from mm_assets.clients import parent_guard, serve_args, vllm_server, warm_servers
 from mm_assets.clients.media_urls import (
     MAX_INLINE_BYTES,
     ImageNotAsProbed,
@@ -38,6 +38,7 @@ from mm_assets.clients.media_urls import (
     file_url_path,
     outgoing_url,
 )
+from mm_assets.clients.serve_args import extraction_args, speculative_decoding_args
 from mm_assets.clients.vllm_client import (
     CircuitOpen,
     ExtractionRequest,
@@ -59,8 +60,6 @@ from mm_assets.clients.vllm_server import (
     ServerStartupError,
     ServerUnavailable,
     death_explained,
-    extraction_args,
-    speculative_decoding_args,
 )
 from mm_assets.common.request_settings import RequestSettings
 from mm_assets.domain.ingest.images import probe_image
@@ -856,7 +855,7 @@ def test_environment_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_extraction_args(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, connector: str, cuda: bool, cpu_connector: bool
 ) -> None:
-    monkeypatch.setattr(vllm_server, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(serve_args, "cuda_available", lambda: cuda)
     out = tmp_path / "incoming"
     args = extraction_args([2, 4, 7], out, connector)
     assert out.is_dir()
@@ -981,6 +980,86 @@ def test_a_managed_server_killed_mid_step_explains_itself(tmp_path: Path) -> Non
     assert "exited with code -9, killed by SIGKILL" in message
     assert str(server.log_path) in message
     assert "ERROR the KV cache is too small" in message and "INFO serving" not in message
+
+
+def _warm(log: Path, image_root: Path | None = None, *serve_args: str) -> AnsweringServer:
+    server = AnsweringServer(log)
+    server.keep_warm, server.image_root, server.serve_args = 1, image_root, list(serve_args)
+    server.model = str(log.parent / "target")
+    return server
+
+
+def test_a_server_kept_warm_serves_the_next_step_that_serves_the_same(tmp_path: Path) -> None:
+    """A step that ends well parks its server; the next one that serves the same target
+    the same way takes it over (its log and image directory too: an image outside it goes
+    inline); one serving otherwise, or the same files rewritten since, starts its own, and
+    the oldest parked beyond the limit stops. A failed step stops its server; a parked
+    server that died is not handed out."""
+    images = [tmp_path / "images_a", tmp_path / "images_b"]
+    for d in [*images, tmp_path / "target"]:
+        d.mkdir()
+    (tmp_path / "target" / "model.safetensors").write_bytes(b"weights")
+    first = _warm(tmp_path / "a.log", images[0])
+    try:
+        with first:
+            pid = first.process.pid
+        assert first.process is None and len(warm_servers.parked()) == 1 and not _gone(pid, 0.5)
+        second = _warm(tmp_path / "b.log", images[1])
+        with second:
+            assert second.reused and second.process.pid == pid
+            assert second.log_path == tmp_path / "a.log" and not (tmp_path / "b.log").exists()
+            assert second.access.media_dir == images[0]
+        (tmp_path / "target" / "model.safetensors").write_bytes(b"retrained weights")
+        retrained = _warm(tmp_path / "r.log")
+        with retrained:
+            assert not retrained.reused and retrained.process.pid != pid
+        assert _gone(pid) and len(warm_servers.parked()) == 1
+        pid = warm_servers.parked()[0].process.pid
+        other = _warm(tmp_path / "c.log", None, "--speculative-config", "{}")
+        with other:
+            assert not other.reused and other.process.pid != pid
+            other_pid = other.process.pid
+        assert _gone(pid) and len(warm_servers.parked()) == 1  # the limit: one
+        failing = _warm(tmp_path / "d.log", None, "--speculative-config", "{}")
+        with pytest.raises(RuntimeError), failing:
+            assert failing.reused
+            raise RuntimeError("the step failed")
+        assert _gone(other_pid) and len(warm_servers.parked()) == 0
+        again = _warm(tmp_path / "e.log")
+        with again:
+            dead = again.process.pid
+        os.killpg(dead, signal.SIGKILL)
+        assert _gone(dead)
+        fresh = _warm(tmp_path / "f.log")
+        with fresh:
+            assert not fresh.reused and fresh.process.pid != dead
+            assert fresh.log_path == tmp_path / "f.log"
+    finally:
+        warm_servers.stop_all()
+    assert len(warm_servers.parked()) == 0
+
+
+def test_parked_servers_beyond_the_limit_stop_oldest_first() -> None:
+    stopped: list[str] = []
+
+    class Idle:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def stop(self) -> None:
+            stopped.append(self.name)
+
+    try:
+        warm_servers.park("plain", Idle("plain 1"), limit=2)
+        warm_servers.park("draft", Idle("draft"), limit=2)
+        warm_servers.park("plain", Idle("plain 2"), limit=2)
+        assert stopped == ["plain 1"]
+        taken = warm_servers.take("plain")
+        assert isinstance(taken, Idle) and taken.name == "plain 2"
+        assert warm_servers.take("plain") is None and len(warm_servers.parked()) == 1
+    finally:
+        warm_servers.stop_all()
+    assert stopped == ["plain 1", "draft"]
 
 
 WORKER = (

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mm_assets.clients.connector_files import ConnectorDir
+from mm_assets.clients.serve_args import extraction_configs
 from mm_assets.clients.vllm_client import (
     ExtractionRequest,
     ExtractionResponse,
@@ -19,7 +20,6 @@ from mm_assets.clients.vllm_client import (
     RequestRefused,
     parse_response,
 )
-from mm_assets.clients.vllm_server import extraction_configs
 from mm_assets.common.request_settings import RequestSettings
 from mm_assets.domain.model.hidden_state_checks import (
     HiddenStatesProblem,

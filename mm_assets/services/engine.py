@@ -1,7 +1,8 @@
 """Reaching vLLM for a step: a managed server started here, or external servers.
 
 Managed (the default): one server per step, bound to 127.0.0.1, reading images only
-under the dataset's image root, stopped when the step ends (its memory goes with it).
+under the dataset's image root, stopped when the step ends (its memory goes with it), or,
+with `keep_warm`, left running for a later step of this process that serves the same.
 External (`base_urls`): a fleet someone else runs, started with the same extraction
 config; the hidden-state files it reports are taken only from `connector_dir`, read
 through `server_path_prefix` → `local_path_prefix` when the two machines mount the
@@ -20,12 +21,8 @@ from pathlib import Path
 
 from mm_assets.clients.connector_files import ConnectorDir
 from mm_assets.clients.media_urls import ServerAccess
-from mm_assets.clients.vllm_server import (
-    EngineOptions,
-    ManagedVllmServer,
-    extraction_args,
-    speculative_decoding_args,
-)
+from mm_assets.clients.serve_args import extraction_args, speculative_decoding_args
+from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
 from mm_assets.common.urls import shown_url
 from mm_assets.domain.model.hidden_states import TextConfigFacts, resolve_dtype, text_config_facts
 from mm_assets.storage.layout import weights
@@ -45,6 +42,17 @@ URLS_ENV = "MM_ASSETS_VLLM_URLS"  # external extraction servers, comma-separated
 RESPONSE_URLS_ENV = "MM_ASSETS_VLLM_RESPONSE_URLS"  # external plain servers (target replies)
 API_KEY_ENV = "MM_ASSETS_VLLM_API_KEY"
 CONNECTOR_DIR_ENV = "MM_ASSETS_VLLM_CONNECTOR_DIR"  # where external servers' files appear
+KEEP_WARM_ENV = "MM_ASSETS_VLLM_KEEP_WARM"  # idle managed servers kept for later steps
+
+
+def keep_warm_from(setting: int | None) -> int:
+    """The `keep_warm` setting, or ${KEEP_WARM_ENV} when it is None (else 0)."""
+    if setting is not None:
+        return setting
+    raw = os.environ.get(KEEP_WARM_ENV, "0").strip() or "0"
+    if not raw.isdigit():
+        raise ValueError(f"${KEEP_WARM_ENV}={raw!r}: give a whole number of servers (0: none)")
+    return int(raw)
 
 
 def env_list(name: str) -> list[str]:
@@ -62,6 +70,8 @@ class VllmEngine:
     local_path_prefix: str = ""
     connector_dir: str = ""
     """External servers: the directory their connector writes into, as seen here."""
+    keep_warm: int = 0
+    """Managed servers this process keeps idle for a later step (`warm_servers`)."""
 
     @classmethod
     def from_environment(cls) -> VllmEngine:
@@ -117,7 +127,13 @@ class VllmEngine:
     ) -> ManagedVllmServer:
         """A managed server for `model` with these serve arguments (not started yet)."""
         return ManagedVllmServer(
-            model, serve_args, image_root, log_path, self.options, self.startup_timeout_s
+            model,
+            serve_args,
+            image_root,
+            log_path,
+            self.options,
+            self.startup_timeout_s,
+            keep_warm=self.keep_warm,
         )
 
     @contextmanager
@@ -143,7 +159,8 @@ class VllmEngine:
     ) -> AbstractContextManager[ServerSession]:
         """Servers that write hidden states of `layer_ids`, for the duration of a step."""
         args = extraction_args(layer_ids, hidden_states_dir, self.connector) if self.managed else []
-        return self.session(model, args, image_root, log_path)
+        # it writes into this step's own directory: no later step could take it over
+        return dataclasses.replace(self, keep_warm=0).session(model, args, image_root, log_path)
 
 
 @dataclass(frozen=True)

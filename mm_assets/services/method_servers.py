@@ -60,13 +60,16 @@ class MethodServers:
         return self.urls[method]
 
     def done(self, method: str) -> None:
-        """The method is measured: one at a time, its server stops now."""
+        """The method is measured: one at a time, its server is released now."""
         if not self.together and method in self.servers:
-            self.servers[method].stop()
+            self.servers[method].release()
 
     def __enter__(self) -> MethodServers:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         for server in self.servers.values():
-            server.stop()
+            if exc_type is None:
+                server.release()
+            else:
+                server.stop()

@@ -185,8 +185,9 @@ class RequestStage:
         `ServerUnavailable` (what is stored stays for the rerun)."""
         with self.session as served:
             if served.managed:
-                startup = served.managed.startup_seconds or 0.0
-                logger.info("vLLM started in %.1fs, log %s", startup, served.managed.log_path)
+                server = served.managed
+                how = "kept warm" if server.reused else f"started in {server.startup_seconds:.1f}s"
+                logger.info("vLLM %s, log %s", how, server.log_path)
             client = make_client(client_type, served, self.settings)
             try:
                 report = run_requests(client, items, job, total)

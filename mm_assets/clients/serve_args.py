@@ -1,0 +1,53 @@
+"""The arguments that make a vLLM server what a step needs: one that writes the hidden
+states of chosen layers to files (extraction), or one that serves a trained draft."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from mm_assets.clients.vllm_server import cuda_available
+
+CPU_CONNECTOR = ("CpuHiddenStatesConnector", "mm_assets.clients.cpu_hidden_states_connector")
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+
+
+def extraction_args(layer_ids: Sequence[int], hidden_states_dir: Path, connector: str) -> list[str]:
+    """Server arguments that make every request write its hidden states to a file;
+    `connector="auto"` takes the CPU-safe connector where there is no CUDA device."""
+    use_cpu = connector == "cpu" or (connector == "auto" and not cuda_available())
+    speculative, transfer = extraction_configs(layer_ids, hidden_states_dir, use_cpu)
+    hidden_states_dir.mkdir(parents=True, exist_ok=True)
+    # --enable-scale-out: the token-in route rows with images are sent through
+    configs = ["--speculative-config", speculative, "--kv-transfer-config", transfer]
+    return [*configs, "--enable-scale-out"]
+
+
+def speculative_decoding_args(draft_dir: Path, num_speculative_tokens: int) -> list[str]:
+    """Server arguments that serve the target with a trained EAGLE-3 draft."""
+    config = {
+        "model": str(draft_dir),
+        "method": "eagle3",
+        "num_speculative_tokens": num_speculative_tokens,
+    }
+    return ["--speculative-config", json.dumps(config)]
+
+
+def extraction_configs(
+    layer_ids: Sequence[int], hidden_states_dir: Path, use_cpu_connector: bool
+) -> tuple[str, str]:
+    """The `--speculative-config` and `--kv-transfer-config` JSON for hidden-state export."""
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+    }
+    transfer: dict = {
+        "kv_connector": STOCK_CONNECTOR,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(hidden_states_dir)},
+    }
+    if use_cpu_connector:
+        transfer["kv_connector"], transfer["kv_connector_module_path"] = CPU_CONNECTOR
+    return json.dumps(speculative), json.dumps(transfer)
