@@ -23,10 +23,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from mm_assets.common.files import open_regular_file
+
 CONNECTOR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,250}\.safetensors")
 """`<request id>.safetensors`, as vLLM's connector names a request's file (ids such as
 `cmpl-<hex>-0-<hex>`, `generate-tokens-<hex>-<hex>`): no separator, no leading dot."""
-_NO_LINK = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # no wait on a FIFO
 
 
 class OutsideConnectorDir(Exception):
@@ -108,19 +109,10 @@ class ConnectorDir:
         name = self.name_of(reported)
         with self._dir_fd() as dir_fd:
             _wait_for_writer(dir_fd, name, lock_timeout_s)
-            try:
-                fd = os.open(name, _NO_LINK, dir_fd=dir_fd)
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise OutsideConnectorDir(f"{self.path / name} is a link") from exc
-                raise
+            fd, st = open_regular_file(
+                name, OutsideConnectorDir, dir_fd, one_link=True, shown=self.path / name
+            )
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                raise OutsideConnectorDir(
-                    f"{self.path / name} is not a regular file with one link "
-                    f"(mode {stat.filemode(st.st_mode)}, {st.st_nlink} links)"
-                )
             yield ConnectorFile(self.path, name, fd, st)
         finally:
             os.close(fd)
@@ -150,10 +142,8 @@ def _wait_for_writer(dir_fd: int, name: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            fd = os.open(f"{name}.lock", _NO_LINK, dir_fd=dir_fd)
+            fd, _ = open_regular_file(f"{name}.lock", OutsideConnectorDir, dir_fd)
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise OutsideConnectorDir(f"{name}.lock is not a regular file")
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 return
             finally:
@@ -163,10 +153,6 @@ def _wait_for_writer(dir_fd: int, name: str, timeout_s: float) -> None:
                 return
         except BlockingIOError:
             pass
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise OutsideConnectorDir(f"{name}.lock is a link") from exc
-            raise
         if time.monotonic() > deadline:
             raise TimeoutError(f"{name} still locked by the writer after {timeout_s:.0f}s")
         time.sleep(0.01)

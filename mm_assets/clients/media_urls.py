@@ -17,17 +17,16 @@ tell) and checks the hash. A file changed since its probe fails its own request 
 from __future__ import annotations
 
 import base64
-import errno
 import hashlib
 import mimetypes
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
+from mm_assets.common.files import open_regular_file
 from mm_assets.common.urls import HASH_FRAGMENT
 
 # The most a request carries inline: also the ceiling of `max_image_bytes`, so every file
@@ -63,15 +62,8 @@ def readable_by_server(path: Path, media_dir: Path | None) -> bool:
 def read_as_probed(path: Path, sha256: str | None, max_bytes: int = MAX_INLINE_BYTES) -> bytes:
     """The file's bytes, never through a link at its name, at most `max_bytes`, and (with
     the probe's `sha256`) exactly the bytes it hashed; else `ImageNotAsProbed`."""
-    try:  # O_NONBLOCK: a FIFO put at the name must not hang the request
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise ImageNotAsProbed(f"{path} is a symbolic link; the probe read a plain file") from exc
+    fd, _ = open_regular_file(path, ImageNotAsProbed)
     with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            raise ImageNotAsProbed(f"{path} is not a regular file")
         data = fh.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise ImageNotAsProbed(f"{path} holds more than {max_bytes} bytes")

@@ -1,10 +1,8 @@
 """Spec-decode and serving counters of a vLLM server, read from its Prometheus `/metrics`.
 
-The change of these counters over a set of generations gives the acceptance length
-(`1 + accepted / drafts`) and the per-position acceptance rates of the served draft, and
-the speed the server itself measured: generated tokens over the summed end-to-end
-latency of its requests, and its mean time per output token. One scrape reads both, so
-a difference of two scrapes covers exactly the same requests for every figure.
+Their change over a set of generations gives the served draft's acceptance and the speed
+the server measured (`domain.model.benchmark`). One scrape reads both, so a difference
+of two scrapes covers exactly the same requests for every figure.
 The exposition is parsed by `prometheus_client`, the library vLLM writes it with.
 """
 
@@ -71,17 +69,6 @@ class ServingCounters:
         return ServingCounters(
             *(a - b for a, b in zip(astuple(self), astuple(before), strict=True))
         )
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Output tokens per second of one request's own time (generated tokens over
-        the summed end-to-end latency): with one request in flight, what a user waits."""
-        return self.generation_tokens / self.e2e_latency_sum_s if self.e2e_latency_sum_s else 0.0
-
-    @property
-    def mean_time_per_output_token_s(self) -> float:
-        count = self.time_per_output_token_count
-        return self.time_per_output_token_sum_s / count if count else 0.0
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -48,6 +49,34 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def open_regular_file(
+    path: Path | str,
+    refuse: type[Exception],
+    dir_fd: int | None = None,
+    one_link: bool = False,
+    shown: Path | str | None = None,
+) -> tuple[int, os.stat_result]:
+    """`path` opened read-only, not through a link at its name nor waiting on a FIFO put
+    there, as a regular file (with one link, if `one_link`); else `refuse` (names `shown`)."""
+    shown = shown or path
+    try:
+        fd = os.open(
+            path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd
+        )
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise refuse(f"{shown} is a symbolic link") from exc
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (one_link and st.st_nlink != 1):
+        os.close(fd)
+        raise refuse(
+            f"{shown} is not a regular file{' with one link' if one_link else ''} "
+            f"(mode {stat.filemode(st.st_mode)}, {st.st_nlink} links)"
+        )
+    return fd, st
 
 
 def make_dirs(path: Path) -> None:
