@@ -156,7 +156,7 @@ def _extract(client: HiddenStatesClient, request: ExtractionRequest) -> Extracti
 
 
 def _run(client: HiddenStatesClient, count: int) -> list[ExtractionResponse | Exception]:
-    """`client.run` over `count` text requests; the outcomes handed to `handle`."""
+    """Extract `count` text requests; the outcomes handed to `handle`."""
     outcomes: list[ExtractionResponse | Exception] = []
 
     async def handle(_: ExtractionRequest, outcome: ExtractionResponse | Exception) -> None:
@@ -164,7 +164,8 @@ def _run(client: HiddenStatesClient, count: int) -> list[ExtractionResponse | Ex
 
     async def main() -> None:
         try:
-            await client.run((ExtractionRequest(f"r{i}", [1, 2, 3]) for i in range(count)), handle)
+            requests = (ExtractionRequest(f"r{i}", [1, 2, 3]) for i in range(count))
+            await client.map(requests, client.extract, handle)
         finally:
             await client.close()
 
@@ -342,7 +343,7 @@ def _extract_all(
 
     async def main() -> None:
         try:
-            await client.run(requests, handle)
+            await client.map(requests, client.extract, handle)
         finally:
             await client.close()
 

@@ -25,9 +25,8 @@ from pathlib import Path, PurePosixPath
 
 from mm_assets.common.files import open_regular_file
 
+# `<request id>.safetensors` (ids such as `cmpl-<hex>-0-<hex>`): no separator, no leading dot
 CONNECTOR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,250}\.safetensors")
-"""`<request id>.safetensors`, as vLLM's connector names a request's file (ids such as
-`cmpl-<hex>-0-<hex>`, `generate-tokens-<hex>-<hex>`): no separator, no leading dot."""
 
 
 class OutsideConnectorDir(Exception):
@@ -36,8 +35,8 @@ class OutsideConnectorDir(Exception):
 
 @dataclass(frozen=True)
 class ConnectorFile:
-    """A connector file opened once without following links and checked to be a regular
-    file with one link: `read_path` reads that very file, whatever its name points at now."""
+    """A connector file opened and checked once (`open_regular_file`): `read_path` reads
+    that very file, whatever its name points at now."""
 
     dir: Path
     name: str
@@ -72,8 +71,8 @@ class ConnectorFile:
 
 @dataclass(frozen=True)
 class ConnectorDir:
-    """The directory a step's servers write hidden states into, as this machine sees it,
-    and how a path a server reports reads here (`path_map`, external servers)."""
+    """The directory a step's servers write hidden states into, as this machine sees it;
+    `path_map`: how a path an external server reports reads here."""
 
     path: Path
     path_map: Callable[[str], str] = lambda p: p

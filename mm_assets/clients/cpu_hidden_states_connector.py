@@ -1,10 +1,9 @@
-"""A hidden-states KV connector for vLLM's CPU engine.
+"""A hidden-states KV connector for vLLM's CPU engine, loaded by name through
+`kv_connector_module_path`.
 
 vLLM's `ExampleHiddenStatesConnector` copies hidden states to pinned host memory on a
-CUDA stream before writing them; on a CPU-only build that crashes the engine on the first
-request. This subclass copies synchronously (the cache already lives in host memory) and
-keeps everything else — file names, the `.lock` protocol, the thread-pool write — as the
-stock connector does. vLLM loads it by name through `kv_connector_module_path`.
+CUDA stream, which crashes a CPU-only build on the first request. This subclass copies
+synchronously and keeps the rest (file names, the `.lock` protocol, the pooled write).
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Which images a vLLM server opens itself, and which travel inside the request.
 
-A server opens `file://` images only under one directory, its
-`--allowed-local-media-path`. A step's images can lie in more than one place: a
-dataset's image root and the store of images that were inside its rows, or the roots of
-several datasets. Widening the directory to their common parent would let the server
-open any file under it (`/` in the worst case). So the directory stays one narrow root
-(`services.media`), and an image outside it is read here and sent as a base64 data URL.
-The server then sees exactly the bytes this process read, and opens no other file.
+A server opens `file://` images only under its `--allowed-local-media-path`. A step's
+images can lie under several roots, and widening the directory to their common parent
+would let the server open any file under it (`/` at worst). So it stays one narrow root
+(`services.media`), and an image outside it is read here and sent as a base64 data URL:
+the server sees exactly the bytes this process read.
 
 Those bytes are the ones the availability stage probed: a file URL carries the probe's
-content hash as its fragment (`#sha256=<hex>`, `domain.prep.conversations`), and the
-inline read refuses a link at the file's name, reads at most `MAX_INLINE_BYTES` (+1 to
-tell) and checks the hash. A file changed since its probe fails its own request only.
+hash as its fragment (`#sha256=<hex>`), and the inline read refuses a link at the name,
+reads at most `MAX_INLINE_BYTES` and checks the hash. A changed file fails its request.
 """
 
 from __future__ import annotations
@@ -48,8 +45,7 @@ class ServerAccess:
 
 
 def file_url_path(url: str) -> Path:
-    """The file a `file://` URL names, parsed the way vLLM parses it (netloc and path,
-    percent-decoded)."""
+    """The file a `file://` URL names, parsed as vLLM parses it (netloc + path, decoded)."""
     parts = urlsplit(url)
     return Path(url2pathname(parts.netloc + parts.path))
 
@@ -76,17 +72,15 @@ def read_as_probed(path: Path, sha256: str | None, max_bytes: int = MAX_INLINE_B
 
 
 def data_url(path: Path, sha256: str | None = None, max_bytes: int = MAX_INLINE_BYTES) -> str:
-    """The file's bytes (`read_as_probed`) as a base64 data URL (vLLM decodes by content,
-    not by type)."""
+    """`read_as_probed` as a base64 data URL (vLLM decodes by content, not by type)."""
     kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
     data = read_as_probed(path, sha256, max_bytes)
     return f"data:{kind};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 def outgoing_url(url: str, media_dir: Path | None, max_bytes: int = MAX_INLINE_BYTES) -> str:
-    """`url` as sent: a `file://` URL the server may open stays (without the hash
-    fragment); any other file goes inline, checked against the hash. Raises `OSError`
-    when the file cannot be read or is not the file probed."""
+    """`url` as sent: a `file://` URL the server may open stays (less the hash fragment);
+    any other file goes inline (`data_url`, `OSError` when it is not the file probed)."""
     if not url.startswith("file:"):
         return url
     plain, _, fragment = url.partition("#")  # a `#` in a name is percent-encoded
