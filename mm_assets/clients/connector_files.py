@@ -12,6 +12,7 @@ link; anything else is `OutsideConnectorDir` and nothing is touched.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -148,18 +149,11 @@ def _wait_for_writer(dir_fd: int, name: str, timeout_s: float) -> None:
             finally:
                 os.close(fd)
         except FileNotFoundError:
-            if _exists(dir_fd, name):
+            with contextlib.suppress(FileNotFoundError):  # no lock file: the file itself
+                os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                 return
         except BlockingIOError:
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"{name} still locked by the writer after {timeout_s:.0f}s")
         time.sleep(0.01)
-
-
-def _exists(dir_fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
