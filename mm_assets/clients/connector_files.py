@@ -104,8 +104,8 @@ class ConnectorDir:
 
     @contextmanager
     def open(self, reported: str, lock_timeout_s: float) -> Iterator[ConnectorFile]:
-        """The reported file, once its writer released it, opened and checked (see the
-        module's docstring); `FileNotFoundError` and `TimeoutError` when it never came."""
+        """The reported file, once its writer released it, opened and checked;
+        `FileNotFoundError` or `TimeoutError` when it never came."""
         name = self.name_of(reported)
         with self._dir_fd() as dir_fd:
             _wait_for_writer(dir_fd, name, lock_timeout_s)
@@ -118,9 +118,8 @@ class ConnectorDir:
             os.close(fd)
 
     def discard(self, reported: str) -> None:
-        """Remove a connector file and its lock (read, rejected or moved away), where the
-        rule accepts the file (or it is gone): a path outside this directory, a link, a
-        directory or a file with other links is left as it is, its lock too."""
+        """Remove a connector file and its lock where the rule accepts the file (or it is
+        gone): anything else (outside, a link, more links) is left as it is, lock too."""
         try:
             name = self.name_of(reported)
             with self._dir_fd() as dir_fd:

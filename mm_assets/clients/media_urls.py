@@ -50,11 +50,6 @@ def file_url_path(url: str) -> Path:
     return Path(url2pathname(parts.netloc + parts.path))
 
 
-def readable_by_server(path: Path, media_dir: Path | None) -> bool:
-    """vLLM's own test: the resolved file lies under the resolved directory."""
-    return media_dir is not None and Path(media_dir).resolve() in path.resolve().parents
-
-
 def read_as_probed(path: Path, sha256: str | None, max_bytes: int = MAX_INLINE_BYTES) -> bytes:
     """The file's bytes, never through a link at its name, at most `max_bytes`, and (with
     the probe's `sha256`) exactly the bytes it hashed; else `ImageNotAsProbed`."""
@@ -71,23 +66,20 @@ def read_as_probed(path: Path, sha256: str | None, max_bytes: int = MAX_INLINE_B
     return data
 
 
-def data_url(path: Path, sha256: str | None = None, max_bytes: int = MAX_INLINE_BYTES) -> str:
-    """`read_as_probed` as a base64 data URL (vLLM decodes by content, not by type)."""
-    kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
-    data = read_as_probed(path, sha256, max_bytes)
-    return f"data:{kind};base64,{base64.b64encode(data).decode('ascii')}"
-
-
 def outgoing_url(url: str, media_dir: Path | None, max_bytes: int = MAX_INLINE_BYTES) -> str:
     """`url` as sent: a `file://` URL the server may open stays (less the hash fragment);
-    any other file goes inline (`data_url`, `OSError` when it is not the file probed)."""
+    any other file goes inline as a base64 data URL (vLLM decodes by content, not type),
+    read by `read_as_probed` (`OSError` when it is not the file probed)."""
     if not url.startswith("file:"):
         return url
     plain, _, fragment = url.partition("#")  # a `#` in a name is percent-encoded
     path = file_url_path(plain)
-    if readable_by_server(path, media_dir):
+    # vLLM's own test: the resolved file lies under the resolved directory
+    if media_dir is not None and Path(media_dir).resolve() in path.resolve().parents:
         return plain
-    return data_url(path, fragment.removeprefix(HASH_FRAGMENT) or None, max_bytes)
+    data = read_as_probed(path, fragment.removeprefix(HASH_FRAGMENT) or None, max_bytes)
+    kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+    return f"data:{kind};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 def outgoing_messages(

@@ -66,8 +66,7 @@ class ExtractionResponse:
 
 
 class RequestRefused(Exception):
-    """The server refused this request (4xx, with `status`) or answered without what was
-    asked for."""
+    """The server refused this request (4xx: `status`) or answered without what was asked."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -133,10 +132,9 @@ class _Server:
 
 
 class VllmClient:
-    """Requests spread over vLLM servers, the least busy first (see the module's
-    docstring). `http_client` replaces the `openai` client's own (tests inject an
-    `httpx.MockTransport`); `backoff_s` is the first retry's mean wait when no other
-    server can take it, doubling with each further try."""
+    """Requests spread over vLLM servers, the least busy first. `http_client` replaces the
+    `openai` client's own (tests); `backoff_s` is the first retry's mean wait when no
+    other server can take it, doubling with each further try."""
 
     clock: Callable[[], float] = staticmethod(time.monotonic)  # tests set their own
 
@@ -167,8 +165,7 @@ class VllmClient:
         return [{**asdict(s.stats), "in_rotation": s.out_until is None} for s in self.servers]
 
     def _candidates(self) -> list[_Server]:
-        """Servers in rotation, plus those out of it whose wait is over and that no
-        request is probing yet."""
+        """Servers in rotation, and those out of it due for a probe that none is sending."""
         in_rotation = [s for s in self.servers if s.out_until is None]
         now = self.clock()
         due = [s for s in self.servers if s.out_until is not None and now >= s.out_until]

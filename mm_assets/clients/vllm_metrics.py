@@ -56,8 +56,7 @@ class SpecDecodeCounters:
 
 @dataclass(frozen=True)
 class ServingCounters:
-    """What the server counted of its requests: tokens generated, and the sum and count
-    of two per-request histograms (end-to-end latency; time per output token)."""
+    """Tokens generated, and two per-request histograms' sum and count."""
 
     generation_tokens: float
     e2e_latency_sum_s: float
@@ -85,10 +84,8 @@ class ServerCounters:
 
 
 def server_counters_from_metrics_text(text: str) -> ServerCounters:
-    """The spec-decode and serving counters in a Prometheus text exposition, summed over
-    every other label (engine, model name, finish reason). Only the counter samples count
-    (`name` or `name_total`; a histogram's `_sum` and `_count`), not their `_created`
-    timestamps; a server without a draft gives zero spec-decode counters."""
+    """The counters in a Prometheus text exposition, summed over every other label; only
+    counter samples (`name`, `name_total`, a histogram's `_sum`, `_count`), no `_created`."""
     totals = dict.fromkeys((DRAFTS, DRAFT_TOKENS, ACCEPTED, *SERVING_SAMPLES), 0.0)
     per_position: dict[int, float] = {}
     for family in text_string_to_metric_families(text):
@@ -118,10 +115,9 @@ def server_counters(base_url: str) -> ServerCounters:
 def counters_after(
     url: str, before: ServerCounters, requests: int, timeout_s: float = 30.0
 ) -> ServerCounters:
-    """The counters once the server has counted `requests` more finished requests (its
-    e2e latency count): vLLM records a request's figures beside answering it, so a scrape
-    right after the last answer could miss that request's share. The one way counters
-    are read after a set of requests."""
+    """The counters once the server has counted `requests` more finished requests: vLLM
+    records a request's figures beside answering it, so a scrape right after the last
+    answer could miss that request's share."""
     deadline = time.monotonic() + timeout_s
     while True:
         now = server_counters(url)

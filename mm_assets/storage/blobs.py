@@ -48,8 +48,7 @@ class BlobStore:
         return self.path(key).is_file()
 
     def _fresh(self, under: str, name: str) -> Path:
-        """A new name in `<blobs>/<under>/` that tells this process's (`temporary_name`),
-        so the next run removes what a killed one left there."""
+        """A new name in `<blobs>/<under>/`, this process's: the next run sweeps it if dead."""
         parent = self.dir.parent / under
         parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(parent)
@@ -73,8 +72,7 @@ class BlobStore:
         verify: Callable[[Path], None] | None = None,
         copy_from: str | None = None,
     ) -> Path:
-        """Move a finished file in, checked by `verify` before it takes its key
-        (`move_into_place`)."""
+        """Move a finished file in, checked by `verify` first (`move_into_place`)."""
         dest = self.path(key)
         move_into_place(src, dest, verify, copy_from)
         return dest
