@@ -1,13 +1,11 @@
 """The files vLLM's hidden-states connector writes: `<request id>.safetensors` directly
-inside its `shared_storage_path`, with a `.lock` file beside it that the connector holds
-(exclusively) while writing.
+inside its `shared_storage_path`, beside a `.lock` it holds exclusively while writing.
 
 A path in a server's answer is only a claim: an external fleet, a compromised server or
-a process that took the managed server's port can answer with any path the worker may
-read, move or delete. `ConnectorDir` is the one rule every consumer goes through: a
-reported path is used only when it names a regular file directly inside the step's
-connector directory under the name the connector writes, opened without following a
-link; anything else is `OutsideConnectorDir` and nothing is touched.
+a process that took the port can answer with any path. `ConnectorDir` is the one rule:
+a reported path is used only when it names a regular file directly inside the step's
+connector directory as the connector names it, opened without following a link;
+anything else is `OutsideConnectorDir` and nothing is touched.
 """
 
 from __future__ import annotations

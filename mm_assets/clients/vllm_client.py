@@ -203,9 +203,7 @@ class VllmClient:
             logger.info(f"vLLM server {server.stats.url} answers again: back in rotation")
 
     async def call(
-        self,
-        send: Callable[[Any, str], Awaitable[Result]],
-        tokens: Callable[[Result], int],
+        self, send: Callable[[Any, str], Awaitable[Result]], tokens: Callable[[Result], int]
     ) -> Result:
         """`send(openai_client, model)` on the least busy server, with retries;
         `tokens(result)` is what the answer counts in the server's stats."""
