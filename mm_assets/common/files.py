@@ -97,10 +97,6 @@ def temporary_name(name: str, suffix: str = "tmp") -> str:
     return f".{name}.{os.getpid()}@{_host_tag()}-{uuid.uuid4().hex}.{suffix}"
 
 
-def _temporary_sibling(path: Path, suffix: str = "tmp") -> Path:
-    return path.with_name(temporary_name(path.name, suffix))
-
-
 # (no host: an older version's name, from this machine)
 _TEMPORARY = re.compile(r"^\..+\.(\d+)(?:@([0-9a-f]{8}))?-[0-9a-f]{32}\.(tmp|old)$")
 # Another machine's temporaries (its pids mean nothing here) go when unchanged this long.
@@ -215,7 +211,7 @@ def atomic_path(
     """A temporary path beside `final` to write to; on success it replaces `final`, on
     error it is removed. `expected_bytes` goes into a `DiskFullError`'s message;
     `sweep=False` skips `remove_stale_temporaries` (a writer that swept already)."""
-    tmp = _temporary_sibling(final)
+    tmp = final.with_name(temporary_name(final.name))
     with _replacing(final, tmp, expected_bytes):
         make_dirs(final.parent)
         if sweep:
@@ -265,8 +261,8 @@ def move_into_place(
 def atomic_directory(final: Path) -> Iterator[Path]:
     """A temporary directory to fill; on success it replaces `final` whole (the old one
     moved aside, put back if the swap fails), on error it is removed."""
-    tmp = _temporary_sibling(final)
-    old = _temporary_sibling(final, "old")
+    tmp = final.with_name(temporary_name(final.name))
+    old = final.with_name(temporary_name(final.name, "old"))
     with _replacing(final, tmp, None):
         make_dirs(final.parent)
         remove_stale_temporaries(final.parent)
