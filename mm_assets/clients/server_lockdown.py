@@ -104,9 +104,8 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class KeyOnEveryRoute:
-    """ASGI middleware: an HTTP or WebSocket request without `Bearer $VLLM_API_KEY` is
-    refused (401) on every path but `OPEN_PATHS`. Without a key it raises when vLLM
-    builds its app: an unguarded managed server is never the quiet outcome."""
+    """ASGI middleware: a request without `Bearer $VLLM_API_KEY` is refused on every path
+    but `OPEN_PATHS`; without a key it raises, so an unguarded server never starts."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         key = os.environ.get("VLLM_API_KEY", "")

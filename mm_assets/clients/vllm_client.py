@@ -256,10 +256,9 @@ class VllmClient:
         handle: Callable[[Item, Result | Exception], Awaitable[None]],
         workers: int | None = None,
     ) -> None:
-        """`work` on every item, at most `workers` items (default `concurrency`) and
-        `concurrency` requests in flight (more workers let a slot freed between a
-        conversation's turns go to another item); `handle` gets each result or
-        `RequestRefused`, beside the next requests. A `CircuitOpen` propagates."""
+        """`work` on every item: `workers` items at a time (default `concurrency`; more let a
+        slot freed between a conversation's turns go to another), `concurrency` requests in
+        flight; `handle` gets each result or `RequestRefused` beside the next requests."""
         workers = workers or self.concurrency
         queue: asyncio.Queue[Item | None] = asyncio.Queue(workers * 2)
         handling = asyncio.Semaphore(workers * 4)

@@ -238,9 +238,8 @@ def move_into_place(
     """Move a finished file to `final` through a private temporary sibling (renamed, or
     copied across filesystems from `copy_from`: an opened file's `/dev/fd/N`), where
     `verify` checks this move's file (raising refuses it) before the rename over `final`.
-
-    The data is fsync'd first: its writer (the vLLM connector) does not, and a power loss
-    could otherwise leave `final` short, which a content-addressed store would reuse."""
+    The data is fsync'd: its writer (the vLLM connector) does not, and a power loss could
+    otherwise leave `final` short, which a content-addressed store would reuse."""
     size = source.stat().st_size
     copied = False
     with atomic_path(final, size) as tmp:

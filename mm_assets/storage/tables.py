@@ -13,9 +13,8 @@ query that listed it can still open it.
 
 DuckDB lets one process write a database or many read it, so the catalog is off the
 write path: a view reads its snapshots by glob (every partition, present and future),
-and only a table's first write opens the catalog for writing. A lock held by another
-process is waited for up to `CATALOG_WAIT_S`; past that the write still succeeds and the
-next write or `connect()` creates the view.
+and only a table's first write opens the catalog for writing, waiting `CATALOG_WAIT_S`
+at most for another process's lock (the next write or `connect()` makes the view).
 """
 
 from __future__ import annotations
