@@ -1,17 +1,16 @@
 """The files vLLM's hidden-states connector writes: `<request id>.safetensors` directly
-inside its `shared_storage_path`, with a `.lock` file beside it that the connector holds
-(exclusively) while writing.
+inside its `shared_storage_path`, beside a `.lock` it holds exclusively while writing.
 
 A path in a server's answer is only a claim: an external fleet, a compromised server or
-a process that took the managed server's port can answer with any path the worker may
-read, move or delete. `ConnectorDir` is the one rule every consumer goes through: a
-reported path is used only when it names a regular file directly inside the step's
-connector directory under the name the connector writes, opened without following a
-link; anything else is `OutsideConnectorDir` and nothing is touched.
+a process that took the port can answer with any path. `ConnectorDir` is the one rule:
+a reported path is used only when it names a regular file directly inside the step's
+connector directory as the connector names it, opened without following a link;
+anything else is `OutsideConnectorDir` and nothing is touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -23,10 +22,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from mm_assets.common.files import open_regular_file
+
+# `<request id>.safetensors` (ids such as `cmpl-<hex>-0-<hex>`): no separator, no leading dot
 CONNECTOR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,250}\.safetensors")
-"""`<request id>.safetensors`, as vLLM's connector names a request's file (ids such as
-`cmpl-<hex>-0-<hex>`, `generate-tokens-<hex>-<hex>`): no separator, no leading dot."""
-_NO_LINK = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # no wait on a FIFO
 
 
 class OutsideConnectorDir(Exception):
@@ -35,8 +34,8 @@ class OutsideConnectorDir(Exception):
 
 @dataclass(frozen=True)
 class ConnectorFile:
-    """A connector file opened once without following links and checked to be a regular
-    file with one link: `read_path` reads that very file, whatever its name points at now."""
+    """A connector file opened and checked once (`open_regular_file`): `read_path` reads
+    that very file, whatever its name points at now."""
 
     dir: Path
     name: str
@@ -71,8 +70,8 @@ class ConnectorFile:
 
 @dataclass(frozen=True)
 class ConnectorDir:
-    """The directory a step's servers write hidden states into, as this machine sees it,
-    and how a path a server reports reads here (`path_map`, external servers)."""
+    """The directory a step's servers write hidden states into, as this machine sees it;
+    `path_map`: how a path an external server reports reads here."""
 
     path: Path
     path_map: Callable[[str], str] = lambda p: p
@@ -103,32 +102,22 @@ class ConnectorDir:
 
     @contextmanager
     def open(self, reported: str, lock_timeout_s: float) -> Iterator[ConnectorFile]:
-        """The reported file, once its writer released it, opened and checked (see the
-        module's docstring); `FileNotFoundError` and `TimeoutError` when it never came."""
+        """The reported file, once its writer released it, opened and checked;
+        `FileNotFoundError` or `TimeoutError` when it never came."""
         name = self.name_of(reported)
         with self._dir_fd() as dir_fd:
             _wait_for_writer(dir_fd, name, lock_timeout_s)
-            try:
-                fd = os.open(name, _NO_LINK, dir_fd=dir_fd)
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise OutsideConnectorDir(f"{self.path / name} is a link") from exc
-                raise
+            fd, st = open_regular_file(
+                name, OutsideConnectorDir, dir_fd, one_link=True, shown=self.path / name
+            )
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                raise OutsideConnectorDir(
-                    f"{self.path / name} is not a regular file with one link "
-                    f"(mode {stat.filemode(st.st_mode)}, {st.st_nlink} links)"
-                )
             yield ConnectorFile(self.path, name, fd, st)
         finally:
             os.close(fd)
 
     def discard(self, reported: str) -> None:
-        """Remove a connector file and its lock (read, rejected or moved away), where the
-        rule accepts the file (or it is gone): a path outside this directory, a link, a
-        directory or a file with other links is left as it is, its lock too."""
+        """Remove a connector file and its lock where the rule accepts the file (or it is
+        gone): anything else (outside, a link, more links) is left as it is, lock too."""
         try:
             name = self.name_of(reported)
             with self._dir_fd() as dir_fd:
@@ -150,31 +139,18 @@ def _wait_for_writer(dir_fd: int, name: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            fd = os.open(f"{name}.lock", _NO_LINK, dir_fd=dir_fd)
+            fd, _ = open_regular_file(f"{name}.lock", OutsideConnectorDir, dir_fd)
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise OutsideConnectorDir(f"{name}.lock is not a regular file")
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 return
             finally:
                 os.close(fd)
         except FileNotFoundError:
-            if _exists(dir_fd, name):
+            with contextlib.suppress(FileNotFoundError):  # no lock file: the file itself
+                os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                 return
         except BlockingIOError:
             pass
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise OutsideConnectorDir(f"{name}.lock is a link") from exc
-            raise
         if time.monotonic() > deadline:
             raise TimeoutError(f"{name} still locked by the writer after {timeout_s:.0f}s")
         time.sleep(0.01)
-
-
-def _exists(dir_fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True

@@ -1,10 +1,9 @@
-"""A hidden-states KV connector for vLLM's CPU engine.
+"""A hidden-states KV connector for vLLM's CPU engine, loaded by name through
+`kv_connector_module_path`.
 
 vLLM's `ExampleHiddenStatesConnector` copies hidden states to pinned host memory on a
-CUDA stream before writing them; on a CPU-only build that crashes the engine on the first
-request. This subclass copies synchronously (the cache already lives in host memory) and
-keeps everything else — file names, the `.lock` protocol, the thread-pool write — as the
-stock connector does. vLLM loads it by name through `kv_connector_module_path`.
+CUDA stream, which crashes a CPU-only build on the first request. This subclass copies
+synchronously and keeps the rest (file names, the `.lock` protocol, the pooled write).
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import os
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -19,16 +19,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     PendingSave,
     extract_from_kv_cache,
 )
-
-
-class _Done:
-    """Stands in for a CUDA event: the copy finished before it was created."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
 
 
 class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
@@ -49,7 +39,8 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
         if lock_fd is None and self.use_lock:
             lock_fd = os.open(pending.filename + ".lock", os.O_CREAT | os.O_WRONLY | os.O_TRUNC)
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        done = _Done()
+        # in place of the copy's CUDA event: the copy above has finished already
+        done = SimpleNamespace(query=lambda: True, synchronize=lambda: None)
         future = self._executor.submit(
             self._write_tensors, tensors, done, pending.filename, lock_fd
         )

@@ -1,33 +1,29 @@
 """Which images a vLLM server opens itself, and which travel inside the request.
 
-A server opens `file://` images only under one directory, its
-`--allowed-local-media-path`. A step's images can lie in more than one place: a
-dataset's image root and the store of images that were inside its rows, or the roots of
-several datasets. Widening the directory to their common parent would let the server
-open any file under it (`/` in the worst case). So the directory stays one narrow root
-(`services.media`), and an image outside it is read here and sent as a base64 data URL.
-The server then sees exactly the bytes this process read, and opens no other file.
+A server opens `file://` images only under its `--allowed-local-media-path`. A step's
+images can lie under several roots, and widening the directory to their common parent
+would let the server open any file under it (`/` at worst). So it stays one narrow root
+(`services.media`), and an image outside it is read here and sent as a base64 data URL:
+the server sees exactly the bytes this process read.
 
 Those bytes are the ones the availability stage probed: a file URL carries the probe's
-content hash as its fragment (`#sha256=<hex>`, `domain.prep.conversations`), and the
-inline read refuses a link at the file's name, reads at most `MAX_INLINE_BYTES` (+1 to
-tell) and checks the hash. A file changed since its probe fails its own request only.
+hash as its fragment (`#sha256=<hex>`), and the inline read refuses a link at the name,
+reads at most `MAX_INLINE_BYTES` and checks the hash. A changed file fails its request.
 """
 
 from __future__ import annotations
 
 import base64
-import errno
 import hashlib
 import mimetypes
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
+from mm_assets.common.files import open_regular_file
 from mm_assets.common.urls import HASH_FRAGMENT
 
 # The most a request carries inline: also the ceiling of `max_image_bytes`, so every file
@@ -49,29 +45,16 @@ class ServerAccess:
 
 
 def file_url_path(url: str) -> Path:
-    """The file a `file://` URL names, parsed the way vLLM parses it (netloc and path,
-    percent-decoded)."""
+    """The file a `file://` URL names, parsed as vLLM parses it (netloc + path, decoded)."""
     parts = urlsplit(url)
     return Path(url2pathname(parts.netloc + parts.path))
-
-
-def readable_by_server(path: Path, media_dir: Path | None) -> bool:
-    """vLLM's own test: the resolved file lies under the resolved directory."""
-    return media_dir is not None and Path(media_dir).resolve() in path.resolve().parents
 
 
 def read_as_probed(path: Path, sha256: str | None, max_bytes: int = MAX_INLINE_BYTES) -> bytes:
     """The file's bytes, never through a link at its name, at most `max_bytes`, and (with
     the probe's `sha256`) exactly the bytes it hashed; else `ImageNotAsProbed`."""
-    try:  # O_NONBLOCK: a FIFO put at the name must not hang the request
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise ImageNotAsProbed(f"{path} is a symbolic link; the probe read a plain file") from exc
+    fd, _ = open_regular_file(path, ImageNotAsProbed)
     with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            raise ImageNotAsProbed(f"{path} is not a regular file")
         data = fh.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise ImageNotAsProbed(f"{path} holds more than {max_bytes} bytes")
@@ -83,25 +66,20 @@ def read_as_probed(path: Path, sha256: str | None, max_bytes: int = MAX_INLINE_B
     return data
 
 
-def data_url(path: Path, sha256: str | None = None, max_bytes: int = MAX_INLINE_BYTES) -> str:
-    """The file's bytes (`read_as_probed`) as a base64 data URL (vLLM decodes by content,
-    not by type)."""
-    kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
-    data = read_as_probed(path, sha256, max_bytes)
-    return f"data:{kind};base64,{base64.b64encode(data).decode('ascii')}"
-
-
 def outgoing_url(url: str, media_dir: Path | None, max_bytes: int = MAX_INLINE_BYTES) -> str:
-    """`url` as sent: a `file://` URL the server may open stays (without the hash
-    fragment); any other file goes inline, checked against the hash. Raises `OSError`
-    when the file cannot be read or is not the file probed."""
+    """`url` as sent: a `file://` URL the server may open stays (less the hash fragment);
+    any other file goes inline as a base64 data URL (vLLM decodes by content, not type),
+    read by `read_as_probed` (`OSError` when it is not the file probed)."""
     if not url.startswith("file:"):
         return url
     plain, _, fragment = url.partition("#")  # a `#` in a name is percent-encoded
     path = file_url_path(plain)
-    if readable_by_server(path, media_dir):
+    # vLLM's own test: the resolved file lies under the resolved directory
+    if media_dir is not None and Path(media_dir).resolve() in path.resolve().parents:
         return plain
-    return data_url(path, fragment.removeprefix(HASH_FRAGMENT) or None, max_bytes)
+    data = read_as_probed(path, fragment.removeprefix(HASH_FRAGMENT) or None, max_bytes)
+    kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+    return f"data:{kind};base64,{base64.b64encode(data).decode('ascii')}"
 
 
 def outgoing_messages(

@@ -1,13 +1,11 @@
 """Run a command that must not outlive the process that started it, nor leave orphans.
 
 A managed vLLM server runs in its own session, so that stopping it ends every worker it
-forked. The price: when the step that started it is killed outright (SIGKILL: the OOM
-killer, a preempted node, a chaos run), nothing stops the server, which keeps its memory,
-its cores and the accelerator; and when the API process alone is killed, its `EngineCore`
-lives on without it. This guard leads a process group of its own and starts the command in
-it; when the command exits, or the guard's parent is gone, it ends every other process of
-the group (SIGTERM, then SIGKILL) and exits with the command's status. A SIGTERM to the
-group (the normal stop) lets the command shut down before the guard ends what is left.
+forked; but when the step that started it is SIGKILLed, nothing stops the server, and
+when the API process alone is killed, its `EngineCore` lives on. This guard leads a
+process group of its own and starts the command in it; when the command exits, or the
+guard's parent is gone, it ends the rest of the group (SIGTERM, then SIGKILL) and exits
+with the command's status.
 
     python -m mm_assets.clients.parent_guard PARENT_PID -- COMMAND [ARGS...]
 """

@@ -1,23 +1,19 @@
 """What keeps a managed vLLM server the step's own: no other local process answers in
 its place, drives it around its key, or moves it off loopback.
 
-- The port is drawn free and bound by vLLM later; in between (and even after vLLM's
-  bind, which sets SO_REUSEADDR and listens only once the engine is up) any local
-  process can listen on it and answer `/health`. The step trusts the port only once
-  every socket listening on it belongs to the process tree it started
-  (`foreign_listeners`).
-- vLLM's `--api-key` guards only paths under /v1, /v2, /inference and /cohere
-  (`GUARDED_PREFIX` in vllm/entrypoints/serve/middleware/authenticate.py); the
-  SageMaker `/invocations` route, registered on every server, runs the same generation
-  unguarded, as do /tokenize, /detokenize and /pooling, and vLLM has no switch to turn
-  that router off. `KeyOnEveryRoute` is loaded by vLLM's own `--middleware` option and
-  asks the start's key on every route but /health and /metrics.
-- `extra_args` go last on vLLM's command line, where a repeated flag wins and
-  argparse takes any unambiguous prefix (`--ho`) and `_` for `-`: the flags the
-  server's confinement rests on are refused there (`refuse_reserved_flags`).
+- The port is drawn free and bound by vLLM later (with SO_REUSEADDR, listening only once
+  the engine is up): any local process can listen on it meanwhile. The step trusts the
+  port once every listener on it is of the tree it started (`foreign_listeners`).
+- vLLM's `--api-key` guards only /v1, /v2, /inference and /cohere (`GUARDED_PREFIX`); the
+  SageMaker `/invocations`, /tokenize, /detokenize and /pooling run unguarded, with no
+  switch to turn them off. `KeyOnEveryRoute`, loaded by vLLM's `--middleware`, asks the
+  start's key on every route but /health and /metrics.
+- `extra_args` go last on vLLM's command line, where a repeated flag wins and argparse
+  takes any unambiguous prefix and `_` for `-`: `refuse_reserved_flags` refuses there
+  the flags the server's confinement rests on.
 
-This module is imported inside the vLLM server (`--middleware`): the standard library,
-psutil and `mm_assets.common` only.
+Imported inside the vLLM server (`--middleware`): the standard library, psutil and
+`mm_assets.common` only.
 """
 
 from __future__ import annotations
@@ -43,10 +39,8 @@ RESERVED_FLAGS = {
     "--config": "a config file could set any of the flags above",
 }
 
-# Variables the server's environment allow-list (`server_environment`) lets
-# through by prefix but withholds: the key, and vLLM switches a shell may hold for its
-# own servers that would open routes or loosen this one (the tests check each name
-# against vLLM's envs.py, so a rename upstream is noticed).
+# Variables `server_environment` lets through by prefix but withholds: the key, and vLLM
+# switches that would open routes or loosen the server (tests check them against envs.py).
 SERVER_ENV_WITHHELD = frozenset(
     {
         "VLLM_API_KEY",  # each start draws its own
@@ -110,9 +104,8 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class KeyOnEveryRoute:
-    """ASGI middleware: an HTTP or WebSocket request without `Bearer $VLLM_API_KEY` is
-    refused (401) on every path but `OPEN_PATHS`. Without a key it raises when vLLM
-    builds its app: an unguarded managed server is never the quiet outcome."""
+    """ASGI middleware: a request without `Bearer $VLLM_API_KEY` is refused on every path
+    but `OPEN_PATHS`; without a key it raises, so an unguarded server never starts."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         key = os.environ.get("VLLM_API_KEY", "")
@@ -139,10 +132,8 @@ class KeyOnEveryRoute:
 
 
 # What a managed server inherits of the caller's environment: what Python, vLLM, torch,
-# the CPU and GPU runtimes and the hub client (offline, from its cache) read, and the run
-# marker the dead-run watch finds a run's processes by. Nothing else: cloud credentials,
-# API keys and tokens stay with the caller (the server loads the target from a local
-# directory, so it needs no hub token).
+# the CPU/GPU runtimes and the (offline) hub client read, and the run marker the dead-run
+# watch finds a run's processes by. Credentials, API keys and tokens stay with the caller.
 _NAMES = """PATH HOME USER LOGNAME SHELL LANG LANGUAGE TZ TERM TMPDIR PYTHONPATH PYTHONHOME
 VIRTUAL_ENV LD_LIBRARY_PATH LD_PRELOAD XDG_CACHE_HOME XDG_CONFIG_HOME XDG_RUNTIME_DIR CC CXX
 HF_HOME HF_HUB_CACHE HF_HUB_OFFLINE TRANSFORMERS_OFFLINE MM_ASSETS_RUN_ID"""

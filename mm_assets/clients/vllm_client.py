@@ -1,27 +1,18 @@
 """Requests to vLLM servers through the `openai` client: hidden-state extraction and
 chat generation, spread over one or more servers.
 
-Extraction: every row is sent as its token ids, so the hidden states belong to exactly
-the tokens the trainer reads (including replies whose ids a re-tokenization of their
-text would not give back). Text rows go to Completions; rows with images go to vLLM's
-token-in route `/inference/v1/generate` (served with `--enable-scale-out`) with each
-image's placeholder run collapsed to one token and the images as `file://` content
-parts (inline where the server may not open the file, `media_urls`), which vLLM
-expands again through the model's processor. Both ask for one token and for the prompt
-token ids, which the caller compares with the stored ones (a different image token
-count shows up there).
-Generation: Chat Completions with the sampling settings, asking for the generated token
-ids (`return_token_ids`), so the trainer can see exactly what the target produced.
+Extraction sends every row as its token ids, so the hidden states belong to exactly the
+tokens the trainer reads. Text rows go to Completions; rows with images to the token-in
+route `/inference/v1/generate` (`--enable-scale-out`), each image's placeholder run
+collapsed to one token (vLLM expands it again through the model's processor). Both
+return the prompt token ids, which the caller compares with the stored ones.
+Generation asks Chat Completions for the generated token ids (`return_token_ids`).
 
 Transient failures (connection, timeout, 5xx, 429) are retried, on another server when
-there is one (backoff when not); a request the server refuses (4xx) is a per-sample
-failure. A server that fails `breaker_failures` tries in a row is taken out of rotation
-while another remains in it (its requests in flight are retried on the others) and gets
-one request again after `probe_after_s`; an answer brings it back. The last server in
-rotation stays in it, with the tolerance of one server: when `breaker_failures` requests
-in a row have failed every try, the circuit opens and the run stops (what was stored so
-far is kept for the next run). A brief overload of a lone server is ridden out by the
-retries' backoff; a dead fleet stops the run within a few tries per request.
+there is one; a 4xx is a per-sample failure. A server that fails `breaker_failures` tries
+in a row leaves rotation while another remains, and gets a probe request after
+`probe_after_s`. When `breaker_failures` requests in a row have failed every try, the
+circuit opens and the run stops (what was stored so far is kept for the next run).
 """
 
 from __future__ import annotations
@@ -60,11 +51,8 @@ TRANSIENT = (
 class ExtractionRequest:
     row_id: str
     input_ids: list[int]
-    image_urls: tuple[str, ...] = ()
-    """The row's images (`file://` URLs), in order."""
-    prompt_ids: list[int] | None = None
-    """The ids sent for a row with images: `input_ids` with each placeholder run
-    collapsed to one token (vLLM expands it from the image)."""
+    image_urls: tuple[str, ...] = ()  # `file://` URLs, in order
+    prompt_ids: list[int] | None = None  # with images: each placeholder run collapsed
 
     @property
     def num_tokens(self) -> int:
@@ -78,8 +66,7 @@ class ExtractionResponse:
 
 
 class RequestRefused(Exception):
-    """The server refused this request (4xx, with `status`) or answered without what was
-    asked for."""
+    """The server refused this request (4xx: `status`) or answered without what was asked."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -94,16 +81,11 @@ class CircuitOpen(RuntimeError):
 class ServerStats:
     """One server's share of a run, for the step's metadata."""
 
-    url: str
-    """The server's URL as shown (`shown_url`: no password)."""
-    answered: int = 0
-    """Requests it answered (refusals included: the server was up)."""
-    failed_tries: int = 0
-    """Tries that failed with a transient error (connection, timeout, 5xx, 429)."""
+    url: str  # as shown (`shown_url`: no password)
+    answered: int = 0  # refusals included: the server was up
+    failed_tries: int = 0  # transient errors
     taken_out: int = 0
-    tokens: int = 0
-    """Tokens of the requests it answered (prompt tokens for extraction, generated
-    tokens for chat)."""
+    tokens: int = 0  # prompt tokens for extraction, generated tokens for chat
 
 
 def parse_response(payload: dict[str, Any]) -> ExtractionResponse:
@@ -130,23 +112,17 @@ def token_in_url(base_url: httpx.URL) -> httpx.URL:
 
 class _Server:
     def __init__(
-        self,
-        base_url: str,
-        api_key: str,
-        timeout_s: float,
-        http_client: httpx.AsyncClient | None,
+        self, url: str, api_key: str, timeout_s: float, http: httpx.AsyncClient | None
     ) -> None:
-        retries = {"max_retries": 0, "http_client": http_client}  # the client re-sends
-        self.client = openai.AsyncOpenAI(
-            base_url=base_url, api_key=api_key, timeout=timeout_s, **retries
+        self.client = openai.AsyncOpenAI(  # max_retries=0: `VllmClient.call` retries
+            base_url=url, api_key=api_key, timeout=timeout_s, max_retries=0, http_client=http
         )
         self.in_flight = 0
         self.model: str | None = None
         self.failed_in_a_row = 0
         self.last_error = ""
-        self.out_until: float | None = None
-        """Out of rotation until then (monotonic seconds); None: in rotation."""
-        self.stats = ServerStats(shown_url(base_url))  # shown in logs, errors and metadata
+        self.out_until: float | None = None  # out of rotation until then; None: in it
+        self.stats = ServerStats(shown_url(url))
 
     async def model_name(self) -> str:
         if self.model is None:
@@ -156,16 +132,11 @@ class _Server:
 
 
 class VllmClient:
-    """Requests spread over one or more vLLM servers (the least busy first), retried on
-    transient errors on another server when there is one, a failing server taken out of
-    rotation (see the module's docstring). `http_client` replaces the `openai` client's
-    own (tests inject an `httpx.MockTransport`); `backoff_s` is the first retry's mean
-    wait when no other server can take it, doubling with each further try. The other
-    knobs are `settings` (`RequestSettings`, its defaults unless given); `access` holds
-    the servers' API key and the directory they open images under (`media_urls`)."""
+    """Requests spread over vLLM servers, the least busy first. `http_client` replaces the
+    `openai` client's own (tests); `backoff_s` is the first retry's mean wait when no
+    other server can take it, doubling with each further try."""
 
-    clock: Callable[[], float] = staticmethod(time.monotonic)
-    """Seconds for the rotation's probe waits (tests set a clock they advance)."""
+    clock: Callable[[], float] = staticmethod(time.monotonic)  # tests set their own
 
     def __init__(
         self,
@@ -194,8 +165,7 @@ class VllmClient:
         return [{**asdict(s.stats), "in_rotation": s.out_until is None} for s in self.servers]
 
     def _candidates(self) -> list[_Server]:
-        """Servers in rotation, plus those out of it whose wait is over and that no
-        request is probing yet."""
+        """Servers in rotation, and those out of it due for a probe that none is sending."""
         in_rotation = [s for s in self.servers if s.out_until is None]
         now = self.clock()
         due = [s for s in self.servers if s.out_until is not None and now >= s.out_until]
@@ -233,9 +203,7 @@ class VllmClient:
             logger.info(f"vLLM server {server.stats.url} answers again: back in rotation")
 
     async def call(
-        self,
-        send: Callable[[Any, str], Awaitable[Result]],
-        tokens: Callable[[Result], int],
+        self, send: Callable[[Any, str], Awaitable[Result]], tokens: Callable[[Result], int]
     ) -> Result:
         """`send(openai_client, model)` on the least busy server, with retries;
         `tokens(result)` is what the answer counts in the server's stats."""
@@ -288,12 +256,9 @@ class VllmClient:
         handle: Callable[[Item, Result | Exception], Awaitable[None]],
         workers: int | None = None,
     ) -> None:
-        """`work` on every item with at most `workers` items (default `concurrency`) and
-        `concurrency` requests in flight; `handle` gets each result or per-item
-        `RequestRefused`. Handling (e.g. storing a file) runs beside the next requests
-        instead of holding a slot. A `CircuitOpen` stops everything and propagates.
-        Items of several requests each (a conversation's turns) take more workers than
-        requests, so a slot freed between two turns goes to another item."""
+        """`work` on every item: `workers` items at a time (default `concurrency`; more let a
+        slot freed between a conversation's turns go to another), `concurrency` requests in
+        flight; `handle` gets each result or `RequestRefused` beside the next requests."""
         workers = workers or self.concurrency
         queue: asyncio.Queue[Item | None] = asyncio.Queue(workers * 2)
         handling = asyncio.Semaphore(workers * 4)
@@ -329,9 +294,8 @@ class VllmClient:
                 group.create_task(worker(group))
 
     async def inline_outside(self, convert: Callable[[Path | None], Result]) -> Result:
-        """`convert(media_dir)` (a `media_urls` function) off the event loop: it reads
-        the images the servers may not open. A file gone since its probe is this
-        request's failure, not the run's."""
+        """`convert(media_dir)` (a `media_urls` function, which reads images) off the event
+        loop; an unreadable image fails this request, not the run."""
         try:
             return await asyncio.to_thread(convert, self.media_dir)
         except OSError as exc:
@@ -345,8 +309,7 @@ class VllmClient:
 
 
 class HiddenStatesClient(VllmClient):
-    """Extraction requests: one token each, the prompt token ids and the hidden-states
-    file path back."""
+    """Extraction: one token each; the prompt token ids and hidden-states path back."""
 
     async def extract(self, request: ExtractionRequest) -> ExtractionResponse:
         async def send(client: openai.AsyncOpenAI, model: str) -> ExtractionResponse:
@@ -381,11 +344,3 @@ class HiddenStatesClient(VllmClient):
             return parse_response(payload.json())
 
         return await self.call(send, lambda response: request.num_tokens)
-
-    async def run(
-        self,
-        requests: Iterable[ExtractionRequest],
-        handle: Callable[[ExtractionRequest, ExtractionResponse | Exception], Awaitable[None]],
-    ) -> None:
-        """Extract every request (see `VllmClient.map`)."""
-        await self.map(requests, self.extract, handle)

@@ -1,10 +1,6 @@
-"""Chat generation through the fleet client, and greedy generations as token ids.
-
-Token ids (not text) so that two servers' outputs compare exactly: the check that
-speculative decoding is lossless compares them with the target's own greedy output. The
-text rides along where a next turn must quote the reply (a benchmark's second round).
-The requests go through `ChatClient`, the same client (and retries) target responses use.
-"""
+"""Chat generation through the fleet client, and greedy generations as token ids: token
+ids compare exactly, so the lossless check compares them with the target's own greedy
+output; the text rides along where a next turn must quote the reply."""
 
 from __future__ import annotations
 
@@ -27,8 +23,6 @@ class ChatReply:
 
 
 class ChatClient(VllmClient):
-    """Chat generation that returns the generated token ids."""
-
     async def reply(self, messages: list[dict[str, Any]], sampling: dict[str, Any]) -> ChatReply:
         """The assistant's next message for `messages`; `sampling` holds the Chat
         Completions sampling fields (temperature, top_p, seed, max_tokens)."""

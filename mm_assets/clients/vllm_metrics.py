@@ -1,10 +1,8 @@
 """Spec-decode and serving counters of a vLLM server, read from its Prometheus `/metrics`.
 
-The change of these counters over a set of generations gives the acceptance length
-(`1 + accepted / drafts`) and the per-position acceptance rates of the served draft, and
-the speed the server itself measured: generated tokens over the summed end-to-end
-latency of its requests, and its mean time per output token. One scrape reads both, so
-a difference of two scrapes covers exactly the same requests for every figure.
+Their change over a set of generations gives the served draft's acceptance and the speed
+the server measured (`domain.model.benchmark`). One scrape reads both, so a difference
+of two scrapes covers exactly the same requests for every figure.
 The exposition is parsed by `prometheus_client`, the library vLLM writes it with.
 """
 
@@ -58,8 +56,7 @@ class SpecDecodeCounters:
 
 @dataclass(frozen=True)
 class ServingCounters:
-    """What the server counted of its requests: tokens generated, and the sum and count
-    of two per-request histograms (end-to-end latency; time per output token)."""
+    """Tokens generated, and two per-request histograms' sum and count."""
 
     generation_tokens: float
     e2e_latency_sum_s: float
@@ -71,17 +68,6 @@ class ServingCounters:
         return ServingCounters(
             *(a - b for a, b in zip(astuple(self), astuple(before), strict=True))
         )
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Output tokens per second of one request's own time (generated tokens over
-        the summed end-to-end latency): with one request in flight, what a user waits."""
-        return self.generation_tokens / self.e2e_latency_sum_s if self.e2e_latency_sum_s else 0.0
-
-    @property
-    def mean_time_per_output_token_s(self) -> float:
-        count = self.time_per_output_token_count
-        return self.time_per_output_token_sum_s / count if count else 0.0
 
 
 @dataclass(frozen=True)
@@ -98,10 +84,8 @@ class ServerCounters:
 
 
 def server_counters_from_metrics_text(text: str) -> ServerCounters:
-    """The spec-decode and serving counters in a Prometheus text exposition, summed over
-    every other label (engine, model name, finish reason). Only the counter samples count
-    (`name` or `name_total`; a histogram's `_sum` and `_count`), not their `_created`
-    timestamps; a server without a draft gives zero spec-decode counters."""
+    """The counters in a Prometheus text exposition, summed over every other label; only
+    counter samples (`name`, `name_total`, a histogram's `_sum`, `_count`), no `_created`."""
     totals = dict.fromkeys((DRAFTS, DRAFT_TOKENS, ACCEPTED, *SERVING_SAMPLES), 0.0)
     per_position: dict[int, float] = {}
     for family in text_string_to_metric_families(text):
@@ -131,10 +115,9 @@ def server_counters(base_url: str) -> ServerCounters:
 def counters_after(
     url: str, before: ServerCounters, requests: int, timeout_s: float = 30.0
 ) -> ServerCounters:
-    """The counters once the server has counted `requests` more finished requests (its
-    e2e latency count): vLLM records a request's figures beside answering it, so a scrape
-    right after the last answer could miss that request's share. The one way counters
-    are read after a set of requests."""
+    """The counters once the server has counted `requests` more finished requests: vLLM
+    records a request's figures beside answering it, so a scrape right after the last
+    answer could miss that request's share."""
     deadline = time.monotonic() + timeout_s
     while True:
         now = server_counters(url)

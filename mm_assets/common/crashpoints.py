@@ -1,9 +1,7 @@
 """Named places where a chaos run kills the process (`bench/chaos.py`, `make chaos`).
 
-A crash-safe pipeline has to survive a SIGKILL anywhere, but "anywhere" is hard to hit
-by timing alone: a Parquet write or the instant between a file's fsync and its rename
-last microseconds. So those places are named here, and the chaos run asks for a kill at
-the n-th time one is reached:
+A SIGKILL between a file's fsync and its rename is hard to hit by timing alone, so such
+places are named here, and a chaos run asks for a kill at the n-th time one is reached:
 
     MM_ASSETS_CRASH_AT=before_rename:7         SIGKILL this process there
     MM_ASSETS_CRASH_AT=before_rename:7:group   SIGKILL its whole process group

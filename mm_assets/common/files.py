@@ -1,14 +1,11 @@
 """Writing files so that a crash never leaves one that looks valid.
 
-Every writer (tables, blobs, reuse records, training state, checkpoints) writes to a
-temporary name in the destination's directory, flushes it to disk, renames it over the
-destination and then flushes the directory entry: a reader sees the old version or the
-new one, never half of one, even after a power loss. Directories created on the way are
-flushed into their parents too, or a power loss could drop the directory and the file in it.
+Every writer writes to a temporary name beside the destination, fsyncs it, renames it
+over the destination and fsyncs the directory (and each directory it created): a reader
+sees the old version or the new one, never half of one, even after a power loss.
 
-A write that runs out of space (ENOSPC, EDQUOT) raises `DiskFullError`, which names the
-path, the bytes it needed and had, and the fix; the previous version stays in place and
-the temporary file is removed, so a full disk never costs the last good version.
+A write that runs out of space raises `DiskFullError`, which names the path, the bytes
+it needed and had, and the fix; the previous version stays and the temporary is removed.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -30,10 +28,9 @@ import psutil
 from mm_assets.common.crashpoints import crash_point
 
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-# Libraries that wrap the OS error keep only its text (safetensors' SafetensorError).
+# Libraries that wrap the OS error keep only its text (safetensors), or lose even that
+# (torch.save): a failure with less than `_NEARLY_FULL_BYTES` left is a full disk.
 _DISK_FULL_TEXTS = ("no space left on device", "disk quota exceeded", "os error 28")
-# Others lose even that (torch.save raises a bare RuntimeError): a failure with less than
-# this much left on the destination's filesystem is taken for a full disk.
 _NEARLY_FULL_BYTES = 1 << 20
 
 
@@ -48,6 +45,34 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def open_regular_file(
+    path: Path | str,
+    refuse: type[Exception],
+    dir_fd: int | None = None,
+    one_link: bool = False,
+    shown: Path | str | None = None,
+) -> tuple[int, os.stat_result]:
+    """`path` opened read-only, not through a link at its name nor waiting on a FIFO put
+    there, as a regular file (with one link, if `one_link`); else `refuse` (names `shown`)."""
+    shown = shown or path
+    try:
+        fd = os.open(
+            path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd
+        )
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise refuse(f"{shown} is a symbolic link") from exc
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or (one_link and st.st_nlink != 1):
+        os.close(fd)
+        raise refuse(
+            f"{shown} is not a regular file{' with one link' if one_link else ''} "
+            f"(mode {stat.filemode(st.st_mode)}, {st.st_nlink} links)"
+        )
+    return fd, st
 
 
 def make_dirs(path: Path) -> None:
@@ -68,19 +93,13 @@ def _host_tag() -> str:
 
 
 def temporary_name(name: str, suffix: str = "tmp") -> str:
-    """`.<name>.<pid>@<host>-<random>.<suffix>`: the writer's pid and host tell a sweep
-    whether the file is still being written or was left by a process that died."""
+    """`.<name>.<pid>@<host>-<random>.<suffix>`: a sweep tells a dead writer's by them."""
     return f".{name}.{os.getpid()}@{_host_tag()}-{uuid.uuid4().hex}.{suffix}"
 
 
-def _temporary_sibling(path: Path, suffix: str = "tmp") -> Path:
-    return path.with_name(temporary_name(path.name, suffix))
-
-
-# (names without a host are an older version's, written on this machine)
+# (no host: an older version's name, from this machine)
 _TEMPORARY = re.compile(r"^\..+\.(\d+)(?:@([0-9a-f]{8}))?-[0-9a-f]{32}\.(tmp|old)$")
-# A pid says nothing about a process on another machine sharing the root: its
-# temporaries are removed only when they have not changed for this long.
+# Another machine's temporaries (its pids mean nothing here) go when unchanged this long.
 FOREIGN_STALE_S = 6 * 3600.0
 
 
@@ -95,10 +114,8 @@ def _writer_gone(entry: os.DirEntry, match: re.Match[str]) -> bool:
 
 
 def remove_stale_temporaries(directory: Path) -> int:
-    """Remove the temporaries in `directory` whose writer died (a kill between a write
-    and its rename); a live writer's are kept, and so are another machine's until they
-    are `FOREIGN_STALE_S` old (a root on a shared filesystem). Returns how many were
-    removed."""
+    """Remove the temporaries in `directory` whose writer died (another machine's once
+    `FOREIGN_STALE_S` old); returns how many."""
     removed = 0
     try:
         entries = list(os.scandir(directory))
@@ -171,7 +188,7 @@ def _disk_full_error(final: Path, written: int, needed: int | None, free: int) -
 
 @contextmanager
 def _replacing(final: Path, tmp: Path | None, expected_bytes: int | None) -> Iterator[None]:
-    """On error: remove `tmp`, and turn a full disk into a `DiskFullError`."""
+    """On error: remove `tmp`; a full disk becomes a `DiskFullError`."""
     free = _free_bytes(final.parent)
     try:
         yield
@@ -191,12 +208,10 @@ def _replacing(final: Path, tmp: Path | None, expected_bytes: int | None) -> Ite
 def atomic_path(
     final: Path, expected_bytes: int | None = None, sweep: bool = True
 ) -> Iterator[Path]:
-    """A temporary path beside `final` to write to; on success it replaces `final`
-    (fsync'd, renamed, directory fsync'd), on error it is removed. `expected_bytes`, when
-    the caller knows it, goes into the message of a `DiskFullError`. `sweep=False` skips
-    removing dead writers' temporaries from the directory, for a writer putting many
-    files into one directory that swept it once already."""
-    tmp = _temporary_sibling(final)
+    """A temporary path beside `final` to write to; on success it replaces `final`, on
+    error it is removed. `expected_bytes` goes into a `DiskFullError`'s message;
+    `sweep=False` skips `remove_stale_temporaries` (a writer that swept already)."""
+    tmp = final.with_name(temporary_name(final.name))
     with _replacing(final, tmp, expected_bytes):
         make_dirs(final.parent)
         if sweep:
@@ -220,17 +235,11 @@ def move_into_place(
     verify: Callable[[Path], None] | None = None,
     copy_from: str | None = None,
 ) -> None:
-    """Move a finished file to `final`: renamed (or, from another filesystem, copied) to
-    a private temporary sibling, `verify`'d there, then renamed over `final`, so `final`
-    is never partial and the check sees this move's file, not one a concurrent writer of
-    the same key put at `final` meanwhile. `verify` raises to refuse the file (the
-    temporary is removed); `copy_from` is what a cross-filesystem copy reads (an opened
-    file's `/dev/fd/N`, rather than a name that may have been swapped).
-
-    The data is flushed before the final rename: it was written by another process (the
-    vLLM connector) that does not fsync, and a filesystem may persist the rename before
-    the data, so a power loss could leave `final` empty or short, which a
-    content-addressed store would then reuse as a complete blob."""
+    """Move a finished file to `final` through a private temporary sibling (renamed, or
+    copied across filesystems from `copy_from`: an opened file's `/dev/fd/N`), where
+    `verify` checks this move's file (raising refuses it) before the rename over `final`.
+    The data is fsync'd: its writer (the vLLM connector) does not, and a power loss could
+    otherwise leave `final` short, which a content-addressed store would reuse."""
     size = source.stat().st_size
     copied = False
     with atomic_path(final, size) as tmp:
@@ -249,11 +258,10 @@ def move_into_place(
 
 @contextmanager
 def atomic_directory(final: Path) -> Iterator[Path]:
-    """A temporary directory to fill; on success it replaces `final` whole (the old
-    version is moved aside first, then removed; put back if the swap fails), on error
-    it is removed."""
-    tmp = _temporary_sibling(final)
-    old = _temporary_sibling(final, "old")
+    """A temporary directory to fill; on success it replaces `final` whole (the old one
+    moved aside, put back if the swap fails), on error it is removed."""
+    tmp = final.with_name(temporary_name(final.name))
+    old = final.with_name(temporary_name(final.name, "old"))
     with _replacing(final, tmp, None):
         make_dirs(final.parent)
         remove_stale_temporaries(final.parent)

@@ -1,9 +1,5 @@
-"""Content hashes: what every cache key, sample id and reuse record is made of.
-
-A JSON-able value is hashed through one canonical serialization (sorted keys, no
-spaces, UTF-8, other objects by `str`), so the same content gives the same key in every
-module and on every machine.
-"""
+"""Content hashes: what every cache key, sample id and reuse record is made of. One
+canonical serialization, so the same content gives the same key everywhere."""
 
 from __future__ import annotations
 
@@ -14,7 +10,7 @@ from typing import Any
 
 
 def json_sha256(value: Any) -> str:
-    """SHA-256 (hex) of a JSON-able value's canonical serialization."""
+    """SHA-256 of a JSON-able value (sorted keys, no spaces, UTF-8, others by `str`)."""
     text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -42,10 +42,8 @@ def default_target_model() -> str:
 
 def ensure_dagster_home() -> Path:
     """Point `DAGSTER_HOME` under the storage root when unset, so run history persists,
-    and give it the project's instance config (the repo's `dagster.yaml`, shipped in the
-    package) when it has none: without it, runs have no accelerator pool limit and no run
-    monitoring. Every entry point calls this before it creates its instance; an existing
-    `dagster.yaml` is the user's and is left alone."""
+    and give it the project's `dagster.yaml` (pool limits, run monitoring) when it has
+    none; an existing one is the user's. Every entry point calls this first."""
     path = Path(os.environ.get("DAGSTER_HOME") or home() / "dagster_home")
     path.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DAGSTER_HOME", str(path))
@@ -59,5 +57,5 @@ def ensure_dagster_home() -> Path:
 
 
 def instance_config() -> str:
-    """The project's Dagster instance config: pool limits, run monitoring (`dagster.yaml`)."""
+    """The project's Dagster instance config (`dagster.yaml`, shipped in the package)."""
     return resources.files("mm_assets").joinpath("dagster.yaml").read_text()

@@ -1,5 +1,5 @@
 """Progress lines for long loops, so a step's log shows it is alive and when it ends.
-Callers pass their module logger's `info`: Dagster captures it (dagster.yaml, python_logs)."""
+Callers pass their module logger's `info`: Dagster captures it (python_logs)."""
 
 from __future__ import annotations
 

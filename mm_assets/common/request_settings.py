@@ -1,7 +1,5 @@
-"""How a stage talks to vLLM: requests in flight, timeouts, retries and when to give up.
-Declared once for the stages that send requests (hidden states, target responses), whose
-settings extend it, and for the client (`clients/vllm_client.py`), whose defaults these
-are — so it sits on the floor both stand on."""
+"""How a stage talks to vLLM: requests in flight, timeouts, retries and when to give up;
+the settings of the stages that send requests extend it, and the client's defaults."""
 
 from __future__ import annotations
 

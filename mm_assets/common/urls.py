@@ -9,9 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlsplit
 
+# A probed file's URL fragment, before its content hash (checked by `clients/media_urls.py`)
 HASH_FRAGMENT = "sha256="
-"""What a probed file's URL carries as its fragment, before the content hash: the client
-that sends the file inline checks the bytes against it (`clients/media_urls.py`)."""
 
 
 def probed_file_url(path: str, sha256: str | None) -> str:

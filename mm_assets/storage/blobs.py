@@ -2,8 +2,7 @@
 
 A blob is named by its content key, so a rerun, a reordered dataset or an edit of other
 rows finds every unchanged sample already stored. Files arrive by rename from a directory
-on the same filesystem (`incoming_dir`), so a blob is either complete or absent; a put
-that runs out of space raises `DiskFullError` and leaves no blob and no temporary file.
+on the same filesystem (`incoming_dir`), so a blob is either complete or absent.
 """
 
 from __future__ import annotations
@@ -41,32 +40,30 @@ class BlobStore:
         return self.dir / key[:2] / f"{key}{self.suffix}"
 
     def stored_path(self, key: str) -> str:
-        """The blob's path relative to the storage root, as tables record it: a root
-        mounted elsewhere on another worker, moved or restored from a backup still
-        resolves it (`TableStore.resolve`)."""
+        """The blob's path relative to the storage root, as tables record it, so a root
+        mounted elsewhere or moved still resolves it (`TableStore.resolve`)."""
         return self.path(key).relative_to(self.root).as_posix()
 
     def has(self, key: str) -> bool:
         return self.path(key).is_file()
 
-    def incoming_dir(self) -> Path:
-        """A fresh directory on the blobs' filesystem for a server to write into, named
-        by this process, so that the next run removes what a killed one left there."""
-        parent = self.dir.parent / "incoming"
+    def _fresh(self, under: str, name: str) -> Path:
+        """A new name in `<blobs>/<under>/`, this process's: the next run sweeps it if dead."""
+        parent = self.dir.parent / under
         parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(parent)
-        path = parent / temporary_name("run")
+        return parent / temporary_name(name)
+
+    def incoming_dir(self) -> Path:
+        """A fresh directory on the blobs' filesystem for a server to write into."""
+        path = self._fresh("incoming", "run")
         path.mkdir()
         return path
 
     def scratch(self) -> BlobStore:
-        """A fresh store beside this one for blobs kept only briefly (online training's
-        `discard`), named by this process so the next run removes what a killed one left."""
-        parent = self.dir.parent / "scratch"
-        parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(parent)
-        kind = f"{parent.name}/{temporary_name(self.dir.name)}"
-        return BlobStore(self.root, kind, self.suffix)
+        """A fresh store beside this one for blobs kept briefly (online training's `discard`)."""
+        kind = self._fresh("scratch", self.dir.name).relative_to(self.dir.parent)
+        return BlobStore(self.root, kind.as_posix(), self.suffix)
 
     def put_file(
         self,
@@ -75,9 +72,7 @@ class BlobStore:
         verify: Callable[[Path], None] | None = None,
         copy_from: str | None = None,
     ) -> Path:
-        """Move a finished file in, checked by `verify` before it takes its key (see
-        `move_into_place`: its data is fsync'd first, since the server that wrote it does
-        not, and a blob that a power loss left short would be reused as complete)."""
+        """Move a finished file in, checked by `verify` first (`move_into_place`)."""
         dest = self.path(key)
         move_into_place(src, dest, verify, copy_from)
         return dest

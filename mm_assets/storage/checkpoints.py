@@ -48,17 +48,15 @@ class TrainStateFile:
     def load(self, device: torch.device) -> dict[str, Any] | None:
         if not self.path.is_file():
             return None
-        # tensors, numbers, strings and containers only: a crafted file runs no code
-        try:
+        try:  # weights_only: a crafted file runs no code
             return torch.load(self.path, map_location=device, weights_only=True)
         except pickle.UnpicklingError as error:  # not a state this trainer wrote: a cache
             logger.warning("ignoring %s, not a training state (%s)", self.path, error)
             return None
         except torch.OutOfMemoryError:
             raise
-        # Where a cut ends decides which: EOFError, RuntimeError (zip) or OSError (a seek).
-        # Raised, not ignored like a foreign file: a failing disk reads the same, and
-        # starting over would overwrite a state a second try could read.
+        # A cut file raises one of these; raised, not ignored: a failing disk reads the
+        # same, and starting over would overwrite a state a second try could read.
         except (EOFError, RuntimeError, OSError) as error:
             raise ValueError(
                 f"training state {self.path} cannot be read ({type(error).__name__}: {error}); "

@@ -1,13 +1,10 @@
-"""An object store (S3, GCS, Azure Blob) reached through fsspec, for what every worker of a
-cluster must read but need not write as files: tables and trained checkpoints.
+"""An object store (S3, GCS, Azure Blob) reached through fsspec, for what every worker of
+a cluster must read: tables and trained checkpoints (hidden-state blobs are files vLLM's
+connector writes, so they stay on a storage root every worker mounts).
 
-Hidden-state blobs are not among them: vLLM's hidden-state connector writes files, so they
-stay on the storage root, which must then be a filesystem every worker mounts (NFS,
-Lustre, EFS). What makes an object store safe to write without a rename is that one
-upload (a PUT, or a multipart upload's completion) appears whole or not at all: a writer
-killed mid-upload leaves nothing a reader can list. Only stores with that guarantee are
-accepted. Credentials and endpoints come from the store's usual configuration (for S3:
-`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`, `~/.aws/`).
+Only stores whose uploads appear whole or not at all are accepted: that is what makes
+writing without a rename safe. Credentials and endpoints come from the store's usual
+configuration (for S3: `AWS_ACCESS_KEY_ID`, `AWS_ENDPOINT_URL`, `~/.aws/`).
 """
 
 from __future__ import annotations
@@ -67,7 +64,7 @@ class ObjectStore:
     @cached_property
     def fs(self) -> AbstractFileSystem:
         """One filesystem per store, listing afresh each time: another worker's new
-        table version must be seen by the next read, not after a cache expires."""
+        table version must be seen by the next read."""
         import fsspec
 
         try:
@@ -92,15 +89,12 @@ class ObjectStore:
 def publish_directory(
     store: ObjectStore, local: Path, *parts: str, entry_point: str = "config.json"
 ) -> tuple[str, int]:
-    """Upload `local`'s files under `parts`, those that differ from the copy there (by
-    SHA-256, listed in `PUBLISHED`). Returns the URL and how many files were uploaded.
+    """Upload `local`'s files that differ (by SHA-256, listed in `PUBLISHED`) under
+    `parts`, and remove those it no longer holds; returns the URL and files uploaded.
 
     A reader must never load one training's weights with another's config: a changed
-    `entry_point` (what a loader opens first) is removed before anything else is
-    replaced and uploaded after everything else, and `PUBLISHED` comes last, so an
-    interrupted upload leaves a directory that is not a checkpoint, or is the complete
-    new one, and is published again next time. Files the local directory no longer
-    holds are removed."""
+    `entry_point` is removed first and uploaded last, and `PUBLISHED` after it, so an
+    interrupted upload leaves no checkpoint, or the complete new one."""
     fs, dest = store.fs, store.key(*parts)
     local_hashes = {
         p.name: file_sha256(p)

@@ -1,21 +1,15 @@
-"""The tables on an object store: every worker of a cluster reads the same ones, wherever
-it runs and whatever it mounts.
+"""The tables on an object store: every worker of a cluster reads the same ones.
 
-An object store has no rename and no hard link, so the local layout's two tricks (write
-a temporary name, rename it over `data.parquet`; hard-link snapshots for DuckDB) give way
-to one rule: a table version is an object that is never changed, named
-`<table>/dataset=<partition>/<time_ns>-<sha256>.parquet`, and the newest name is the
-current version. A write stages the file on the local root and uploads it whole (an
-upload appears complete or not at all, `object_store`), so a killed writer leaves
-nothing; a reader opens one version and reads it to the end, however many writers come
-after; the catalog's views read the same objects by glob, newest per partition, as they
-read snapshots on a local disk. A version superseded more than `SNAPSHOT_GRACE_S` ago is
-deleted by the next write of its partition. Rewriting a partition with the bytes it
-already holds uploads nothing (a cached rerun costs a listing).
+An object store has no rename and no hard link, so a table version is an object never
+changed, named `<table>/dataset=<partition>/<time_ns>-<sha256>.parquet`, and the newest
+name is the current version. A write stages the file locally and uploads it whole (an
+upload appears complete or not at all), so a killed writer leaves nothing; a reader
+reads the version it opened to the end; the catalog's views read the objects by glob,
+newest per partition. A version superseded more than `SNAPSHOT_GRACE_S` ago is deleted
+by the next write of its partition; rewriting the bytes a partition holds uploads nothing.
 
-The DuckDB catalog stays a file under the local root. Its views name the store's URLs;
-`connect()` hands DuckDB the same fsspec filesystem that wrote them. Another DuckDB
-session (the CLI) reads them with the httpfs extension and a secret for the store.
+The DuckDB catalog stays under the local root; `connect()` hands DuckDB the fsspec
+filesystem that wrote the objects (another session needs httpfs and a secret).
 """
 
 from __future__ import annotations
@@ -51,8 +45,7 @@ VERSION = re.compile(r"^(\d{20})-([0-9a-f]{64})\.parquet$")
 
 
 class ObjectTableStore(TableStore):
-    """Tables under `<store>/tables/`; the catalog, staging files and the blobs that tables
-    point to under the local `root`."""
+    """Tables under `<store>/tables/`; catalog, staging files and blobs under `root`."""
 
     def __init__(self, root: Path | str, store: ObjectStore) -> None:
         super().__init__(root)
@@ -100,8 +93,7 @@ class ObjectTableStore(TableStore):
         self.add_to_catalog([table], WRITE_CATALOG_WAIT_S)
 
     def _upload(self, staged: Path, table: str, partition: str, content_hash: str) -> str:
-        """The key of the new current version: the upload, or the newest version when it
-        holds these bytes already."""
+        """The new current version's key (the newest already, if it holds these bytes)."""
         versions = self._versions(table, partition)
         if versions and versions[-1].endswith(f"-{content_hash}.parquet"):
             return versions[-1]
@@ -111,8 +103,7 @@ class ObjectTableStore(TableStore):
         return key
 
     def _prune(self, table: str, partition: str) -> None:
-        """Delete the versions superseded more than the grace period ago (by the name of
-        the version after them), so a reader that listed one can still open it."""
+        """Delete the versions superseded (by the next one's name) over `grace_s` ago."""
         now = time.time_ns()
         for older, newer in itertools.pairwise(self._versions(table, partition)):
             if now - _parse_version(newer)[0] > self.grace_s * 1e9:
@@ -134,7 +125,7 @@ class ObjectTableStore(TableStore):
         return versions[-1]
 
     def _versions(self, table: str, partition: str) -> list[str]:
-        """The partition's versions, oldest first (names start with the write's time)."""
+        """The partition's versions, oldest first."""
         try:
             keys = self.store.fs.ls(self._partition_key(table, partition), detail=False)
         except FileNotFoundError:
@@ -162,7 +153,7 @@ class ObjectTableStore(TableStore):
 
 
 def _parse_version(key: str) -> tuple[int, str]:
-    """A version's write time (ns) and SHA-256; `_versions` lists only names that match."""
+    """A version's write time (ns) and SHA-256."""
     match = VERSION.match(key.rsplit("/", 1)[-1])
     assert match is not None
     return int(match.group(1)), match.group(2)

@@ -1,10 +1,9 @@
 """Results recorded beside what they describe, reused while their inputs are unchanged.
 
-Training a draft and measuring it in vLLM cost accelerator hours. Dagster reruns a step
-whenever it is asked to (a backfill, a CLI call, a code-version bump upstream whose data
-came out identical), so the step itself checks: a record holds the key of the inputs
-that produced a result, and a rerun with the same key reads the record instead of
-recomputing. A missing, unreadable or differently keyed record is simply a miss.
+Training and measuring a draft cost accelerator hours, and Dagster reruns a step whenever
+asked (a backfill, an upstream code-version bump with identical data), so the step checks:
+a record holds the key of the inputs that produced a result, and a rerun with the same
+key reads it instead of recomputing. A missing, unreadable or other-keyed record misses.
 """
 
 from __future__ import annotations
@@ -29,6 +28,5 @@ def load_record(path: Path, key: str) -> dict[str, Any] | None:
 
 
 def save_record(path: Path, key: str, payload: dict[str, Any]) -> None:
-    """Write atomically, so a crash never leaves a record that reads as valid. `key` is
-    the `json_sha256` of everything the payload was computed from."""
+    """Write atomically; `key` is the `json_sha256` of what the payload was computed from."""
     atomic_write_text(path, json.dumps({"key": key, "payload": payload}, indent=1))

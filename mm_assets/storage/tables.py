@@ -1,24 +1,20 @@
 """Parquet tables, one file per (table, partition), with a DuckDB catalog of views.
 
-Writes go to a temporary name in the same directory and are renamed into place, so a
-crash never leaves a half-written file that looks valid, and two runs writing the same
-partition at once (a backfill and a manual launch) leave one run's complete version.
-Readers open the file once (`pq.ParquetFile`) and keep the version they opened.
+Writes go to a temporary name and are renamed into place, so a crash never leaves a
+half-written file that looks valid, and two runs writing the same partition leave one
+run's complete version. Readers open the file once and keep the version they opened.
 
 DuckDB opens a file by its path again while it scans, so a view over a path that a
-rename replaces can read the footer of one version and the pages of the next: wrong
-counts or "Invalid data". The views therefore read snapshots instead: each version is
-also hard-linked (no copy) under a new, never reused name in the partition's
-`.snapshots/`, and a view keeps the newest snapshot per partition among those its scan
-listed. A superseded snapshot is deleted `SNAPSHOT_GRACE_S` after the next one appeared,
-so a query that listed it can still open it.
+rename replaces can read the footer of one version and the pages of the next. The views
+therefore read snapshots: each version is also hard-linked under a new, never reused
+name in the partition's `.snapshots/`, and a view keeps the newest per partition. A
+superseded snapshot is deleted `SNAPSHOT_GRACE_S` after the next one appeared, so a
+query that listed it can still open it.
 
-DuckDB lets one process hold a database for writing, or many read it, so the catalog
-is not on the write path: a view reads its snapshots by glob (every partition, present
-and future), and only a table's first write (or a view from an older layout) opens the
-catalog for writing; other writes and `connect()` only read it. A lock held by another
-process is waited for, up to `CATALOG_WAIT_S`; when it stays busy the write still
-succeeds and the next write or `connect()` creates the view.
+DuckDB lets one process write a database or many read it, so the catalog is off the
+write path: a view reads its snapshots by glob (every partition, present and future),
+and only a table's first write opens the catalog for writing, waiting `CATALOG_WAIT_S`
+at most for another process's lock (the next write or `connect()` makes the view).
 """
 
 from __future__ import annotations
@@ -51,16 +47,14 @@ SNAPSHOT_GRACE_S = 60.0
 # `connect()` waits longer than a write, whose view can as well be made later.
 CATALOG_WAIT_S = 10.0
 WRITE_CATALOG_WAIT_S = 2.0
-# Views this process saw current in a catalog file (path, device, inode, mtime: any
-# session that changes the file, or a new file, invalidates them): later writes skip
-# opening the catalog (an open's cost: BENCHMARKS.md; each contends for its lock).
+# Views this process saw current in a catalog file (path, device, inode, mtime): later
+# writes skip opening the catalog (each open contends for its lock).
 _CURRENT_VIEWS: set[tuple[str, int, int, int, str]] = set()
 
 
 @dataclass(frozen=True)
 class WrittenTable:
-    """What a write produced: where (a path, or an object store URL), how many rows, and
-    a hash of the file's bytes."""
+    """What a write produced: a path (or object store URL), rows, the file's SHA-256."""
 
     path: Path | str
     num_rows: int
@@ -98,8 +92,7 @@ class BatchWriter:
         self._pending = []
 
     def discard(self) -> None:
-        """Drops every row written so far: the file starts over, empty (a selection that
-        learns mid-read that it must sample instead)."""
+        """Drop every row written so far: the file starts over, empty."""
         self._writer.close()
         self._writer = pq.ParquetWriter(self._path, self._schema, compression="zstd")
         self._pending, self.num_rows = [], 0
@@ -120,10 +113,8 @@ def parquet_rows(path: Path, schema: pa.Schema, batch_size: int) -> Iterator[Bat
 
 
 class TableStore:
-    """Parquet files under `<root>/tables/<table>/dataset=<partition>/data.parquet`.
-
-    `ObjectTableStore` keeps the same tables on an object store instead; both keep the
-    catalog (and resolve the blob paths tables record) under the local root."""
+    """Parquet files under `<root>/tables/<table>/dataset=<partition>/data.parquet`
+    (`ObjectTableStore`: on an object store); the catalog is under the local root."""
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
@@ -143,8 +134,7 @@ class TableStore:
         return self._local_path(table, partition)
 
     def resolve(self, stored: str) -> Path:
-        """A path a table records, relative to this root (as blobs are recorded); an
-        absolute one (manifests written before paths were relative) is kept."""
+        """A path a table records, relative to this root (an absolute one is kept)."""
         return self.root / stored
 
     def exists(self, table: str, partition: str) -> bool:
@@ -229,9 +219,8 @@ class TableStore:
         return "'" + self._view_glob(table).replace("'", "''") + "'"
 
     def _view_sql(self, table: str) -> str:
-        """The newest snapshot per partition, picked inside one scan: DuckDB plans
-        `_snapshot = max(_snapshot) OVER (...)` as a self-join of two scans, which list
-        the glob at different moments and can disagree (an empty partition)."""
+        """The newest snapshot per partition, picked inside one scan (a `max() OVER` is
+        planned as a self-join of two scans, whose listings can disagree)."""
         return (
             f'CREATE OR REPLACE VIEW "{table}" AS SELECT * EXCLUDE (_snapshot) FROM '
             f"read_parquet({self._snapshot_glob(table)}, hive_partitioning = true, "
@@ -240,10 +229,9 @@ class TableStore:
         )
 
     def add_to_catalog(self, tables: Sequence[str], wait_s: float = CATALOG_WAIT_S) -> None:
-        """Snapshot each partition's current file, and create the views these tables
-        lack (or that read an older layout); the catalog is opened for writing only
-        then. A snapshot that cannot be made, or a catalog another process holds longer
-        than `wait_s` (or a full disk), is left to a later write or `connect()`."""
+        """Snapshot each partition's current file and create the views these tables lack
+        (the catalog is opened for writing only then); what fails (a catalog busy past
+        `wait_s`, a full disk) is left to a later write or `connect()`."""
         for table in tables:
             for partition_dir in sorted((self.tables_dir / table).glob(f"*/{DATA_FILE}")):
                 _publish_snapshot(partition_dir.parent)
@@ -297,8 +285,7 @@ class TableStore:
             ) from exc
 
     def _open_catalog(self, read_only: bool, wait_s: float) -> duckdb.DuckDBPyConnection:
-        """Connect, retrying while another process (or, in this one, a connection opened
-        the other way) holds the file: DuckDB fails at once instead of waiting."""
+        """Connect, retrying while the file is held (`_is_busy`): DuckDB does not wait."""
         deadline = time.monotonic() + wait_s
         delay = 0.01
         while True:
@@ -324,11 +311,9 @@ def missing_table(table: str, partition: str, where: Path | str) -> FileNotFound
 
 
 def _publish_snapshot(partition_dir: Path, grace_s: float = SNAPSHOT_GRACE_S) -> None:
-    """Make the partition's current file its newest snapshot (a hard link under the next
-    number), then delete the snapshots superseded more than `grace_s` ago. Safe to run
-    from several processes at once: `os.link` refuses a name another one took first.
-    Gives up on an OSError: a file pruned or replaced meanwhile by another process, or a
-    filesystem without hard links."""
+    """Hard-link the partition's current file as its newest snapshot, then delete those
+    superseded more than `grace_s` ago. Safe in several processes at once (`os.link`
+    refuses a taken name); gives up on an OSError (a file pruned meanwhile, no links)."""
     current = partition_dir / DATA_FILE
     snapshots = partition_dir / SNAPSHOTS_DIR
     with contextlib.suppress(OSError):
