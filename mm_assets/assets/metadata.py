@@ -21,7 +21,9 @@ if TYPE_CHECKING:  # matplotlib loads inside the steps that plot, not with the d
 
     from mm_assets.domain.model.benchmark import BenchmarkFigures
     from mm_assets.domain.model.trainer import TrainResult
+    from mm_assets.services.measurement import DraftMeasurements
     from mm_assets.services.online_states import FetchReport
+    from mm_assets.services.training import SpeculatorOutcome
 
 
 def counts_table(counts: Mapping[str, int], key: str, value: str = "rows") -> dg.MetadataValue:
@@ -83,6 +85,53 @@ def fetch_metadata(online: OnlineSettings, fetch: FetchReport | None) -> dict[st
     }
     if online.online_cache == "discard":
         out["online_disk_peak_bytes"] = fetch.disk_peak_bytes
+    return out
+
+
+def sources_metadata(outcome: SpeculatorOutcome) -> dict[str, object]:
+    lines = [
+        "| source | rows | held out | tokens | supervised | left out by the cap | duplicates |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, f in outcome.sources.items():
+        lines.append(
+            f"| {name} | {f.rows} | {f.held_out} | {f.tokens} | {f.supervised} | {f.capped} | "
+            f"{f.duplicates} |"
+        )
+    return {
+        "sources": dg.MetadataValue.md("\n".join(lines)),
+        "duplicates_by_source_pair": dict(outcome.duplicates),
+        **{f"rows_{name}": f.rows for name, f in outcome.sources.items()},
+    }
+
+
+def by_source_metadata(name: str, measured: DraftMeasurements) -> dict[str, object]:
+    """A Markdown table draft × source (vLLM-measured acceptance), and this draft's
+    figures per source as numbers (the Plots tab)."""
+    sources = list(measured.trained)
+    rows = {f"**{name}**": measured.trained}
+    if measured.untrained:
+        rows[f"{name} (untrained)"] = measured.untrained
+    rows |= {f"{other} (its own draft)": figures for other, figures in measured.others.items()}
+    lines = ["| draft | " + " | ".join(sources) + " |", "|---|" + "---:|" * len(sources)]
+    for label, figures in rows.items():
+        cells = [
+            f"{figures[s].measured.acceptance_length:.3f}" if s in figures else "" for s in sources
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    out: dict[str, object] = {"vllm_acceptance_by_source": dg.MetadataValue.md("\n".join(lines))}
+    for source, f in measured.trained.items():
+        out[f"vllm_acceptance_length_{source}"] = f.measured.acceptance_length
+        out[f"vllm_per_position_acceptance_{source}"] = [
+            round(r, 4) for r in f.measured.per_position
+        ]
+        out[f"vllm_prompts_{source}"] = len(f.measured.prompts)
+        if f.estimate is not None:
+            out[f"vllm_acceptance_length_estimate_{source}"] = f.estimate.acceptance_length
+        if f.same_as_target is not None:
+            out[f"vllm_generations_same_as_target_{source}"] = f.same_as_target
+    for source, f in measured.untrained.items():
+        out[f"vllm_untrained_acceptance_length_{source}"] = f.measured.acceptance_length
     return out
 
 

@@ -5,13 +5,15 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 from pydantic import Field
 
-from mm_assets.assets.config import config_class, stage_settings
+from mm_assets.assets.config import M, config_class, stage_settings
 from mm_assets.assets.metadata import (
     acceptance_plot,
+    by_source_metadata,
     fetch_metadata,
     loss_curve,
     rounded,
     servers_table,
+    sources_metadata,
     table_links,
 )
 from mm_assets.assets.partitions import REGISTRY, accelerator_asset, dataset_spec
@@ -26,15 +28,15 @@ from mm_assets.domain.model.settings import (
     SpeculatorSettings,
     TrackingSettings,
 )
-from mm_assets.services.media import media_root
+from mm_assets.services.media import media_root, sources_media_root
 from mm_assets.services.tracking import Tracking
-from mm_assets.storage.layout import DRAFTS
+from mm_assets.storage.layout import DRAFTS, StorageLayout, has_weights
 from mm_assets.storage.object_store import publish_directory
 
 if TYPE_CHECKING:
     from mm_assets.registry import DraftSpec
     from mm_assets.services.extraction import ExtractionReport, PartitionExtraction
-    from mm_assets.services.measurement import SourceMeasurement
+    from mm_assets.services.measurement import DraftMeasurements
     from mm_assets.services.online_states import OnlineStates
     from mm_assets.services.target import TargetModel
     from mm_assets.services.training import SpeculatorJob, SpeculatorOutcome
@@ -228,39 +230,66 @@ def trained_speculator(
     and settings are unchanged reuses the checkpoint and its measurement instead of
     training again (`retrain` forces it)."""
     from mm_assets.registry import DraftSpec
+
+    draft = DraftSpec.of_dataset(dataset_spec(context))
+    return train_step(context, draft, config.retrain, storage, target_model, vllm)
+
+
+def train_step(
+    context: dg.AssetExecutionContext,
+    draft: "DraftSpec",
+    retrain: bool,
+    storage: StorageResource,
+    target_model: TargetModelResource,
+    vllm: VllmResource,
+) -> dg.MaterializeResult:
+    """Train `draft` with the `trained_speculator` settings (launched under this step's
+    name), measure it in vLLM and publish it. A draft of several datasets is measured per
+    source, beside each source's own draft (`compare_with_sources`)."""
     from mm_assets.services.measurement import measure_draft
     from mm_assets.services.training import SpeculatorJob, train_speculator
 
-    spec, tables, target = dataset_spec(context), storage.tables(), target_model.model()
-    settings = stage_settings(context, spec, "trained_speculator", SpeculatorSettings)
-    measure = stage_settings(context, spec, "trained_speculator", MeasurementSettings)
-    online = stage_settings(context, spec, "trained_speculator", OnlineSettings)
-    draft = DraftSpec.of_dataset(spec)
+    tables, root, target = storage.tables(), storage.root_dir(), target_model.model()
+    step, own = context.asset_key.to_user_string(), draft.is_dataset
+
+    def setting(model: type[M]) -> M:
+        return stage_settings(context, draft, "trained_speculator", model, step)
+
+    settings, measure = setting(SpeculatorSettings), setting(MeasurementSettings)
+    online = setting(OnlineSettings)
     states = None
     if online.hidden_states == "online":
         states = online_states(context, draft, storage, target, vllm, online)
-    job = SpeculatorJob.for_draft(draft, storage.root_dir(), target, settings, tables, states)
-    tracked = stage_settings(context, spec, "trained_speculator", TrackingSettings)
-    tracking = Tracking(tracked, context.run.run_id)
-    outcome = train_speculator(job, draft, tables, not config.retrain, tracking=tracking)
+    job = SpeculatorJob.for_draft(draft, root, target, settings, tables, states)
+    tracking = Tracking(setting(TrackingSettings), context.run.run_id)
+    outcome = train_speculator(job, draft, tables, not retrain, tracking=tracking)
     metadata = training_metadata(job, outcome) | fetch_metadata(online, outcome.fetch)
+    if not own:
+        metadata |= sources_metadata(outcome)
     measured = None
-    if measure.measure_in_vllm and outcome.result.held_out_replies:
-        log = storage.log_path(f"vllm_spec_{context.run.run_id}")
-        serving = vllm.serving(target, media_root(spec, tables, storage.root_dir()), log)
-        figures = measure_draft(job, outcome, tables, serving, measure, not config.retrain)
-        measured = figures.trained[spec.name].measured
-        metadata |= measurement_metadata(figures.trained[spec.name])
-        if figures.untrained:
-            metadata |= measurement_metadata(figures.untrained[spec.name], "untrained_")
-        metadata |= table_links(tables, "draft_measurements", spec.name)
+    if measure.measure_in_vllm and (outcome.result.held_out_replies or not own):
+        log = storage.log_path(f"vllm_{'spec' if own else 'draft'}_{context.run.run_id}")
+        sources = [REGISTRY[s] for s in draft.sources]
+        serving = vllm.serving(target, sources_media_root(sources, tables, root), log)
+        compared = {s: StorageLayout(root).draft(s) for s in draft.sources}
+        if own or not measure.compare_with_sources:
+            compared = {}
+        compared = {s: d for s, d in compared.items() if has_weights(d)}
+        figures = measure_draft(job, outcome, tables, serving, measure, not retrain, compared)
+        if own:
+            measured = figures.trained[draft.name].measured
+            metadata |= measurement_metadata(figures, draft.name)
+        else:
+            metadata |= by_source_metadata(draft.name, figures)
+        metadata |= table_links(tables, "draft_measurements", draft.name)
     if (store := storage.checkpoint_store()) is not None:
-        url, uploaded = publish_directory(store, outcome.checkpoint, DRAFTS, spec.name)
+        url, uploaded = publish_directory(store, outcome.checkpoint, DRAFTS, draft.name)
         metadata["checkpoint_url"] = dg.MetadataValue.path(url)
         metadata["checkpoint_files_uploaded"] = uploaded
-    metadata["per_position_acceptance"] = acceptance_plot(
-        outcome.result.held_out_per_position, measured.per_position if measured else None
-    )
+    if own:
+        metadata["per_position_acceptance"] = acceptance_plot(
+            outcome.result.held_out_per_position, measured.per_position if measured else None
+        )
     assert outcome.weights_sha256 is not None
     return dg.MaterializeResult(
         metadata=rounded(metadata), data_version=dg.DataVersion(outcome.weights_sha256)
@@ -278,7 +307,6 @@ def online_states(
     """How this run fetches the draft's states: its first source's `hidden_states`
     settings (layer ids, which every source shares, storage format, requests) read as
     that step reads them, through one server that may read every source's images."""
-    from mm_assets.services.media import sources_media_root
     from mm_assets.services.online_states import OnlineStates
 
     sources = [REGISTRY[name] for name in draft.sources]
@@ -318,21 +346,25 @@ def training_metadata(job: "SpeculatorJob", outcome: "SpeculatorOutcome") -> dic
     }
 
 
-def measurement_metadata(figures: "SourceMeasurement", prefix: str = "") -> dict[str, Any]:
-    """`vllm_*` figures of the trained draft; `vllm_untrained_*` with that prefix. Beside
-    them, the offline estimate replayed over the same replies (`*_estimate`), and how
-    many generations equal the target's own reply."""
-    measured, estimate = figures.measured, figures.estimate
-    out = {
-        "acceptance_length": measured.acceptance_length,
-        "per_position_acceptance": [round(r, 4) for r in measured.per_position],
-        "drafts": measured.drafts,
-        "measurement_reused": measured.reused,
-    }
-    if estimate is not None:
-        out["acceptance_length_estimate"] = estimate.acceptance_length
-        out["per_position_acceptance_estimate"] = [round(r, 4) for r in estimate.per_position]
-    if figures.same_as_target is not None:
-        out["generations_same_as_target"] = figures.same_as_target
-    prompts = {} if prefix else {"vllm_prompts": len(measured.prompts)}
-    return {f"vllm_{prefix}{k}": v for k, v in out.items()} | prompts
+def measurement_metadata(figures: "DraftMeasurements", name: str) -> dict[str, Any]:
+    """`vllm_*` figures of the trained draft, `vllm_untrained_*` of the untrained one when
+    measured. Beside them, the offline estimate replayed over the same replies
+    (`*_estimate`), and how many generations equal the target's own reply."""
+    out: dict[str, Any] = {"vllm_prompts": len(figures.trained[name].measured.prompts)}
+    for prefix, by_source in (("vllm_", figures.trained), ("vllm_untrained_", figures.untrained)):
+        if name not in by_source:
+            continue
+        measured, estimate = by_source[name].measured, by_source[name].estimate
+        mine = {
+            "acceptance_length": measured.acceptance_length,
+            "per_position_acceptance": [round(r, 4) for r in measured.per_position],
+            "drafts": measured.drafts,
+            "measurement_reused": measured.reused,
+        }
+        if estimate is not None:
+            mine["acceptance_length_estimate"] = estimate.acceptance_length
+            mine["per_position_acceptance_estimate"] = [round(r, 4) for r in estimate.per_position]
+        if by_source[name].same_as_target is not None:
+            mine["generations_same_as_target"] = by_source[name].same_as_target
+        out |= {prefix + key: value for key, value in mine.items()}
+    return out

@@ -107,15 +107,15 @@ def dataset_asset(
     kinds: set[str] | None = None,
     partitions_def: dg.PartitionsDefinition = dataset_partitions,
     trains: bool = False,
-    check_specs: Sequence[dg.AssetCheckSpec] = (),
     **extra: Any,
 ) -> Callable[..., dg.AssetsDefinition]:
-    """`@dg.asset` partitioned by dataset (or `partitions_def`); an asset with upstream
-    assets materializes when they really change (`materialize_on_change`), the first one
-    on request or by the refresh schedule. A step that `trains` (or feeds training)
-    materializes nothing on a benchmark's partition (`_skipping_benchmarks`): it is then
-    a one-asset `multi_asset` whose output and checks are optional, the only way Dagster
-    lets a step end without them."""
+    """`@dg.asset` partitioned by dataset (or `partitions_def`); `extra` (`check_specs`,
+    `pool`, ...) goes to Dagster's decorator. An asset with upstream assets materializes
+    when they really change (`materialize_on_change`), the first one on request or by the
+    refresh schedule. A step that `trains` (or feeds training) materializes nothing on a
+    benchmark's partition (`_skipping_benchmarks`): it is then a one-asset `multi_asset`
+    whose output and checks are optional, the only way Dagster lets a step end without
+    them."""
     spec_args: dict[str, Any] = dict(
         group_name=group,
         code_version=code_version,
@@ -124,19 +124,12 @@ def dataset_asset(
         automation_condition=materialize_on_change() if deps else None,
     )
     if not trains:
-        return dg.asset(
-            partitions_def=partitions_def, check_specs=list(check_specs), **spec_args, **extra
-        )
+        return dg.asset(partitions_def=partitions_def, **spec_args, **extra)
 
     def decorate(fn: Callable[..., dg.MaterializeResult]) -> dg.AssetsDefinition:
         spec = dg.AssetSpec(fn.__name__, skippable=True, **spec_args)
         return dg.multi_asset(
-            name=fn.__name__,
-            specs=[spec],
-            check_specs=list(check_specs),
-            can_subset=True,
-            partitions_def=partitions_def,
-            **extra,
+            name=fn.__name__, specs=[spec], can_subset=True, partitions_def=partitions_def, **extra
         )(_skipping_benchmarks(fn))
 
     return decorate
