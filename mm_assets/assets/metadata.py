@@ -13,7 +13,7 @@ import dagster as dg
 import numpy as np
 
 from mm_assets.domain.model.settings import OnlineSettings
-from mm_assets.storage import TableStore, WrittenTable
+from mm_assets.storage import TableStore
 
 if TYPE_CHECKING:  # matplotlib loads inside the steps that plot, not with the definitions
     from matplotlib.axes import Axes
@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # matplotlib loads inside the steps that plot, not with the d
     from mm_assets.domain.model.trainer import TrainResult
     from mm_assets.services.measurement import DraftMeasurements
     from mm_assets.services.online_states import FetchReport
+    from mm_assets.services.quarantine import StageReport
     from mm_assets.services.training import SpeculatorOutcome
 
 
@@ -277,16 +278,14 @@ def table_links(tables: TableStore, table: str, partition: str) -> dict[str, dg.
     }
 
 
-def quarantine_metadata(
-    kept: WrittenTable | None, quarantine: WrittenTable | None, reasons: Mapping[str, int]
-) -> dict[str, dg.MetadataValue | int]:
+def quarantine_metadata(report: StageReport) -> dict[str, dg.MetadataValue | int]:
     """Rows kept and quarantined, why, and where the quarantine table lies."""
-    assert kept is not None and quarantine is not None
+    assert report.kept is not None and report.quarantine is not None
     return {
-        "rows": kept.num_rows,
-        "quarantined": quarantine.num_rows,
-        "drop_reasons": counts_table(reasons, "reason"),
-        "quarantine_path": dg.MetadataValue.path(str(quarantine.path)),
+        "rows": report.kept.num_rows,
+        "quarantined": report.quarantine.num_rows,
+        "drop_reasons": counts_table(report.reasons, "reason"),
+        "quarantine_path": dg.MetadataValue.path(str(report.quarantine.path)),
     }
 
 

@@ -34,6 +34,7 @@ from mm_assets.storage.layout import DRAFTS, StorageLayout, has_weights
 from mm_assets.storage.object_store import publish_directory
 
 if TYPE_CHECKING:
+    from mm_assets.domain.model.hidden_states import HiddenStatesLayout
     from mm_assets.registry import DraftSpec
     from mm_assets.services.extraction import ExtractionReport, PartitionExtraction
     from mm_assets.services.measurement import DraftMeasurements
@@ -116,22 +117,10 @@ def trains_online(
         "hidden_states_source": "online",
         "online": dg.MetadataValue.md(note),
         "online_cache": online.online_cache,
-        "layer_ids": layout.layer_ids,
-        "layer_convention": LAYER_CONVENTION,
-        "dtype": layout.dtype,
-        "storage_format": layout.storage.name,
-        "target_fingerprint": layout.target_fingerprint,
+        **layout_metadata(layout),
     }
-    version = json_sha256(
-        [
-            "online",
-            tokenized,
-            layout.layer_ids,
-            layout.target_fingerprint,
-            layout.dtype,
-            layout.storage.name,
-        ]
-    )
+    key = [layout.layer_ids, layout.target_fingerprint, layout.dtype, layout.storage.name]
+    version = json_sha256(["online", tokenized, *key])
     check = dg.AssetCheckResult(
         check_name=REJECTION_CHECK,
         passed=True,
@@ -141,6 +130,16 @@ def trains_online(
     return dg.MaterializeResult(
         metadata=metadata, data_version=dg.DataVersion(version), check_results=[check]
     )
+
+
+def layout_metadata(layout: "HiddenStatesLayout") -> dict[str, Any]:
+    return {
+        "layer_ids": layout.layer_ids,
+        "layer_convention": LAYER_CONVENTION,
+        "dtype": layout.dtype,
+        "storage_format": layout.storage.name,
+        "target_fingerprint": layout.target_fingerprint,
+    }
 
 
 def extraction_metadata(report: "ExtractionReport") -> dict[str, Any]:
@@ -154,14 +153,10 @@ def extraction_metadata(report: "ExtractionReport") -> dict[str, Any]:
         "tokens_generated": tally.stored_tokens,
         "bytes_generated": tally.stored_bytes,
         "tokens_per_s": tally.stored_tokens / tally.seconds if tally.seconds else 0.0,
-        "layer_ids": layout.layer_ids,
-        "layer_convention": LAYER_CONVENTION,
-        "dtype": layout.dtype,
-        "storage_format": layout.storage.name,
+        **layout_metadata(layout),
         "stored_bytes_per_token": round(report.stored.bytes / max(report.stored.tokens, 1), 1),
         "bytes_vs_bf16_layout": round(report.stored.bf16_layout_ratio(layout.hidden_size), 4),
         "max_rel_error_per_layer": [float(f"{e:.3g}") for e in report.stored.max_rel_error],
-        "target_fingerprint": layout.target_fingerprint,
         "server": report.server,
         "servers": servers_table(tally.servers, tally.seconds),
         "server_startup_s": tally.startup_s if tally.startup_s is not None else "n/a",
