@@ -3,17 +3,13 @@ several GPUs.
 
     torchrun --nproc_per_node 8 -m mm_assets.train --partition sharegpt4v_coco --epochs 3
 
-Reads its sources' `tokenized_samples`, `hidden_states_manifest` and
-`token_frequencies` from $MM_ASSETS_HOME, or from $MM_ASSETS_OBJECT_STORE when set
-(materialize `hidden_states` first) — or, with `--hidden-states online`, fetches each
-rank's batches from the vLLM fleet at $MM_ASSETS_VLLM_URLS while it trains (the states
-the registry entry's `hidden_states` settings describe) — and writes the same checkpoint the
-`trained_speculator` asset writes; like the asset, it reuses a checkpoint trained from
-identical inputs and settings unless `--retrain`, and resumes from the last epoch
-checkpoint. Under torchrun each rank trains on its share of the batches with
-DistributedDataParallel (NCCL on GPUs, gloo on CPU); rank 0 saves. The options are the
-fields of `SpeculatorSettings` and `OnlineSettings`, with the asset's names; a value not
-given comes from the registry entry, else the default, as for the asset.
+Reads what the `trained_speculator` asset reads (its sources' stored tables and hidden
+states under $MM_ASSETS_HOME or $MM_ASSETS_OBJECT_STORE; with `--hidden-states online`,
+each rank's batches fetched from the fleet at $MM_ASSETS_VLLM_URLS) and writes the same
+checkpoint, reused or resumed as the asset does unless `--retrain`. Under torchrun each
+rank trains its share of the batches with DistributedDataParallel (NCCL on GPUs, gloo on
+CPU); rank 0 saves. Options are the asset's settings, by the same names; a value not given
+comes from the registry entry, else the default.
 """
 
 from __future__ import annotations

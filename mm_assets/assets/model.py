@@ -170,13 +170,8 @@ def rejection_check(report: "ExtractionReport", max_ratio: float) -> dg.AssetChe
     from mm_assets.domain.rejection import StateRejections
 
     rejections, reasons = report.requests.rejections, report.requests.rejections_by_reason
-    judged = StateRejections(
-        len(rejections),
-        len(report.plan.rows),
-        max_ratio,
-        rejections,
-        bool(reasons.get("token_mismatch")),
-    )
+    mismatch, rows = bool(reasons.get("token_mismatch")), len(report.plan.rows)
+    judged = StateRejections(len(rejections), rows, max_ratio, rejections, mismatch)
     stored = report.manifest.num_rows if report.manifest else 0
     description = judged.describe()
     if not stored:

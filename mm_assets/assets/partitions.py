@@ -15,11 +15,9 @@ from mm_assets.orchestration.wiring import WATCH_KEY, taking_watch, watch_resour
 from mm_assets.registry import DatasetSpec, DraftSpec
 from mm_assets.services import settings
 
-# Steps that hold the accelerator (a vLLM server, training) share one pool; its limit is
-# the instance's `concurrency.pools` setting (dagster.yaml: one at a time by default).
+# Steps that hold the accelerator share one pool (its limit: dagster.yaml's
+# `concurrency.pools`), and one watch: Dagster requires a resource key to mean one object.
 ACCELERATOR_POOL = "accelerator"
-# One watch (mm_assets/orchestration/) for all the accelerator assets: Dagster requires a
-# resource key to mean the same object everywhere.
 ACCELERATOR_WATCH = watch_resource([ACCELERATOR_POOL])
 
 REGISTRY = settings.datasets()
@@ -43,7 +41,6 @@ def draft_spec(context: dg.AssetExecutionContext) -> DraftSpec:
 
 
 def _mapping(pairs: Iterable[tuple[str, str]]) -> dg.StaticPartitionMapping:
-    """A static mapping from (upstream partition, downstream partition) pairs."""
     mapping: dict[str, list[str]] = {}
     for upstream, downstream in pairs:
         mapping.setdefault(upstream, []).append(downstream)
@@ -87,17 +84,14 @@ def _skipping_benchmarks(fn: Callable[..., dg.MaterializeResult]) -> Callable[..
             )
             return
         result = fn(context, *args, **kwargs)
-        selected = context.selected_asset_check_keys  # all of them unless run alone
-        checks = [c for c in result.check_results or () if _check_key(context, c) in selected]
+        # this asset's checks selected to run: all of them unless run alone
+        selected = {key.name for key in context.selected_asset_check_keys}
+        checks = [c for c in result.check_results or () if c.check_name in selected]
         yield dg.MaterializeResult(
             metadata=result.metadata, data_version=result.data_version, check_results=checks
         )
 
     return step
-
-
-def _check_key(context: dg.AssetExecutionContext, check: dg.AssetCheckResult) -> dg.AssetCheckKey:
-    return dg.AssetCheckKey(context.asset_key, str(check.check_name))
 
 
 def dataset_asset(
