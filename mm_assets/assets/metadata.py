@@ -120,19 +120,39 @@ def by_source_metadata(name: str, measured: DraftMeasurements) -> dict[str, obje
             f"{figures[s].measured.acceptance_length:.3f}" if s in figures else "" for s in sources
         ]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    out: dict[str, object] = {"vllm_acceptance_by_source": dg.MetadataValue.md("\n".join(lines))}
-    for source, f in measured.trained.items():
-        out[f"vllm_acceptance_length_{source}"] = f.measured.acceptance_length
-        out[f"vllm_per_position_acceptance_{source}"] = [
-            round(r, 4) for r in f.measured.per_position
-        ]
-        out[f"vllm_prompts_{source}"] = len(f.measured.prompts)
-        if f.estimate is not None:
-            out[f"vllm_acceptance_length_estimate_{source}"] = f.estimate.acceptance_length
-        if f.same_as_target is not None:
-            out[f"vllm_generations_same_as_target_{source}"] = f.same_as_target
-    for source, f in measured.untrained.items():
-        out[f"vllm_untrained_acceptance_length_{source}"] = f.measured.acceptance_length
+    table = dg.MetadataValue.md("\n".join(lines))
+    return {"vllm_acceptance_by_source": table} | measurement_metadata(measured, sources, True)
+
+
+def measurement_metadata(
+    figures: DraftMeasurements, sources: Sequence[str], per_source: bool
+) -> dict[str, object]:
+    """`vllm_*` figures of the trained draft on each source, `vllm_untrained_*` of the
+    untrained one when measured (keys end in `_<source>` when `per_source`). Beside them,
+    the offline estimate replayed over the same replies (`*_estimate`), and how many
+    generations equal the target's own reply."""
+    out: dict[str, object] = {}
+    drafts = {"vllm_": figures.trained, "vllm_untrained_": figures.untrained}
+    for source in sources:
+        end = f"_{source}" if per_source else ""
+        out[f"vllm_prompts{end}"] = len(figures.trained[source].measured.prompts)
+        for prefix, by_source in drafts.items():
+            if source not in by_source:
+                continue
+            f = by_source[source]
+            mine: dict[str, object] = {
+                "acceptance_length": f.measured.acceptance_length,
+                "per_position_acceptance": [round(r, 4) for r in f.measured.per_position],
+                "drafts": f.measured.drafts,
+                "measurement_reused": f.measured.reused,
+            }
+            if f.estimate is not None:
+                mine["acceptance_length_estimate"] = f.estimate.acceptance_length
+                rates = [round(r, 4) for r in f.estimate.per_position]
+                mine["per_position_acceptance_estimate"] = rates
+            if f.same_as_target is not None:
+                mine["generations_same_as_target"] = f.same_as_target
+            out |= {prefix + key + end: value for key, value in mine.items()}
     return out
 
 

@@ -11,6 +11,7 @@ from mm_assets.assets.metadata import (
     by_source_metadata,
     fetch_metadata,
     loss_curve,
+    measurement_metadata,
     rounded,
     servers_table,
     sources_metadata,
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
     from mm_assets.domain.model.hidden_states import HiddenStatesLayout
     from mm_assets.registry import DraftSpec
     from mm_assets.services.extraction import ExtractionReport, PartitionExtraction
-    from mm_assets.services.measurement import DraftMeasurements
     from mm_assets.services.online_states import OnlineStates
     from mm_assets.services.target import TargetModel
     from mm_assets.services.training import SpeculatorJob, SpeculatorOutcome
@@ -268,7 +268,7 @@ def train_step(
         figures = measure_draft(job, outcome, tables, serving, measure, not retrain, compared)
         if own:
             measured = figures.trained[draft.name].measured
-            metadata |= measurement_metadata(figures, draft.name)
+            metadata |= measurement_metadata(figures, [draft.name], per_source=False)
         else:
             metadata |= by_source_metadata(draft.name, figures)
         metadata |= table_links(tables, "draft_measurements", draft.name)
@@ -334,27 +334,3 @@ def training_metadata(job: "SpeculatorJob", outcome: "SpeculatorOutcome") -> dic
         ],
         "loss_curve": loss_curve(result),
     }
-
-
-def measurement_metadata(figures: "DraftMeasurements", name: str) -> dict[str, Any]:
-    """`vllm_*` figures of the trained draft, `vllm_untrained_*` of the untrained one when
-    measured. Beside them, the offline estimate replayed over the same replies
-    (`*_estimate`), and how many generations equal the target's own reply."""
-    out: dict[str, Any] = {"vllm_prompts": len(figures.trained[name].measured.prompts)}
-    for prefix, by_source in (("vllm_", figures.trained), ("vllm_untrained_", figures.untrained)):
-        if name not in by_source:
-            continue
-        measured, estimate = by_source[name].measured, by_source[name].estimate
-        mine = {
-            "acceptance_length": measured.acceptance_length,
-            "per_position_acceptance": [round(r, 4) for r in measured.per_position],
-            "drafts": measured.drafts,
-            "measurement_reused": measured.reused,
-        }
-        if estimate is not None:
-            mine["acceptance_length_estimate"] = estimate.acceptance_length
-            mine["per_position_acceptance_estimate"] = [round(r, 4) for r in estimate.per_position]
-        if by_source[name].same_as_target is not None:
-            mine["generations_same_as_target"] = by_source[name].same_as_target
-        out |= {prefix + key: value for key, value in mine.items()}
-    return out
