@@ -38,7 +38,7 @@ from mm_assets.services.online_states import OnlineStates
 from mm_assets.services.target import TargetModel
 from mm_assets.services.tracking import Tracking
 from mm_assets.services.training import SpeculatorJob, train_speculator
-from mm_assets.storage import open_tables
+from mm_assets.storage import TableStore, open_tables
 from mm_assets.storage.blobs import BlobStore
 from mm_assets.storage.layout import StorageLayout
 from mm_assets.storage.object_store import ENV_VAR as OBJECT_STORE_ENV
@@ -86,8 +86,7 @@ def _online(
     online: OnlineSettings,
     target: TargetModel,
     root: Path,
-    rank: int,
-    world: int,
+    tables: TableStore,
 ) -> OnlineStates | None:
     """Online: the states its first source's `hidden_states` settings describe (as for
     the asset), from the fleet (`MM_ASSETS_VLLM_URLS`) or, in a single process, a server
@@ -95,18 +94,17 @@ def _online(
     if online.hidden_states == "stored":
         return None
     engine = VllmEngine.from_environment()
-    if engine.managed and world > 1:
+    if engine.managed and dist.is_initialized():
         sys.exit(
             "online hidden states under torchrun need a fleet every rank shares: start vLLM "
             "extraction servers and set MM_ASSETS_VLLM_URLS (each rank fetches its batches)"
         )
     sources = [registry[name] for name in draft.sources]
     extraction = settings_of.resolve(sources[0], "hidden_states", ExtractionSettings, {})
-    tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
+    rank = dist.get_rank() if dist.is_initialized() else 0
     log = StorageLayout(root).log(f"vllm_online_train_rank{rank}")
-    serving = Serving.for_target(
-        engine, target.local_dir, sources_media_root(sources, tables, root), log
-    )
+    images = sources_media_root(sources, tables, root)
+    serving = Serving.for_target(engine, target.local_dir, images, log)
     return OnlineStates.for_target(target, serving, extraction, online, BlobStore(root))
 
 
@@ -121,15 +119,14 @@ def main() -> None:
     draft = drafts[partition]
     settings = settings_of.resolve(draft, "trained_speculator", SpeculatorSettings, args)
     online = settings_of.resolve(draft, "trained_speculator", OnlineSettings, args)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = _device(world)
+    device = _device(int(os.environ.get("WORLD_SIZE", "1")))
     rank = dist.get_rank() if dist.is_initialized() else 0
     logging.basicConfig(stream=sys.stdout, format=f"[rank {rank}] %(message)s")
     logging.getLogger("mm_assets").setLevel(logging.INFO)  # epochs and progress; others warn
     target = TargetModel(paths.default_target_model())
     root = paths.home()
     tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
-    states = _online(draft, registry, online, target, root, rank, world)
+    states = _online(draft, registry, online, target, root, tables)
     job = SpeculatorJob.for_draft(draft, root, target, settings, tables, states)
     tracked = settings_of.resolve(draft, "trained_speculator", TrackingSettings, args)
     tracking = Tracking(tracked, f"torchrun-{time.strftime('%Y%m%dT%H%M%S')}")
