@@ -1,5 +1,6 @@
 """Model stage: hidden states from a real vLLM server, and the trained EAGLE-3 speculator."""
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
@@ -37,6 +38,7 @@ from mm_assets.storage.object_store import publish_directory
 if TYPE_CHECKING:
     from mm_assets.domain.model.hidden_states import HiddenStatesLayout
     from mm_assets.registry import DraftSpec
+    from mm_assets.services.engine import Serving
     from mm_assets.services.extraction import ExtractionReport, PartitionExtraction
     from mm_assets.services.online_states import OnlineStates
     from mm_assets.services.target import TargetModel
@@ -247,9 +249,7 @@ def train_step(
 
     settings, measure = setting(SpeculatorSettings), setting(MeasurementSettings)
     online = setting(OnlineSettings)
-    states = None
-    if online.hidden_states == "online":
-        states = online_states(context, draft, storage, target, vllm, online)
+    states = online_states(context, draft, storage, target, vllm, online)
     job = SpeculatorJob.for_draft(draft, root, target, settings, tables, states)
     tracking = Tracking(setting(TrackingSettings), context.run.run_id)
     outcome = train_speculator(job, draft, tables, not retrain, tracking=tracking)
@@ -258,13 +258,9 @@ def train_step(
         metadata |= sources_metadata(outcome)
     measured = None
     if measure.measure_in_vllm and (outcome.result.held_out_replies or not own):
-        log = storage.log_path(f"vllm_{'spec' if own else 'draft'}_{context.run.run_id}")
-        sources = [REGISTRY[s] for s in draft.sources]
-        serving = vllm.serving(target, sources_media_root(sources, tables, root), log)
-        compared = {s: StorageLayout(root).draft(s) for s in draft.sources}
-        if own or not measure.compare_with_sources:
-            compared = {}
-        compared = {s: d for s, d in compared.items() if has_weights(d)}
+        serving = sources_serving(context, draft, storage, target, vllm, "spec" if own else "draft")
+        others = [] if own or not measure.compare_with_sources else draft.sources
+        compared = {s: d for s in others if has_weights(d := StorageLayout(root).draft(s))}
         figures = measure_draft(job, outcome, tables, serving, measure, not retrain, compared)
         if own:
             measured = figures.trained[draft.name].measured
@@ -272,10 +268,7 @@ def train_step(
         else:
             metadata |= by_source_metadata(draft.name, figures)
         metadata |= table_links(tables, "draft_measurements", draft.name)
-    if (store := storage.checkpoint_store()) is not None:
-        url, uploaded = publish_directory(store, outcome.checkpoint, DRAFTS, draft.name)
-        metadata["checkpoint_url"] = dg.MetadataValue.path(url)
-        metadata["checkpoint_files_uploaded"] = uploaded
+    metadata |= published(storage, outcome.checkpoint, draft.name)
     if own:
         metadata["per_position_acceptance"] = acceptance_plot(
             outcome.result.held_out_per_position, measured.per_position if measured else None
@@ -286,6 +279,14 @@ def train_step(
     )
 
 
+def published(storage: StorageResource, checkpoint: Path, name: str) -> dict[str, Any]:
+    """The checkpoint published to the object store, when one is configured."""
+    if (store := storage.checkpoint_store()) is None:
+        return {}
+    url, uploaded = publish_directory(store, checkpoint, DRAFTS, name)
+    return {"checkpoint_url": dg.MetadataValue.path(url), "checkpoint_files_uploaded": uploaded}
+
+
 def online_states(
     context: dg.AssetExecutionContext,
     draft: "DraftSpec",
@@ -293,18 +294,33 @@ def online_states(
     target: "TargetModel",
     vllm: VllmResource,
     online: OnlineSettings,
-) -> "OnlineStates":
-    """How this run fetches the draft's states: its first source's `hidden_states`
-    settings (layer ids, which every source shares, storage format, requests) read as
-    that step reads them, through one server that may read every source's images."""
+) -> "OnlineStates | None":
+    """How this run fetches the draft's states (None: it reads the stored ones): its
+    first source's `hidden_states` settings (layer ids, which every source shares, storage
+    format, requests) read as that step reads them."""
+    if online.hidden_states != "online":
+        return None
     from mm_assets.services.online_states import OnlineStates
 
-    sources = [REGISTRY[name] for name in draft.sources]
-    extraction = stage_settings(context, sources[0], "hidden_states", ExtractionSettings)
-    images = sources_media_root(sources, storage.tables(), storage.root_dir())
-    log = storage.log_path(f"vllm_online_{context.run.run_id}")
-    serving = vllm.serving(target, images, log)
+    first = REGISTRY[next(iter(draft.sources))]
+    extraction = stage_settings(context, first, "hidden_states", ExtractionSettings)
+    serving = sources_serving(context, draft, storage, target, vllm, "online")
     return OnlineStates.for_target(target, serving, extraction, online, storage.blobs())
+
+
+def sources_serving(
+    context: dg.AssetExecutionContext,
+    draft: "DraftSpec",
+    storage: StorageResource,
+    target: "TargetModel",
+    vllm: VllmResource,
+    purpose: str,
+) -> "Serving":
+    """One server of the target that may read every source's images (its log named after
+    `purpose`)."""
+    sources = [REGISTRY[name] for name in draft.sources]
+    images = sources_media_root(sources, storage.tables(), storage.root_dir())
+    return vllm.serving(target, images, storage.log_path(f"vllm_{purpose}_{context.run.run_id}"))
 
 
 def training_metadata(job: "SpeculatorJob", outcome: "SpeculatorOutcome") -> dict[str, Any]:
