@@ -1,12 +1,10 @@
 """The mm_assets code location: dataset → images → conversations → tokens → hidden states
 → trained EAGLE-3 speculator → benchmarked per category.
 
-`dagster dev`, `dg dev`, `dagster asset materialize -m mm_assets.definitions` and
-`dg launch` load this module. Loading it imports neither torch nor transformers: the
-steps that need them import them (see `assets/__init__.py`), so a CLI run or a UI reload
-starts in about a second. Loading it changes nothing: the instance (`DAGSTER_HOME`) is
-the caller's (`make`'s targets and `python -m mm_assets.demo` give it the project's
-instance config, `paths.ensure_dagster_home`).
+`dagster dev`, `dagster asset materialize -m mm_assets.definitions` and `dg launch` load
+this module. Loading it imports neither torch nor transformers (the steps do, see
+`assets/__init__.py`), so a CLI run or a UI reload starts in about a second; and it
+changes nothing: the instance (`DAGSTER_HOME`) is the caller's.
 """
 
 import dagster as dg

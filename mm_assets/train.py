@@ -3,17 +3,13 @@ several GPUs.
 
     torchrun --nproc_per_node 8 -m mm_assets.train --partition sharegpt4v_coco --epochs 3
 
-Reads its sources' `tokenized_samples`, `hidden_states_manifest` and
-`token_frequencies` from $MM_ASSETS_HOME, or from $MM_ASSETS_OBJECT_STORE when set
-(materialize `hidden_states` first) — or, with `--hidden-states online`, fetches each
-rank's batches from the vLLM fleet at $MM_ASSETS_VLLM_URLS while it trains (the states
-the registry entry's `hidden_states` settings describe) — and writes the same checkpoint the
-`trained_speculator` asset writes; like the asset, it reuses a checkpoint trained from
-identical inputs and settings unless `--retrain`, and resumes from the last epoch
-checkpoint. Under torchrun each rank trains on its share of the batches with
-DistributedDataParallel (NCCL on GPUs, gloo on CPU); rank 0 saves. The options are the
-fields of `SpeculatorSettings` and `OnlineSettings`, with the asset's names; a value not
-given comes from the registry entry, else the default, as for the asset.
+Reads what the `trained_speculator` asset reads (its sources' stored tables and hidden
+states under $MM_ASSETS_HOME or $MM_ASSETS_OBJECT_STORE; with `--hidden-states online`,
+each rank's batches fetched from the fleet at $MM_ASSETS_VLLM_URLS) and writes the same
+checkpoint, reused or resumed as the asset does unless `--retrain`. Under torchrun each
+rank trains its share of the batches with DistributedDataParallel (NCCL on GPUs, gloo on
+CPU); rank 0 saves. Options are the asset's settings, by the same names; a value not given
+comes from the registry entry, else the default.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ from mm_assets.services.online_states import OnlineStates
 from mm_assets.services.target import TargetModel
 from mm_assets.services.tracking import Tracking
 from mm_assets.services.training import SpeculatorJob, train_speculator
-from mm_assets.storage import open_tables
+from mm_assets.storage import TableStore, open_tables
 from mm_assets.storage.blobs import BlobStore
 from mm_assets.storage.layout import StorageLayout
 from mm_assets.storage.object_store import ENV_VAR as OBJECT_STORE_ENV
@@ -90,8 +86,7 @@ def _online(
     online: OnlineSettings,
     target: TargetModel,
     root: Path,
-    rank: int,
-    world: int,
+    tables: TableStore,
 ) -> OnlineStates | None:
     """Online: the states its first source's `hidden_states` settings describe (as for
     the asset), from the fleet (`MM_ASSETS_VLLM_URLS`) or, in a single process, a server
@@ -99,18 +94,17 @@ def _online(
     if online.hidden_states == "stored":
         return None
     engine = VllmEngine.from_environment()
-    if engine.managed and world > 1:
+    if engine.managed and dist.is_initialized():
         sys.exit(
             "online hidden states under torchrun need a fleet every rank shares: start vLLM "
             "extraction servers and set MM_ASSETS_VLLM_URLS (each rank fetches its batches)"
         )
     sources = [registry[name] for name in draft.sources]
     extraction = settings_of.resolve(sources[0], "hidden_states", ExtractionSettings, {})
-    tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
+    rank = dist.get_rank() if dist.is_initialized() else 0
     log = StorageLayout(root).log(f"vllm_online_train_rank{rank}")
-    serving = Serving.for_target(
-        engine, target.local_dir, sources_media_root(sources, tables, root), log
-    )
+    images = sources_media_root(sources, tables, root)
+    serving = Serving.for_target(engine, target.local_dir, images, log)
     return OnlineStates.for_target(target, serving, extraction, online, BlobStore(root))
 
 
@@ -125,15 +119,14 @@ def main() -> None:
     draft = drafts[partition]
     settings = settings_of.resolve(draft, "trained_speculator", SpeculatorSettings, args)
     online = settings_of.resolve(draft, "trained_speculator", OnlineSettings, args)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = _device(world)
+    device = _device(int(os.environ.get("WORLD_SIZE", "1")))
     rank = dist.get_rank() if dist.is_initialized() else 0
     logging.basicConfig(stream=sys.stdout, format=f"[rank {rank}] %(message)s")
     logging.getLogger("mm_assets").setLevel(logging.INFO)  # epochs and progress; others warn
     target = TargetModel(paths.default_target_model())
     root = paths.home()
     tables = open_tables(root, os.environ.get(OBJECT_STORE_ENV))
-    states = _online(draft, registry, online, target, root, rank, world)
+    states = _online(draft, registry, online, target, root, tables)
     job = SpeculatorJob.for_draft(draft, root, target, settings, tables, states)
     tracked = settings_of.resolve(draft, "trained_speculator", TrackingSettings, args)
     tracking = Tracking(tracked, f"torchrun-{time.strftime('%Y%m%dT%H%M%S')}")

@@ -155,7 +155,6 @@ def table_rows(
     row saying why (its columns stay, empty)."""
     from mm_assets.domain.model.benchmark import speedup
 
-    now = datetime.now(UTC)
     common = {
         "draft": name,
         "benchmark": bench,
@@ -163,29 +162,28 @@ def table_rows(
         "concurrency": settings.concurrency,
         "target_fingerprint": target_fingerprint,
         "draft_sha256": draft.weights_sha256,
-        "measured_at": now,
+        "measured_at": datetime.now(UTC),
     }
-    rows = []
-    for f in report.rows:
-        rows.append(
-            {
-                **common,
-                "category": f.category,
-                "method": f.method,
-                "status": "ok",
-                "prompts": f.prompts,
-                "requests": f.requests,
-                "output_tokens": f.output_tokens,
-                "acceptance_length": f.acceptance_length,
-                "per_position_acceptance": f.per_position,
-                "drafts": f.drafts,
-                "output_tokens_per_s": f.tokens_per_s,
-                "time_per_output_token_ms": f.mean_time_per_output_token_ms,
-                "speedup": speedup(f, report.rows),
-                "lossless": f.lossless,
-                "compared": f.compared,
-            }
-        )
+    rows = [
+        {
+            **common,
+            "category": f.category,
+            "method": f.method,
+            "status": "ok",
+            "prompts": f.prompts,
+            "requests": f.requests,
+            "output_tokens": f.output_tokens,
+            "acceptance_length": f.acceptance_length,
+            "per_position_acceptance": f.per_position,
+            "drafts": f.drafts,
+            "output_tokens_per_s": f.tokens_per_s,
+            "time_per_output_token_ms": f.mean_time_per_output_token_ms,
+            "speedup": speedup(f, report.rows),
+            "lossless": f.lossless,
+            "compared": f.compared,
+        }
+        for f in report.rows
+    ]
     for method, why in report.not_run.items():
         rows.append({**common, "category": OVERALL, "method": method, "status": why[:500]})
     return rows

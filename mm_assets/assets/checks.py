@@ -4,11 +4,14 @@ instead of surfacing hours later as a training step with nothing to read."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import dagster as dg
 
 from mm_assets.assets.metadata import rounded
+
+if TYPE_CHECKING:
+    from mm_assets.services.quarantine import StageReport
 
 HAS_ROWS = "has_rows"
 QUARANTINE_RATIO = "quarantine_ratio"
@@ -33,12 +36,12 @@ def has_rows(rows: int, when_empty: str) -> dg.AssetCheckResult:
     )
 
 
-def quarantine_ratio_spec(asset: str, unit: str, setting: str) -> dg.AssetCheckSpec:
+def quarantine_ratio_spec(asset: str, setting: str) -> dg.AssetCheckSpec:
     return dg.AssetCheckSpec(
         QUARANTINE_RATIO,
         asset=asset,
         blocking=True,
-        description=f"Fails when no row is kept, or when more of the {unit} than "
+        description=f"Fails when no row is kept, or when more of the conversations than "
         f"`{setting}` allows are quarantined: that many usually means a setup problem, "
         f"not bad data. If it fails: read the reasons in the quarantine table, fix the "
         f"setup (or the data), or raise `{setting}`.",
@@ -46,13 +49,16 @@ def quarantine_ratio_spec(asset: str, unit: str, setting: str) -> dg.AssetCheckS
 
 
 def quarantine_ratio(
-    kept: int, quarantined: int, total: int, max_ratio: float, reasons: Mapping[str, int], unit: str
+    report: StageReport, conversations: int, max_ratio: float
 ) -> dg.AssetCheckResult:
-    """Passes when some row is kept and at most `max_ratio` of `total` are quarantined."""
-    ratio = quarantined / max(total, 1)
+    """Passes when some row is kept and at most `max_ratio` of the conversations are
+    quarantined."""
+    assert report.kept is not None and report.quarantine is not None
+    kept, quarantined, reasons = report.kept.num_rows, report.quarantine.num_rows, report.reasons
+    ratio = quarantined / max(conversations, 1)
     listed = ", ".join(f"{k}: {v}" for k, v in sorted(reasons.items(), key=lambda kv: -kv[1]))
     description = (
-        f"{quarantined:,}/{total:,} {unit} quarantined ({ratio:.2%}); allowed "
+        f"{quarantined:,}/{conversations:,} conversations quarantined ({ratio:.2%}); allowed "
         f"{max_ratio:.2%}. Reasons: {listed or 'none'}."
     )
     if not kept:

@@ -1,13 +1,11 @@
 """Dagster config classes generated from the settings models the services use, so a
-setting is declared once (name, type, default, bounds, description) and the UI's config
-editor, the CLI and the services all read that one declaration.
+setting is declared once (name, type, default, bounds, description) for the UI's config
+editor, the CLI and the services.
 
 A setting's value comes from, last wins: the model's default, the dataset's registry
-entry (`settings: {stage: {...}}`), the config the run was launched with. Only keys a
-user actually launched with override the entry — Dagster fills every default into the
-config object, so the launched keys are read from the run's own config — which is how
-the UI, the CLI, schedules, automation and `make demo` all build the same thing from the
-same entry.
+entry (`settings: {stage: {...}}`), the config the run was launched with. Dagster fills
+every default into the config object, so the launched keys are read from the run's own
+config: only keys a user actually launched with override the entry.
 """
 
 from __future__ import annotations

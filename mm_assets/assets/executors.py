@@ -1,29 +1,12 @@
-"""Where a run's steps execute.
+"""Where a run's steps execute: `MM_ASSETS_EXECUTOR` picks `in_process` (default),
+`multiprocess`, `celery` or `k8s` (docs/scaling.md says how to deploy each).
 
-Default: in the run's own process, one step after another. The chain of a partition is
-linear, so nothing runs in parallel anyway, and each library (transformers for
-tokenization, torch for training) is imported once per run, when a step first needs it:
-the least fixed cost per CLI run (BENCHMARKS.md, "Fixed cost of a CLI run").
-
-`MM_ASSETS_EXECUTOR` picks another:
-- `multiprocess`: each step in its own process (forked from that preloading server), so a
-  step's memory is returned to the system when it ends, which matters on a shared box
-  where a long run holds a GPU between steps;
-- `celery`: each step is a task on a Celery queue (`dagster-celery`), run by whichever
-  worker takes it. Accelerator steps go to the `accelerator` queue, the others to
-  `dagster`: start GPU workers with `-q accelerator`, CPU workers with `-q dagster`.
-  Broker and result backend: `MM_ASSETS_CELERY_BROKER` (default
-  `redis://localhost:6379/0`) and `MM_ASSETS_CELERY_BACKEND` (default: the broker);
-- `k8s`: each step is a Kubernetes Job (`dagster-k8s`), in a deployment whose run launcher
-  is the `K8sRunLauncher`; accelerator steps ask for `MM_ASSETS_ACCELERATOR_GPUS` GPUs
-  (default 1).
-Workers must see the same storage root (`MM_ASSETS_HOME`) and the same environment; see
-docs/scaling.md.
-
-Every executor runs under a pool watch (`mm_assets/orchestration/`): while a step waits
-for a slot of its pool (the accelerator), slots held by runs whose worker died are freed.
-The pool's limit holds across workers: the run decides when a step may start, before it is
-sent to one.
+In process by default: a partition's chain is linear, so nothing would run in parallel,
+and each library (transformers, torch) is imported once per run, when a step first needs
+it. `multiprocess` gives each step's memory back to the system when it ends (a long run
+holding a GPU on a shared box). Every executor runs under a pool watch
+(`mm_assets/orchestration/`) that frees the slots of dead runs; the pool's limit holds
+across workers, since the run decides when a step may start.
 """
 
 from __future__ import annotations

@@ -98,13 +98,8 @@ def coco_image_availability(
 
     spec, tables = dataset_spec(context), storage.tables()
     max_pixels, cap_source = pixel_cap(config.max_image_pixels, target_model.model())
-    report = probe_dataset_images(
-        spec,
-        tables,
-        max_pixels,
-        storage.embedded_images_dir(),
-        config.max_image_bytes,
-    )
+    embedded, max_bytes = storage.embedded_images_dir(), config.max_image_bytes
+    report = probe_dataset_images(spec, tables, max_pixels, embedded, max_bytes)
     return dg.MaterializeResult(
         metadata=rounded(
             {
@@ -127,8 +122,7 @@ def coco_image_availability(
 def availability_check(report: "ImageAvailabilityReport", minimum: float) -> dg.AssetCheckResult:
     """Passes when enough images are usable; says where the images were looked for."""
     first = ", ".join(f"{p.reference} ({p.status.value})" for p in report.first_unavailable())
-    passed = report.ratio >= minimum
-    root = report.image_root
+    passed, root = report.ratio >= minimum, report.image_root
     description = (
         f"{report.usable}/{len(report.probes)} images usable ({report.ratio:.1%}); needs ≥ "
         f"{minimum:.0%}."

@@ -13,7 +13,7 @@ import dagster as dg
 import numpy as np
 
 from mm_assets.domain.model.settings import OnlineSettings
-from mm_assets.storage import TableStore, WrittenTable
+from mm_assets.storage import TableStore
 
 if TYPE_CHECKING:  # matplotlib loads inside the steps that plot, not with the definitions
     from matplotlib.axes import Axes
@@ -21,7 +21,10 @@ if TYPE_CHECKING:  # matplotlib loads inside the steps that plot, not with the d
 
     from mm_assets.domain.model.benchmark import BenchmarkFigures
     from mm_assets.domain.model.trainer import TrainResult
+    from mm_assets.services.measurement import DraftMeasurements
     from mm_assets.services.online_states import FetchReport
+    from mm_assets.services.quarantine import StageReport
+    from mm_assets.services.training import SpeculatorOutcome
 
 
 def counts_table(counts: Mapping[str, int], key: str, value: str = "rows") -> dg.MetadataValue:
@@ -83,6 +86,73 @@ def fetch_metadata(online: OnlineSettings, fetch: FetchReport | None) -> dict[st
     }
     if online.online_cache == "discard":
         out["online_disk_peak_bytes"] = fetch.disk_peak_bytes
+    return out
+
+
+def sources_metadata(outcome: SpeculatorOutcome) -> dict[str, object]:
+    lines = [
+        "| source | rows | held out | tokens | supervised | left out by the cap | duplicates |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, f in outcome.sources.items():
+        lines.append(
+            f"| {name} | {f.rows} | {f.held_out} | {f.tokens} | {f.supervised} | {f.capped} | "
+            f"{f.duplicates} |"
+        )
+    return {
+        "sources": dg.MetadataValue.md("\n".join(lines)),
+        "duplicates_by_source_pair": dict(outcome.duplicates),
+        **{f"rows_{name}": f.rows for name, f in outcome.sources.items()},
+    }
+
+
+def by_source_metadata(name: str, measured: DraftMeasurements) -> dict[str, object]:
+    """A Markdown table draft × source (vLLM-measured acceptance), and this draft's
+    figures per source as numbers (the Plots tab)."""
+    sources = list(measured.trained)
+    rows = {f"**{name}**": measured.trained}
+    if measured.untrained:
+        rows[f"{name} (untrained)"] = measured.untrained
+    rows |= {f"{other} (its own draft)": figures for other, figures in measured.others.items()}
+    lines = ["| draft | " + " | ".join(sources) + " |", "|---|" + "---:|" * len(sources)]
+    for label, figures in rows.items():
+        cells = [
+            f"{figures[s].measured.acceptance_length:.3f}" if s in figures else "" for s in sources
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    table = dg.MetadataValue.md("\n".join(lines))
+    return {"vllm_acceptance_by_source": table} | measurement_metadata(measured, sources, True)
+
+
+def measurement_metadata(
+    figures: DraftMeasurements, sources: Sequence[str], per_source: bool
+) -> dict[str, object]:
+    """`vllm_*` figures of the trained draft on each source, `vllm_untrained_*` of the
+    untrained one when measured (keys end in `_<source>` when `per_source`). Beside them,
+    the offline estimate replayed over the same replies (`*_estimate`), and how many
+    generations equal the target's own reply."""
+    out: dict[str, object] = {}
+    drafts = {"vllm_": figures.trained, "vllm_untrained_": figures.untrained}
+    for source in sources:
+        end = f"_{source}" if per_source else ""
+        out[f"vllm_prompts{end}"] = len(figures.trained[source].measured.prompts)
+        for prefix, by_source in drafts.items():
+            if source not in by_source:
+                continue
+            f = by_source[source]
+            mine: dict[str, object] = {
+                "acceptance_length": f.measured.acceptance_length,
+                "per_position_acceptance": [round(r, 4) for r in f.measured.per_position],
+                "drafts": f.measured.drafts,
+                "measurement_reused": f.measured.reused,
+            }
+            if f.estimate is not None:
+                mine["acceptance_length_estimate"] = f.estimate.acceptance_length
+                rates = [round(r, 4) for r in f.estimate.per_position]
+                mine["per_position_acceptance_estimate"] = rates
+            if f.same_as_target is not None:
+                mine["generations_same_as_target"] = f.same_as_target
+            out |= {prefix + key + end: value for key, value in mine.items()}
     return out
 
 
@@ -228,16 +298,14 @@ def table_links(tables: TableStore, table: str, partition: str) -> dict[str, dg.
     }
 
 
-def quarantine_metadata(
-    kept: WrittenTable | None, quarantine: WrittenTable | None, reasons: Mapping[str, int]
-) -> dict[str, dg.MetadataValue | int]:
+def quarantine_metadata(report: StageReport) -> dict[str, dg.MetadataValue | int]:
     """Rows kept and quarantined, why, and where the quarantine table lies."""
-    assert kept is not None and quarantine is not None
+    assert report.kept is not None and report.quarantine is not None
     return {
-        "rows": kept.num_rows,
-        "quarantined": quarantine.num_rows,
-        "drop_reasons": counts_table(reasons, "reason"),
-        "quarantine_path": dg.MetadataValue.path(str(quarantine.path)),
+        "rows": report.kept.num_rows,
+        "quarantined": report.quarantine.num_rows,
+        "drop_reasons": counts_table(report.reasons, "reason"),
+        "quarantine_path": dg.MetadataValue.path(str(report.quarantine.path)),
     }
 
 

@@ -1,17 +1,21 @@
 """Model stage: hidden states from a real vLLM server, and the trained EAGLE-3 speculator."""
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 from pydantic import Field
 
-from mm_assets.assets.config import config_class, stage_settings
+from mm_assets.assets.config import M, config_class, stage_settings
 from mm_assets.assets.metadata import (
     acceptance_plot,
+    by_source_metadata,
     fetch_metadata,
     loss_curve,
+    measurement_metadata,
     rounded,
     servers_table,
+    sources_metadata,
     table_links,
 )
 from mm_assets.assets.partitions import REGISTRY, accelerator_asset, dataset_spec
@@ -26,15 +30,16 @@ from mm_assets.domain.model.settings import (
     SpeculatorSettings,
     TrackingSettings,
 )
-from mm_assets.services.media import media_root
+from mm_assets.services.media import media_root, sources_media_root
 from mm_assets.services.tracking import Tracking
-from mm_assets.storage.layout import DRAFTS
+from mm_assets.storage.layout import DRAFTS, StorageLayout, has_weights
 from mm_assets.storage.object_store import publish_directory
 
 if TYPE_CHECKING:
+    from mm_assets.domain.model.hidden_states import HiddenStatesLayout
     from mm_assets.registry import DraftSpec
+    from mm_assets.services.engine import Serving
     from mm_assets.services.extraction import ExtractionReport, PartitionExtraction
-    from mm_assets.services.measurement import SourceMeasurement
     from mm_assets.services.online_states import OnlineStates
     from mm_assets.services.target import TargetModel
     from mm_assets.services.training import SpeculatorJob, SpeculatorOutcome
@@ -114,22 +119,10 @@ def trains_online(
         "hidden_states_source": "online",
         "online": dg.MetadataValue.md(note),
         "online_cache": online.online_cache,
-        "layer_ids": layout.layer_ids,
-        "layer_convention": LAYER_CONVENTION,
-        "dtype": layout.dtype,
-        "storage_format": layout.storage.name,
-        "target_fingerprint": layout.target_fingerprint,
+        **layout_metadata(layout),
     }
-    version = json_sha256(
-        [
-            "online",
-            tokenized,
-            layout.layer_ids,
-            layout.target_fingerprint,
-            layout.dtype,
-            layout.storage.name,
-        ]
-    )
+    key = [layout.layer_ids, layout.target_fingerprint, layout.dtype, layout.storage.name]
+    version = json_sha256(["online", tokenized, *key])
     check = dg.AssetCheckResult(
         check_name=REJECTION_CHECK,
         passed=True,
@@ -139,6 +132,16 @@ def trains_online(
     return dg.MaterializeResult(
         metadata=metadata, data_version=dg.DataVersion(version), check_results=[check]
     )
+
+
+def layout_metadata(layout: "HiddenStatesLayout") -> dict[str, Any]:
+    return {
+        "layer_ids": layout.layer_ids,
+        "layer_convention": LAYER_CONVENTION,
+        "dtype": layout.dtype,
+        "storage_format": layout.storage.name,
+        "target_fingerprint": layout.target_fingerprint,
+    }
 
 
 def extraction_metadata(report: "ExtractionReport") -> dict[str, Any]:
@@ -152,14 +155,10 @@ def extraction_metadata(report: "ExtractionReport") -> dict[str, Any]:
         "tokens_generated": tally.stored_tokens,
         "bytes_generated": tally.stored_bytes,
         "tokens_per_s": tally.stored_tokens / tally.seconds if tally.seconds else 0.0,
-        "layer_ids": layout.layer_ids,
-        "layer_convention": LAYER_CONVENTION,
-        "dtype": layout.dtype,
-        "storage_format": layout.storage.name,
+        **layout_metadata(layout),
         "stored_bytes_per_token": round(report.stored.bytes / max(report.stored.tokens, 1), 1),
         "bytes_vs_bf16_layout": round(report.stored.bf16_layout_ratio(layout.hidden_size), 4),
         "max_rel_error_per_layer": [float(f"{e:.3g}") for e in report.stored.max_rel_error],
-        "target_fingerprint": layout.target_fingerprint,
         "server": report.server,
         "servers": servers_table(tally.servers, tally.seconds),
         "server_startup_s": tally.startup_s if tally.startup_s is not None else "n/a",
@@ -173,13 +172,8 @@ def rejection_check(report: "ExtractionReport", max_ratio: float) -> dg.AssetChe
     from mm_assets.domain.rejection import StateRejections
 
     rejections, reasons = report.requests.rejections, report.requests.rejections_by_reason
-    judged = StateRejections(
-        len(rejections),
-        len(report.plan.rows),
-        max_ratio,
-        rejections,
-        bool(reasons.get("token_mismatch")),
-    )
+    mismatch, rows = bool(reasons.get("token_mismatch")), len(report.plan.rows)
+    judged = StateRejections(len(rejections), rows, max_ratio, rejections, mismatch)
     stored = report.manifest.num_rows if report.manifest else 0
     description = judged.describe()
     if not stored:
@@ -228,43 +222,69 @@ def trained_speculator(
     and settings are unchanged reuses the checkpoint and its measurement instead of
     training again (`retrain` forces it)."""
     from mm_assets.registry import DraftSpec
+
+    draft = DraftSpec.of_dataset(dataset_spec(context))
+    return train_step(context, draft, config.retrain, storage, target_model, vllm)
+
+
+def train_step(
+    context: dg.AssetExecutionContext,
+    draft: "DraftSpec",
+    retrain: bool,
+    storage: StorageResource,
+    target_model: TargetModelResource,
+    vllm: VllmResource,
+) -> dg.MaterializeResult:
+    """Train `draft` with the `trained_speculator` settings (launched under this step's
+    name), measure it in vLLM and publish it. A draft of several datasets is measured per
+    source, beside each source's own draft (`compare_with_sources`)."""
     from mm_assets.services.measurement import measure_draft
     from mm_assets.services.training import SpeculatorJob, train_speculator
 
-    spec, tables, target = dataset_spec(context), storage.tables(), target_model.model()
-    settings = stage_settings(context, spec, "trained_speculator", SpeculatorSettings)
-    measure = stage_settings(context, spec, "trained_speculator", MeasurementSettings)
-    online = stage_settings(context, spec, "trained_speculator", OnlineSettings)
-    draft = DraftSpec.of_dataset(spec)
-    states = None
-    if online.hidden_states == "online":
-        states = online_states(context, draft, storage, target, vllm, online)
-    job = SpeculatorJob.for_draft(draft, storage.root_dir(), target, settings, tables, states)
-    tracked = stage_settings(context, spec, "trained_speculator", TrackingSettings)
-    tracking = Tracking(tracked, context.run.run_id)
-    outcome = train_speculator(job, draft, tables, not config.retrain, tracking=tracking)
+    tables, root, target = storage.tables(), storage.root_dir(), target_model.model()
+    step, own = context.asset_key.to_user_string(), draft.is_dataset
+
+    def setting(model: type[M]) -> M:
+        return stage_settings(context, draft, "trained_speculator", model, step)
+
+    settings, measure = setting(SpeculatorSettings), setting(MeasurementSettings)
+    online = setting(OnlineSettings)
+    states = online_states(context, draft, storage, target, vllm, online)
+    job = SpeculatorJob.for_draft(draft, root, target, settings, tables, states)
+    tracking = Tracking(setting(TrackingSettings), context.run.run_id)
+    outcome = train_speculator(job, draft, tables, not retrain, tracking=tracking)
     metadata = training_metadata(job, outcome) | fetch_metadata(online, outcome.fetch)
+    if not own:
+        metadata |= sources_metadata(outcome)
     measured = None
-    if measure.measure_in_vllm and outcome.result.held_out_replies:
-        log = storage.log_path(f"vllm_spec_{context.run.run_id}")
-        serving = vllm.serving(target, media_root(spec, tables, storage.root_dir()), log)
-        figures = measure_draft(job, outcome, tables, serving, measure, not config.retrain)
-        measured = figures.trained[spec.name].measured
-        metadata |= measurement_metadata(figures.trained[spec.name])
-        if figures.untrained:
-            metadata |= measurement_metadata(figures.untrained[spec.name], "untrained_")
-        metadata |= table_links(tables, "draft_measurements", spec.name)
-    if (store := storage.checkpoint_store()) is not None:
-        url, uploaded = publish_directory(store, outcome.checkpoint, DRAFTS, spec.name)
-        metadata["checkpoint_url"] = dg.MetadataValue.path(url)
-        metadata["checkpoint_files_uploaded"] = uploaded
-    metadata["per_position_acceptance"] = acceptance_plot(
-        outcome.result.held_out_per_position, measured.per_position if measured else None
-    )
+    if measure.measure_in_vllm and (outcome.result.held_out_replies or not own):
+        serving = sources_serving(context, draft, storage, target, vllm, "spec" if own else "draft")
+        others = [] if own or not measure.compare_with_sources else draft.sources
+        compared = {s: d for s in others if has_weights(d := StorageLayout(root).draft(s))}
+        figures = measure_draft(job, outcome, tables, serving, measure, not retrain, compared)
+        if own:
+            measured = figures.trained[draft.name].measured
+            metadata |= measurement_metadata(figures, [draft.name], per_source=False)
+        else:
+            metadata |= by_source_metadata(draft.name, figures)
+        metadata |= table_links(tables, "draft_measurements", draft.name)
+    metadata |= published(storage, outcome.checkpoint, draft.name)
+    if own:
+        metadata["per_position_acceptance"] = acceptance_plot(
+            outcome.result.held_out_per_position, measured.per_position if measured else None
+        )
     assert outcome.weights_sha256 is not None
     return dg.MaterializeResult(
         metadata=rounded(metadata), data_version=dg.DataVersion(outcome.weights_sha256)
     )
+
+
+def published(storage: StorageResource, checkpoint: Path, name: str) -> dict[str, Any]:
+    """The checkpoint published to the object store, when one is configured."""
+    if (store := storage.checkpoint_store()) is None:
+        return {}
+    url, uploaded = publish_directory(store, checkpoint, DRAFTS, name)
+    return {"checkpoint_url": dg.MetadataValue.path(url), "checkpoint_files_uploaded": uploaded}
 
 
 def online_states(
@@ -274,19 +294,33 @@ def online_states(
     target: "TargetModel",
     vllm: VllmResource,
     online: OnlineSettings,
-) -> "OnlineStates":
-    """How this run fetches the draft's states: its first source's `hidden_states`
-    settings (layer ids, which every source shares, storage format, requests) read as
-    that step reads them, through one server that may read every source's images."""
-    from mm_assets.services.media import sources_media_root
+) -> "OnlineStates | None":
+    """How this run fetches the draft's states (None: it reads the stored ones): its
+    first source's `hidden_states` settings (layer ids, which every source shares, storage
+    format, requests) read as that step reads them."""
+    if online.hidden_states != "online":
+        return None
     from mm_assets.services.online_states import OnlineStates
 
-    sources = [REGISTRY[name] for name in draft.sources]
-    extraction = stage_settings(context, sources[0], "hidden_states", ExtractionSettings)
-    images = sources_media_root(sources, storage.tables(), storage.root_dir())
-    log = storage.log_path(f"vllm_online_{context.run.run_id}")
-    serving = vllm.serving(target, images, log)
+    first = REGISTRY[next(iter(draft.sources))]
+    extraction = stage_settings(context, first, "hidden_states", ExtractionSettings)
+    serving = sources_serving(context, draft, storage, target, vllm, "online")
     return OnlineStates.for_target(target, serving, extraction, online, storage.blobs())
+
+
+def sources_serving(
+    context: dg.AssetExecutionContext,
+    draft: "DraftSpec",
+    storage: StorageResource,
+    target: "TargetModel",
+    vllm: VllmResource,
+    purpose: str,
+) -> "Serving":
+    """One server of the target that may read every source's images (its log named after
+    `purpose`)."""
+    sources = [REGISTRY[name] for name in draft.sources]
+    images = sources_media_root(sources, storage.tables(), storage.root_dir())
+    return vllm.serving(target, images, storage.log_path(f"vllm_{purpose}_{context.run.run_id}"))
 
 
 def training_metadata(job: "SpeculatorJob", outcome: "SpeculatorOutcome") -> dict[str, Any]:
@@ -316,23 +350,3 @@ def training_metadata(job: "SpeculatorJob", outcome: "SpeculatorOutcome") -> dic
         ],
         "loss_curve": loss_curve(result),
     }
-
-
-def measurement_metadata(figures: "SourceMeasurement", prefix: str = "") -> dict[str, Any]:
-    """`vllm_*` figures of the trained draft; `vllm_untrained_*` with that prefix. Beside
-    them, the offline estimate replayed over the same replies (`*_estimate`), and how
-    many generations equal the target's own reply."""
-    measured, estimate = figures.measured, figures.estimate
-    out = {
-        "acceptance_length": measured.acceptance_length,
-        "per_position_acceptance": [round(r, 4) for r in measured.per_position],
-        "drafts": measured.drafts,
-        "measurement_reused": measured.reused,
-    }
-    if estimate is not None:
-        out["acceptance_length_estimate"] = estimate.acceptance_length
-        out["per_position_acceptance_estimate"] = [round(r, 4) for r in estimate.per_position]
-    if figures.same_as_target is not None:
-        out["generations_same_as_target"] = figures.same_as_target
-    prompts = {} if prefix else {"vllm_prompts": len(measured.prompts)}
-    return {f"vllm_{prefix}{k}": v for k, v in out.items()} | prompts

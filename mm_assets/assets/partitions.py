@@ -15,11 +15,9 @@ from mm_assets.orchestration.wiring import WATCH_KEY, taking_watch, watch_resour
 from mm_assets.registry import DatasetSpec, DraftSpec
 from mm_assets.services import settings
 
-# Steps that hold the accelerator (a vLLM server, training) share one pool; its limit is
-# the instance's `concurrency.pools` setting (dagster.yaml: one at a time by default).
+# Steps that hold the accelerator share one pool (its limit: dagster.yaml's
+# `concurrency.pools`), and one watch: Dagster requires a resource key to mean one object.
 ACCELERATOR_POOL = "accelerator"
-# One watch (mm_assets/orchestration/) for all the accelerator assets: Dagster requires a
-# resource key to mean the same object everywhere.
 ACCELERATOR_WATCH = watch_resource([ACCELERATOR_POOL])
 
 REGISTRY = settings.datasets()
@@ -43,7 +41,6 @@ def draft_spec(context: dg.AssetExecutionContext) -> DraftSpec:
 
 
 def _mapping(pairs: Iterable[tuple[str, str]]) -> dg.StaticPartitionMapping:
-    """A static mapping from (upstream partition, downstream partition) pairs."""
     mapping: dict[str, list[str]] = {}
     for upstream, downstream in pairs:
         mapping.setdefault(upstream, []).append(downstream)
@@ -87,17 +84,14 @@ def _skipping_benchmarks(fn: Callable[..., dg.MaterializeResult]) -> Callable[..
             )
             return
         result = fn(context, *args, **kwargs)
-        selected = context.selected_asset_check_keys  # all of them unless run alone
-        checks = [c for c in result.check_results or () if _check_key(context, c) in selected]
+        # this asset's checks selected to run: all of them unless run alone
+        selected = {key.name for key in context.selected_asset_check_keys}
+        checks = [c for c in result.check_results or () if c.check_name in selected]
         yield dg.MaterializeResult(
             metadata=result.metadata, data_version=result.data_version, check_results=checks
         )
 
     return step
-
-
-def _check_key(context: dg.AssetExecutionContext, check: dg.AssetCheckResult) -> dg.AssetCheckKey:
-    return dg.AssetCheckKey(context.asset_key, str(check.check_name))
 
 
 def dataset_asset(
@@ -107,15 +101,15 @@ def dataset_asset(
     kinds: set[str] | None = None,
     partitions_def: dg.PartitionsDefinition = dataset_partitions,
     trains: bool = False,
-    check_specs: Sequence[dg.AssetCheckSpec] = (),
     **extra: Any,
 ) -> Callable[..., dg.AssetsDefinition]:
-    """`@dg.asset` partitioned by dataset (or `partitions_def`); an asset with upstream
-    assets materializes when they really change (`materialize_on_change`), the first one
-    on request or by the refresh schedule. A step that `trains` (or feeds training)
-    materializes nothing on a benchmark's partition (`_skipping_benchmarks`): it is then
-    a one-asset `multi_asset` whose output and checks are optional, the only way Dagster
-    lets a step end without them."""
+    """`@dg.asset` partitioned by dataset (or `partitions_def`); `extra` (`check_specs`,
+    `pool`, ...) goes to Dagster's decorator. An asset with upstream assets materializes
+    when they really change (`materialize_on_change`), the first one on request or by the
+    refresh schedule. A step that `trains` (or feeds training) materializes nothing on a
+    benchmark's partition (`_skipping_benchmarks`): it is then a one-asset `multi_asset`
+    whose output and checks are optional, the only way Dagster lets a step end without
+    them."""
     spec_args: dict[str, Any] = dict(
         group_name=group,
         code_version=code_version,
@@ -124,19 +118,12 @@ def dataset_asset(
         automation_condition=materialize_on_change() if deps else None,
     )
     if not trains:
-        return dg.asset(
-            partitions_def=partitions_def, check_specs=list(check_specs), **spec_args, **extra
-        )
+        return dg.asset(partitions_def=partitions_def, **spec_args, **extra)
 
     def decorate(fn: Callable[..., dg.MaterializeResult]) -> dg.AssetsDefinition:
         spec = dg.AssetSpec(fn.__name__, skippable=True, **spec_args)
         return dg.multi_asset(
-            name=fn.__name__,
-            specs=[spec],
-            check_specs=list(check_specs),
-            can_subset=True,
-            partitions_def=partitions_def,
-            **extra,
+            name=fn.__name__, specs=[spec], can_subset=True, partitions_def=partitions_def, **extra
         )(_skipping_benchmarks(fn))
 
     return decorate

@@ -54,7 +54,7 @@ def normalized_conversations(
     )
     return dg.MaterializeResult(
         metadata={
-            **quarantine_metadata(report.kept, report.quarantine, report.reasons),
+            **quarantine_metadata(report),
             **by_category,
             **table_links(tables, "normalized_conversations", spec.name),
         },
@@ -71,11 +71,7 @@ TokenizationConfig = config_class("TokenizationConfig", "tokenized_samples", Tok
     code_version="3",  # 3: rows supervising only special tokens are quarantined
     deps=["target_responses"],
     trains=True,
-    check_specs=[
-        quarantine_ratio_spec(
-            "tokenized_samples", "conversations", "max_tokenization_quarantine_ratio"
-        )
-    ],
+    check_specs=[quarantine_ratio_spec("tokenized_samples", "max_tokenization_quarantine_ratio")],
 )
 def tokenized_samples(
     context: dg.AssetExecutionContext,
@@ -99,15 +95,7 @@ def tokenized_samples(
     chat = ChatTokenizer(target.load_processor(), settings.max_length, spec.min_supervised_tokens)
     watch = RowFailureWatch(settings.repeated_rejection_rows, settings.max_repeated_rejection_share)
     report = tokenize_partition(spec.name, tables, chat, watch)
-    assert report.kept is not None and report.quarantine is not None
-    check = quarantine_ratio(
-        report.kept.num_rows,
-        report.quarantine.num_rows,
-        report.conversations,
-        spec.max_tokenization_quarantine_ratio,
-        report.reasons,
-        "conversations",
-    )
+    check = quarantine_ratio(report, report.conversations, spec.max_tokenization_quarantine_ratio)
     return dg.MaterializeResult(
         metadata=rounded(tokenization_metadata(report, target.path, tables, spec.name)),
         data_version=dg.DataVersion(report.kept.content_hash),
@@ -120,7 +108,7 @@ def tokenization_metadata(
 ) -> dict[str, Any]:
     tokens = sum(report.lengths)
     metadata: dict[str, Any] = {
-        **quarantine_metadata(report.kept, report.quarantine, report.reasons),
+        **quarantine_metadata(report),
         "tokens": tokens,
         "supervised_fraction": report.supervised / max(tokens, 1),
         "truncated_rows": report.truncated,

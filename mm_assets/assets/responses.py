@@ -30,9 +30,7 @@ ResponsesConfig = config_class("ResponsesConfig", "target_responses", ResponseSe
     "1",
     deps=[normalized_conversations],
     kinds={"vllm", "parquet"},
-    check_specs=[
-        quarantine_ratio_spec("target_responses", "conversations", "max_response_quarantine_ratio")
-    ],
+    check_specs=[quarantine_ratio_spec("target_responses", "max_response_quarantine_ratio")],
 )
 def target_responses(
     context: dg.AssetExecutionContext,
@@ -62,15 +60,7 @@ def target_responses(
         media_root(spec, tables, storage.root_dir()),
         storage.log_path(f"vllm_responses_{context.run.run_id}"),
     ).run(spec.responses)
-    assert report.kept is not None and report.quarantine is not None
-    check = quarantine_ratio(
-        report.kept.num_rows,
-        report.quarantine.num_rows,
-        report.conversations,
-        settings.max_response_quarantine_ratio,
-        report.reasons,
-        "conversations",
-    )
+    check = quarantine_ratio(report, report.conversations, settings.max_response_quarantine_ratio)
     return dg.MaterializeResult(
         metadata=rounded(
             {**responses_metadata(report), **table_links(tables, "target_responses", spec.name)}
@@ -83,7 +73,7 @@ def target_responses(
 def responses_metadata(report: "RegenerationReport") -> dict[str, Any]:
     lengths, requests = report.reply_lengths, report.requests
     metadata: dict[str, Any] = {
-        **quarantine_metadata(report.kept, report.quarantine, report.reasons),
+        **quarantine_metadata(report),
         "responses": report.mode,
         "conversations": report.conversations,
     }

@@ -1,24 +1,17 @@
 """Dead runs release what they hold: pool slots kept by runs whose worker is gone.
 
-Dagster (1.13) frees a step's pool slot when the step ends in a live run worker. A worker
-killed outright (SIGKILL: the OOM killer, a preempted node) frees nothing: its run stays
-STARTED and keeps its slot, and every later step in that pool waits for good. With the
-daemon, Dagster's own mechanisms cover it (the code server marks the run failed, run
-monitoring frees the slots of ended runs); a run from the command line or from Python has
-no daemon, and no run launcher checks on its worker. That case is what this module is for.
+Dagster (1.13) frees a step's pool slot when the step ends in a live run worker; a worker
+killed outright (SIGKILL: the OOM killer, a preempted node) keeps its run STARTED and its
+slot, and every later step in that pool waits for good. The daemon covers this; a run from
+the command line or from Python has none, which is what this module is for.
 
-A run with a step in a pool records its worker (`WORKER_TAG`: host, pid and create time)
-and marks the processes it starts (`RUN_ENV`: the run, and the process that marked them).
-While one of its steps waits for a slot, its worker judges each run holding one (`judge`):
-the slots of an ended run, or of one whose worker ran here and is gone, are freed. What
-such a run left running here, marked by processes all gone from here (its vLLM server,
-which the server's parent guard stops only when the step process itself dies, or an
-orphaned step process), is stopped first: it would hold the accelerator and the slot for
-good. Nothing else is ever signalled: a run recorded on another machine may be alive there
-(a Celery worker, a pod), with processes here. Every other holder is named in the log,
-with what to do and where. The watch never fails the waiting run: waiting for a live run
-on another machine is what a pool is for. How runs get the watch: `wiring.py`; freeing a
-slot by hand: `cli.py`.
+A pooled run records its worker (`WORKER_TAG`) and marks the processes it starts
+(`RUN_ENV`). While one of its steps waits for a slot, its worker judges each holder
+(`judge`): the slots of an ended run, or of one whose worker ran here and is gone, are
+freed, after stopping what it left running here (its vLLM server would hold the
+accelerator). Nothing else is signalled: a run recorded on another machine may be alive
+there. Every other holder is named in the log with what to do; the waiting run never
+fails. How runs get the watch: `wiring.py`; freeing a slot by hand: `cli.py`.
 """
 
 from __future__ import annotations

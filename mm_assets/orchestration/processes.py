@@ -155,12 +155,9 @@ def _signal(target: ProcessId, kill: bool) -> psutil.Process | None:
     """SIGTERM (or SIGKILL) `target` if it is still the process recorded: checked right
     before, and psutil checks its create time again as it signals."""
     process = target.process()
-    if process is not None:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            if kill:
-                process.kill()
-            else:
-                process.terminate()
+    with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+        if process is not None:
+            (process.kill if kill else process.terminate)()
             return process
     return None
 

@@ -17,7 +17,6 @@ that reads stored ones) are refused with a line naming the file, the draft and t
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +37,7 @@ from mm_assets.registry.specs import (
     StageSettings,
     checked_name,
     describe_error,
+    did_you_mean,
     stage_problems,
 )
 
@@ -142,8 +142,7 @@ def _draft_problems(
     ]
     for source, cap in entry["sources"].items():
         if source not in datasets:
-            close = difflib.get_close_matches(str(source), list(datasets), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            hint = did_you_mean(source, list(datasets))
             lines.append(
                 f"'sources.{source}': unknown dataset ({hint}known: {', '.join(datasets)})"
             )

@@ -4,7 +4,6 @@ entries checked together (a training entry's benchmarks must be benchmark entrie
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Mapping
 from importlib import resources
@@ -14,7 +13,7 @@ from typing import Any
 import yaml
 
 from mm_assets.common import paths
-from mm_assets.registry.specs import DatasetSpec, StageSettings, parse_entries
+from mm_assets.registry.specs import DatasetSpec, StageSettings, did_you_mean, parse_entries
 
 BUILTIN_FILE = "datasets.yaml"
 
@@ -70,8 +69,7 @@ def benchmark_problems(specs: Mapping[str, DatasetSpec]) -> list[str]:
         for bench in spec.benchmarks:
             if bench in benchmarks:
                 continue
-            close = difflib.get_close_matches(bench, benchmarks, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            hint = did_you_mean(bench, benchmarks)
             what = "a training dataset" if bench in specs else "not an entry"
             problems.append(
                 f"dataset {name!r}: 'benchmarks': {bench!r} is {what} ({hint}benchmark "

@@ -1,15 +1,11 @@
 """Dataset entries read from the built-in YAML and an optional user YAML file.
 
 Each entry is validated against a typed model (`DatasetSpec`) that forbids unknown keys:
-a typo in a key (`max_sample:`) must not silently fall back to a default and process the
-whole dataset, and a wrong type or an unknown `format` must be refused when the registry
-loads, not discovered hours later as a run that found no images. Problems are reported
-one per line, naming the file, the dataset entry and the field, with what is allowed.
-
-An entry may also set its stages' settings (`settings: {stage: {field: value}}`), so the
-UI, the CLI, schedules and `make demo` build the same thing from the same data; they are
-checked against the stage's settings models, which the caller hands in (the registry sits
-below the floors that declare them).
+a typo (`max_sample:`) must not silently fall back to a default and process the whole
+dataset, and a wrong type must be refused when the registry loads, not hours later. Each
+problem is one line naming the file, the entry and the field, with what is allowed. An
+entry's stage settings (`settings: {stage: {field: value}}`) are checked against the
+stage's settings models, which the caller hands in (the registry sits below them).
 """
 
 from __future__ import annotations
@@ -261,9 +257,12 @@ def _unknown_key(key: Any, known: Sequence[str] | None = None, where: str = "key
     if key in RENAMED and known is None:
         return f"{key!r} is now called {RENAMED[key]!r}: rename the key"
     known = list(known) if known is not None else _known_keys()
-    close = difflib.get_close_matches(str(key), known, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"unknown {where} {key!r} ({hint}known: {', '.join(known)})"
+    return f"unknown {where} {key!r} ({did_you_mean(key, known)}known: {', '.join(known)})"
+
+
+def did_you_mean(word: Any, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(str(word), list(known), n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
 
 
 def stage_problems(settings: Any, stages: StageSettings) -> list[str]:
