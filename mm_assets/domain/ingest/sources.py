@@ -5,10 +5,8 @@ row that fails later is quarantined with its original content. A line that is no
 is kept too (with a parse error) instead of aborting the load.
 
 Memory is flat in the source's size: rows arrive one at a time from a reader
-(`services/ingest.py` reads files and the hub), each kept row goes on to a sink (the
-table writer) as it is read, and `max_samples` is applied in two passes (count the rows
-that pass the filter, then keep the chosen ones) instead of holding the whole source to
-sample from it. ShareGPT4V is ~1.2M records; no row is held past its write.
+(`services/ingest.py`), each kept row goes on to a sink (the table writer) as it is
+read, and `max_samples` is applied in two passes (`select_rows`).
 """
 
 from __future__ import annotations
@@ -18,11 +16,9 @@ import random
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from mm_assets.registry import DatasetSpec
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -103,19 +99,11 @@ def build_filter(spec: DatasetSpec) -> Callable[[RawRow], bool]:
 
 def sample_positions(count: int, max_samples: int | None, seed: int) -> Sequence[int]:
     """Which of `count` rows a deterministic subsample keeps (positions among the rows
-    that passed the filter, ascending, so source order is kept). It depends on the count
-    alone, so a counting pass is enough to choose, without holding any row; the formula
-    is the one rows were always sampled with, so a seed keeps selecting the same rows."""
+    that passed the filter, ascending). It depends on the count alone, so a counting
+    pass is enough to choose; a seed keeps selecting the same rows."""
     if max_samples is None or count <= max_samples:
         return range(count)
     return sorted(random.Random(seed).sample(range(count), max_samples))
-
-
-def subsample(rows: Iterable[T], max_samples: int | None, seed: int) -> list[T]:
-    """A deterministic subset of at most `max_samples` rows, in source order (the same
-    rows `select_rows` keeps from a source whose filtered rows are `rows`)."""
-    rows = list(rows)
-    return [rows[i] for i in sample_positions(len(rows), max_samples, seed)]
 
 
 @dataclass(frozen=True)
@@ -135,34 +123,19 @@ class RowSink(Protocol):
         """The rows taken so far are not kept after all."""
 
 
-class KeptRows:
-    """A sink holding the kept rows in a list, for a caller that reads them all back."""
-
-    def __init__(self) -> None:
-        self.rows: list[RawRow] = []
-
-    def take(self, row: RawRow) -> None:
-        self.rows.append(row)
-
-    def discard(self) -> None:
-        self.rows.clear()
-
-
 def select_rows(
     spec: DatasetSpec,
     keep: Callable[[RawRow], bool],
     read: Callable[[], Iterator[RawRow]],
     sink: RowSink,
 ) -> Selection:
-    """The entry's rows from `read` (which reads its source from the start each call):
-    filtered by `keep` (`build_filter`), then subsampled (before any normalization);
-    `sink` takes each row as it is kept, and is told when a first pass's are dropped.
+    """The entry's rows from `read` (which reads its source from the start each call),
+    filtered by `keep` (`build_filter`), then subsampled, into `sink`.
 
     Holds no row: a first pass counts the rows that pass the filter, giving them to
-    `sink` while there are at most `max_samples`, which is all it takes for a source that
-    small; when more pass, `sink` discards them and a second pass gives it the chosen
-    positions (both passes must count the same rows: a source that changes in between
-    is refused). Without `max_samples` every row that passes is kept, as asked."""
+    `sink` while there are at most `max_samples`; when more pass, `sink` discards them
+    and a second pass gives it the chosen positions (a source that changes in between
+    is refused)."""
     first = _count_keeping_up_to(read(), keep, spec.max_samples, sink)
     if first.kept == first.after_filter:
         return first
@@ -201,8 +174,7 @@ def _pick(
     rows: Iterable[RawRow], keep: Callable[[RawRow], bool], positions: Sequence[int], sink: RowSink
 ) -> Selection:
     """Gives `sink` the rows passing `keep` whose position among them is in `positions`
-    (ascending). Reads to the end anyway, so the counts can be compared with the first
-    pass."""
+    (ascending), counting to the end for the comparison with the first pass."""
     wanted = iter(positions)
     next_wanted = next(wanted, None)
     total = after_filter = kept = 0

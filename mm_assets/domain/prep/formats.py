@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from enum import StrEnum
-from functools import partial
 from typing import Any
 
 from mm_assets.domain.ingest.images import ImageProbe
@@ -290,18 +289,23 @@ def _prompt_texts(record: Mapping[str, Any], column: str) -> list[str]:
             f"no prompt in column {column!r} (the record's columns: {keys}; set the "
             f"entry's columns.prompt)",
         )
-    texts = value if isinstance(value, list) else [value]
+    texts = _strings(value if isinstance(value, list) else [value], column, "turn")
     if not texts:
         raise Rejected(DropReason.MALFORMED_ROW, f"{column!r} is an empty list of turns")
     for index, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise Rejected(
-                DropReason.MALFORMED_ROW,
-                f"{column!r} turn {index} is {_shown(text)}, expected a string",
-            )
         if not text.strip():
             raise Rejected(DropReason.MALFORMED_ROW, f"{column!r} turn {index} is empty")
     return texts
+
+
+def _strings(values: list[Any], column: str, noun: str) -> list[str]:
+    for index, text in enumerate(values):
+        if not isinstance(text, str):
+            raise Rejected(
+                DropReason.MALFORMED_ROW,
+                f"{column!r} {noun} {index} is {_shown(text)}, expected a string",
+            )
+    return values
 
 
 def _answer_texts(record: Mapping[str, Any], column: str | None, turns: int) -> list[str]:
@@ -323,25 +327,13 @@ def _answer_texts(record: Mapping[str, Any], column: str | None, turns: int) -> 
             DropReason.MALFORMED_ROW,
             f"{column!r}: expected one answer per prompt turn ({turns}), got {got}",
         )
-    for index, text in enumerate(value):
-        if not isinstance(text, str):
-            raise Rejected(
-                DropReason.MALFORMED_ROW,
-                f"{column!r} answer {index} is {_shown(text)}, expected a string",
-            )
-    return value
-
-
-def _ignoring_columns(
-    normalizer: Callable[[Mapping[str, Any], list[ImageProbe]], list[Turn]],
-) -> Normalizer:
-    return lambda record, images, _columns: normalizer(record, images)
+    return _strings(value, column, "answer")
 
 
 Normalizer = Callable[[Mapping[str, Any], list[ImageProbe], PromptColumns], list[Turn]]
 NORMALIZERS: dict[str, Normalizer] = {
-    "sharegpt4v": _ignoring_columns(partial(_from_value_turns, with_placeholders=True)),
-    "sharegpt": _ignoring_columns(partial(_from_value_turns, with_placeholders=False)),
+    "sharegpt4v": lambda record, images, _: _from_value_turns(record, images, True),
+    "sharegpt": lambda record, images, _: _from_value_turns(record, images, False),
     "messages": _messages,
     "prompts": _prompts,
 }
