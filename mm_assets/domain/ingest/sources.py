@@ -11,6 +11,7 @@ read, and `max_samples` is applied in two passes (`select_rows`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -136,11 +137,12 @@ def select_rows(
     `sink` while there are at most `max_samples`; when more pass, `sink` discards them
     and a second pass gives it the chosen positions (a source that changes in between
     is refused)."""
-    first = _count_keeping_up_to(read(), keep, spec.max_samples, sink)
+    limit = spec.max_samples
+    first = _pass(read(), keep, sink, itertools.count() if limit is None else range(limit), limit)
     if first.kept == first.after_filter:
         return first
     positions = sample_positions(first.after_filter, spec.max_samples, spec.seed)
-    second = _pick(read(), keep, positions, sink)
+    second = _pass(read(), keep, sink, positions)
     if (second.total, second.after_filter) != (first.total, first.after_filter):
         raise RuntimeError(
             f"dataset {spec.name!r}: {spec.hub or spec.resolved_path()} changed between its "
@@ -150,33 +152,18 @@ def select_rows(
     return second
 
 
-def _count_keeping_up_to(
-    rows: Iterable[RawRow], keep: Callable[[RawRow], bool], limit: int | None, sink: RowSink
+def _pass(
+    rows: Iterable[RawRow],
+    keep: Callable[[RawRow], bool],
+    sink: RowSink,
+    wanted: Iterable[int],
+    limit: int | None = None,
 ) -> Selection:
-    """Counts the rows and those passing `keep`, giving the passing ones to `sink` only
-    while there are at most `limit` of them (all when `limit` is None)."""
-    total = after_filter = kept = 0
-    for row in rows:
-        total += 1
-        if not keep(row):
-            continue
-        after_filter += 1
-        if limit is None or after_filter <= limit:
-            sink.take(row)
-            kept += 1
-        elif kept:
-            kept = 0  # too many to keep all: the caller samples them in a second pass
-            sink.discard()
-    return Selection(total, after_filter, kept)
-
-
-def _pick(
-    rows: Iterable[RawRow], keep: Callable[[RawRow], bool], positions: Sequence[int], sink: RowSink
-) -> Selection:
-    """Gives `sink` the rows passing `keep` whose position among them is in `positions`
-    (ascending), counting to the end for the comparison with the first pass."""
-    wanted = iter(positions)
-    next_wanted = next(wanted, None)
+    """Counts the rows and those passing `keep`, giving `sink` the passing ones whose
+    position among them `wanted` yields (ascending). Once more than `limit` pass, `sink`
+    discards what it took: the caller samples them in a second pass."""
+    positions = iter(wanted)
+    next_wanted = next(positions, None)
     total = after_filter = kept = 0
     for row in rows:
         total += 1
@@ -185,6 +172,9 @@ def _pick(
         if after_filter == next_wanted:
             sink.take(row)
             kept += 1
-            next_wanted = next(wanted, None)
+            next_wanted = next(positions, None)
+        elif after_filter == limit and kept:
+            kept = 0
+            sink.discard()
         after_filter += 1
     return Selection(total, after_filter, kept)

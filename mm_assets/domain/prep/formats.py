@@ -88,13 +88,14 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _messages_list(record: Mapping[str, Any], strict: bool = True) -> list[Any]:
-    turns = record.get("messages", record.get("conversations"))
+def _turn_list(record: Mapping[str, Any], key: str = "messages", strict: bool = True) -> list:
+    """The record's turns under `key` (a `messages` record may name them `conversations`)."""
+    turns = record.get(key, record.get("conversations"))
     if not isinstance(turns, list):
         if strict:
             raise Rejected(
                 DropReason.MALFORMED_ROW,
-                f"'messages' is a {type(turns).__name__}, expected a list of turns",
+                f"'{key}' is a {type(turns).__name__}, expected a list of turns",
             )
         return []
     return turns
@@ -105,7 +106,7 @@ def messages_image_refs(record: Mapping[str, Any], strict: bool) -> list[str]:
     column entries no part shows come last (normalization quarantines such a row)."""
     column = iter(column_references(record.get(IMAGES_COLUMN), IMAGES_COLUMN, strict))
     refs = []
-    for message in _messages_list(record, strict):
+    for message in _turn_list(record, strict=strict):
         content = message.get("content") if isinstance(message, dict) else None
         for part in content if isinstance(content, list) else []:
             ref = _part_image_ref(part)
@@ -149,8 +150,7 @@ def _role(raw: Any) -> str:
 
 
 def image_part(probe: ImageProbe) -> dict[str, Any]:
-    """An image part: the file the probe checked and its content hash, which the client
-    checks again when it sends the bytes itself (`to_vllm_messages`)."""
+    """An image part: the file the probe checked and its content hash."""
     return {"type": "image", "path": probe.path, "sha256": probe.content_hash}
 
 
@@ -181,15 +181,9 @@ def _split_placeholders(text: str, images: list[ImageProbe], cursor: list[int]) 
 def _from_value_turns(
     record: Mapping[str, Any], images: list[ImageProbe], with_placeholders: bool
 ) -> list[Turn]:
-    turns_raw = record.get("conversations")
-    if not isinstance(turns_raw, list):
-        raise Rejected(
-            DropReason.MALFORMED_ROW,
-            f"'conversations' is a {type(turns_raw).__name__}, expected a list of turns",
-        )
     cursor = [0]
     turns: list[Turn] = []
-    for index, turn in enumerate(turns_raw):
+    for index, turn in enumerate(_turn_list(record, "conversations")):
         if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
             raise Rejected(DropReason.MALFORMED_ROW, f"turn {index} has no string 'value'")
         role = _role(turn.get("from"))
@@ -219,7 +213,7 @@ def _messages(
     column = column_references(record.get(IMAGES_COLUMN), IMAGES_COLUMN)
     slots = 0
     turns: list[Turn] = []
-    for index, message in enumerate(_messages_list(record)):
+    for index, message in enumerate(_turn_list(record)):
         if not isinstance(message, dict):
             raise Rejected(DropReason.MALFORMED_ROW, f"turn {index} is not an object")
         role = _role(message.get("role"))
@@ -259,9 +253,8 @@ def _messages(
 def _prompts(
     record: Mapping[str, Any], images: list[ImageProbe], columns: PromptColumns
 ) -> list[Turn]:
-    """A prompt (or turns asked one after another) with its image(s) before the first
-    turn's text, and the reference answers, when the entry names a column for them, as
-    assistant turns."""
+    """The prompt turn(s), the image(s) before the first one's text, and the reference
+    answers (when the entry names a column for them) as assistant turns."""
     prompts = _prompt_texts(record, columns.prompt)
     if columns.image is not None:  # `images` holds its usable entries: refuse the others
         column_references(record.get(columns.image), columns.image)

@@ -63,13 +63,10 @@ def expand_image_tokens(
     out_mask: list[int] = []
     images = iter(counts)
     for token, supervised in zip(ids, mask, strict=True):
-        if token == image_token_id:
-            n = next(images)
-            out_ids.extend([token] * n)
-            out_mask.extend([0] * n)
-        else:
-            out_ids.append(token)
-            out_mask.append(supervised)
+        image = token == image_token_id
+        n = next(images) if image else 1
+        out_ids += [token] * n
+        out_mask += [0 if image else supervised] * n
     return out_ids, out_mask
 
 
