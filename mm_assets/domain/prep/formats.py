@@ -23,6 +23,7 @@ from mm_assets.domain.rejection import RowRejected
 from mm_assets.registry.specs import PromptColumns
 
 IMAGE_PLACEHOLDER = "<image>"
+_PLACEHOLDER = re.compile(f"\n?({re.escape(IMAGE_PLACEHOLDER)})\n?")  # with its newlines
 IMAGES_COLUMN = "images"  # TRL's layout: the images its `{"type": "image"}` parts show
 _INLINE_KEYS = ("image", "path", "url")
 
@@ -158,23 +159,17 @@ def _split_placeholders(text: str, images: list[ImageProbe], cursor: list[int]) 
     """Text with `<image>` placeholders as parts; the newline that separates a
     placeholder from its text belongs to the placeholder."""
     parts: list[dict] = []
-    segments = re.split(f"({re.escape(IMAGE_PLACEHOLDER)})", text)
-    for i, segment in enumerate(segments):
-        if segment == IMAGE_PLACEHOLDER:
-            if cursor[0] >= len(images):
-                raise Rejected(
-                    DropReason.IMAGE_PLACEHOLDER_MISMATCH,
-                    f"more {IMAGE_PLACEHOLDER} placeholders than the {len(images)} image(s)",
-                )
-            parts.append(image_part(images[cursor[0]]))
-            cursor[0] += 1
+    for segment in _PLACEHOLDER.split(text):
+        if segment != IMAGE_PLACEHOLDER:
+            parts += [{"type": "text", "text": segment}] if segment else []
             continue
-        if i > 0 and segments[i - 1] == IMAGE_PLACEHOLDER and segment.startswith("\n"):
-            segment = segment[1:]
-        if i + 1 < len(segments) and segments[i + 1] == IMAGE_PLACEHOLDER:
-            segment = segment.removesuffix("\n")
-        if segment:
-            parts.append({"type": "text", "text": segment})
+        if cursor[0] >= len(images):
+            raise Rejected(
+                DropReason.IMAGE_PLACEHOLDER_MISMATCH,
+                f"more {IMAGE_PLACEHOLDER} placeholders than the {len(images)} image(s)",
+            )
+        parts.append(image_part(images[cursor[0]]))
+        cursor[0] += 1
     return parts
 
 
