@@ -8,9 +8,9 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
-from mm_assets.domain.ingest.sources import KeptRows
 from mm_assets.registry import DatasetSpec
 from mm_assets.services.ingest import load_rows
+from tests.test_sources import KeptRows
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,10 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from mm_assets.domain.ingest.sources import KeptRows, RawRow, build_filter, subsample
+from mm_assets.domain.ingest.sources import RawRow, build_filter, sample_positions
 from mm_assets.registry import DatasetSpec
 from mm_assets.services import ingest as sources
 from mm_assets.services.ingest import hub_source, load_rows, read_local
+
+
+class KeptRows:
+    """A sink holding the kept rows in a list (`RowSink`)."""
+
+    def __init__(self) -> None:
+        self.rows: list[RawRow] = []
+
+    def take(self, row: RawRow) -> None:
+        self.rows.append(row)
+
+    def discard(self) -> None:
+        self.rows.clear()
 
 
 @dataclass(frozen=True)
@@ -50,12 +63,11 @@ def test_directory_reads_all_files_in_name_order(tmp_path: Path) -> None:
 
 
 def test_subsample_is_deterministic_and_keeps_source_order() -> None:
-    rows = [type("R", (), {"i": i})() for i in range(100)]
-    a = subsample(rows, 10, seed=3)
-    assert [r.i for r in a] == sorted(r.i for r in a)
-    assert [r.i for r in a] == [r.i for r in subsample(rows, 10, seed=3)]
-    assert [r.i for r in a] != [r.i for r in subsample(rows, 10, seed=4)]
-    assert len(subsample(rows, None, 0)) == 100
+    a = list(sample_positions(100, 10, seed=3))
+    assert len(a) == 10 and a == sorted(a)
+    assert a == list(sample_positions(100, 10, seed=3))
+    assert a != list(sample_positions(100, 10, seed=4))
+    assert list(sample_positions(100, None, 0)) == list(range(100))
 
 
 def test_image_prefix_filter_then_subsample(tmp_path: Path) -> None:

@@ -1,16 +1,12 @@
 """`python -m mm_assets.demo build|run`: the offline demo model and datasets, end to end.
 
-build: writes two demo datasets and a demo benchmark (images inside, TRL's layout) and
-       a tiny Qwen2.5-VL-style target (real processor classes and chat template, locally
-       trained tokenizer) trained on the generator's own lessons to answer questions
-       about its pictures, under $MM_ASSETS_HOME/demo, and prints how often its answers
-       are right. Skipped when already built with the same builder version; the trained
-       target is copied from $MM_ASSETS_DEMO_CACHE when built there before by the same
-       code and settings.
-run:   build, then materialize the whole pipeline — down to the trained speculator, measured
-       in vLLM — for both demo partitions through Dagster (run history in $DAGSTER_HOME),
-       then the draft trained on both (`demo_mix`), and print what landed in storage and
-       each draft's acceptance on each dataset's held-out prompts.
+build: writes two demo datasets, a demo benchmark and a tiny Qwen2.5-VL-style target
+       trained to answer questions about its pictures under $MM_ASSETS_HOME/demo, and
+       prints how often its answers are right (the trained target is copied from
+       $MM_ASSETS_DEMO_CACHE when built there before by the same code and settings).
+run:   build, then materialize the whole pipeline through Dagster for both demo
+       partitions, then the draft trained on both (`demo_mix`), and print what landed in
+       storage and each draft's acceptance in vLLM.
 """
 
 from __future__ import annotations
@@ -93,8 +89,7 @@ def run(
 
 
 def _materialize(defs: Any, instance: Any, job: str, partition: str) -> dict[str, Any]:
-    """One partition of a job (`prepare`, `dataset_chain`, `drafts`); the metadata of
-    its draft."""
+    """One partition of a job; the metadata of its draft."""
     started = time.perf_counter()
     result = defs.resolve_job_def(job).execute_in_process(
         partition_key=partition, instance=instance, run_config=QUIET
@@ -109,11 +104,15 @@ def _materialize(defs: Any, instance: Any, job: str, partition: str) -> dict[str
     return {k: v.value for k, v in materialized[0].metadata.items()}
 
 
-def _measured(draft: str) -> dict[tuple[str, str], dict[str, Any]]:
-    """The draft's latest rows of `draft_measurements`, by (served, source)."""
+def _tables() -> Any:
     from mm_assets.assets.resources import StorageResource
 
-    with StorageResource().tables().connect() as con:
+    return StorageResource().tables()
+
+
+def _measured(draft: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """The draft's latest rows of `draft_measurements`, by (served, source)."""
+    with _tables().connect() as con:
         cursor = con.execute(
             """
             SELECT * FROM draft_measurements WHERE draft = ?
@@ -127,11 +126,9 @@ def _measured(draft: str) -> dict[tuple[str, str], dict[str, Any]]:
 
 
 def _draft_table(draft: str, sources: tuple[str, ...]) -> str:
-    """Acceptance vLLM measured on each source's held-out prompts (`draft_measurements`):
-    the draft of both, and each source's own draft — on the same prompts, off its domain
-    too, when the mix was measured with `compare_with_sources`; else on its own held-out
-    prompts, from its own measurement (the same rows: a mix holds out each source's rows
-    by its own draft's rule)."""
+    """Acceptance vLLM measured on each source's held-out prompts: the draft of both, and
+    each source's own draft (on the same prompts when the mix was measured with
+    `compare_with_sources`, else from its own measurement, on the same held-out rows)."""
     mine = _measured(draft)
     compared = sorted({served for served, _ in mine} - {"trained", "untrained"})
     rows = {draft: {s: mine.get(("trained", s)) for s in sources}}
@@ -152,12 +149,8 @@ def _draft_table(draft: str, sources: tuple[str, ...]) -> str:
 
 
 def _benchmark_table(drafts: tuple[str, ...], bench: str) -> str:
-    """Each draft on the benchmark, per category, from the `speculator_benchmarks` table:
-    its acceptance and the n-gram baseline's, output tokens/s of the three methods
-    (vLLM's counters) and the speedups over no speculation, and the lossless counts."""
-    from mm_assets.assets.resources import StorageResource
-
-    with StorageResource().tables().connect() as con:
+    """Each draft on the benchmark, per category, from the `speculator_benchmarks` table."""
+    with _tables().connect() as con:
         rows = con.execute(
             """
             WITH latest AS (
@@ -198,9 +191,8 @@ def _benchmark_table(drafts: tuple[str, ...], bench: str) -> str:
 
 
 def _acceptance_table(partition: str, meta: dict) -> str:
-    """Trained next to untrained: vLLM's measurement on held-out prompts (acceptance length
-    at the served number of draft tokens, and per position; `draft_measurements`), and
-    the offline estimate replayed over the same replies from their stored hidden states."""
+    """Trained next to untrained: vLLM's measurement on held-out prompts, and the offline
+    estimate replayed over the same replies from their stored hidden states."""
     measured = _measured(partition)
     lines = [f"      {'':<10}{'vLLM measured':>15}  {'per position':<26}{'estimate':>9}"]
     for served in ("trained", "untrained"):
@@ -228,9 +220,7 @@ def _acceptance_table(partition: str, meta: dict) -> str:
 
 
 def _print_summary(partitions: tuple[str, ...]) -> None:
-    from mm_assets.assets.resources import StorageResource
-
-    tables = StorageResource().tables()
+    tables = _tables()
     with tables.connect() as con:
         for partition in partitions:
             counts = {

@@ -35,8 +35,7 @@ class RowFailureWatch:
     A per-row rejection is a data problem while it is rare. When one kind of rejection
     takes more than `max_share` of the first `first_rows` rows (or of all rows, in a
     smaller partition of at least `min_rows`), every row is likely to fail the same way:
-    `SetupProblem` names the kind, the share and the first offending row. The two limits
-    are settings (`TokenizationSettings`), passed in by the caller.
+    `SetupProblem` names the kind, the share and the first offending row.
     """
 
     def __init__(self, first_rows: int, max_share: float, min_rows: int = 10) -> None:

@@ -5,18 +5,12 @@ Hub vision-language datasets carry their images in the rows: the `datasets.Image
 `{"bytes": ...}` dicts, raw bytes, and `data:image/...;base64,...` URLs (alone or in an
 OpenAI-style `image_url` part). Tables never hold pixels, so each such image is replaced
 in the record by a reference `sha256:<hex>` (the SHA-256 of its bytes) and its bytes are
-handed to the caller, which writes them once to `embedded_images_dir(<storage root>)`
-under `<hex[:2]>/<hex>`. From then on an embedded image is a file like any other: probed
-from its header, hashed, quarantined, sent to vLLM as `file://`.
+handed to the caller, which writes them once to `embedded_images_dir(<storage root>)`;
+from then on it is a file like any other.
 
-Nothing is decoded or judged here: bytes that are not an image (or are empty) are
-written all the same, so the availability probe reports them (`unreadable`, `empty`)
-with a reason per image instead of the row vanishing at ingest. The one thing that
-cannot be written is a data URL whose base64 does not decode: it becomes the reference
-`invalid-image:<reason>`, which the probe reports as `invalid_reference` with that reason.
-
-The walk is generic (any nesting of dicts and lists) because where images sit differs
-per dataset (`image`, `images`, message parts); the record stays JSON-serializable.
+Nothing is decoded or judged here: bytes that are not an image are written all the same,
+so the availability probe reports them with a reason instead of the row vanishing at
+ingest. A data URL whose base64 does not decode becomes `invalid-image:<reason>`.
 """
 
 from __future__ import annotations
@@ -76,9 +70,9 @@ IMAGE_KEYS = frozenset({"image", "images", "image_url", "url", "path"})
 
 def extract_embedded_images(record: Any, image_keys: frozenset[str] = IMAGE_KEYS) -> EmbeddedImages:
     """`record` with every embedded image replaced by `sha256:<hex>` (or by the path of a
-    `{bytes: None, path}` struct, or by `invalid-image:<reason>`), and the images found.
-    Bytes are images wherever they are; a data URL only under `image_keys` (a user's or
-    an assistant's text that starts like one stays text)."""
+    `{bytes: None, path}` struct, or by `invalid-image:<reason>`), and the images found,
+    at any nesting. Bytes are images wherever they are; a data URL only under
+    `image_keys` (a user's text that starts like one stays text)."""
     found = EmbeddedImages(None)
     found.record = _walk(record, found, image_keys, False)
     return found
@@ -134,8 +128,7 @@ def _data_url(url: str, found: EmbeddedImages) -> str:
         return f"{INVALID_PREFIX}a data:image URL without a ',' before its data"
     if "base64" not in (p.strip().lower() for p in match.group(1).split(";")):
         return f"{INVALID_PREFIX}a data:image URL that is not base64-encoded (add ';base64')"
-    # line breaks are allowed in base64: dropped in one pass, one copy (split() made a
-    # string per line, 13x the URL with a break every 4 characters)
+    # line breaks are allowed in base64: dropped in one pass, one copy
     payload = url[match.end() :].translate(_NO_WHITESPACE)
     try:
         data = base64.b64decode(payload, validate=True)

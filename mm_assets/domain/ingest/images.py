@@ -4,14 +4,8 @@ Nothing here decodes pixels: Pillow's `Image.open` parses the header (size, form
 the file's bytes are streamed once for a content hash and a cheap end-of-file check
 (truncated JPEG/PNG/GIF files lack their trailer). A reference that resolves outside
 the root — `..`, an absolute path elsewhere, a symlink pointing out — is refused before
-the file is opened.
-
-Images taken out of the rows (`embedded_images.py`) are referenced as `sha256:<hex>` and
-resolve to their file in the embedded-image directory, not under the image root; from
-there they are probed exactly like a referenced file. `invalid-image:<reason>` (a data
-URL whose base64 did not decode) is refused with that reason. A stored image must be a
-plain file whose bytes hash to its name: a link, or a file changed since it was written,
-is refused.
+the file is opened. Images taken out of the rows (`embedded_images.py`, `sha256:<hex>`)
+resolve to the embedded-image directory instead and are probed alike.
 
 The probe says what vLLM will do with the file: it opens only the formats vLLM decodes,
 reports the size vLLM sees (after the EXIF orientation, which vLLM applies and
@@ -42,8 +36,7 @@ from mm_assets.domain.ingest.embedded_images import (
 DEFAULT_MAX_PIXELS = 89_478_485
 # vLLM decodes an image whole before the target's processor scales it down to its
 # `max_pixels`: past this multiple of it, decoding costs far more than the target keeps.
-# Not 1: processors scale larger images down rather than refuse them (the demo's toy
-# processor keeps 140x140 of its 640x640 pictures, 21x fewer pixels).
+# Not 1: processors scale larger images down rather than refuse them.
 PROCESSOR_PIXELS_MULTIPLE = 32
 # A file larger than this is refused before anything reads it: vLLM would read it whole
 # for every request that shows it.
@@ -101,26 +94,21 @@ def resolve_reference(
     or a probe saying why it is refused."""
     ref = str(reference)
     if not isinstance(reference, str) or not reference.strip():
-        return ImageProbe(ref, None, ImageStatus.INVALID_REFERENCE, "not a non-empty string")
+        return _invalid(ref, "not a non-empty string")
     if is_embedded_reference(reference) or reference.startswith(INVALID_PREFIX):
         return _resolve_embedded(reference, embedded_dir)
     if reference[:5].lower() == "data:":
-        return ImageProbe(
-            ref,
-            None,
-            ImageStatus.INVALID_REFERENCE,
-            "a data: URL that is not data:image/…; only images are read from data URLs",
+        return _invalid(
+            ref, "a data: URL that is not data:image/…; only images are read from data URLs"
         )
     if reference.startswith("file://"):
         reference = reference[len("file://") :]
     elif "://" in reference:
-        return ImageProbe(
-            ref, None, ImageStatus.INVALID_REFERENCE, "only local files are supported"
-        )
+        return _invalid(ref, "only local files are supported")
     if strip_prefix and reference.startswith(strip_prefix):
         reference = reference[len(strip_prefix) :]
     if "\x00" in reference:  # no file name holds one; the OS calls would raise
-        return ImageProbe(ref, None, ImageStatus.INVALID_REFERENCE, "holds a NUL byte")
+        return _invalid(ref, "holds a NUL byte")
     real_root = Path(os.path.realpath(root))
     real = Path(os.path.realpath(real_root / reference))  # resolves `..` and symlinks
     if not real.is_relative_to(real_root):
@@ -130,24 +118,25 @@ def resolve_reference(
     return real
 
 
+def _invalid(reference: str, detail: str) -> ImageProbe:
+    return ImageProbe(reference, None, ImageStatus.INVALID_REFERENCE, detail)
+
+
 def _resolve_embedded(reference: str, embedded_dir: Path | None) -> Path | ImageProbe:
     """The stored file of an image taken out of a row, or why there is none."""
     if reference.startswith(INVALID_PREFIX):
-        reason = reference[len(INVALID_PREFIX) :] or "an embedded image that could not be read"
-        return ImageProbe(reference, None, ImageStatus.INVALID_REFERENCE, reason)
+        return _invalid(
+            reference,
+            reference[len(INVALID_PREFIX) :] or "an embedded image that could not be read",
+        )
     digest = embedded_digest(reference)
     if digest is None:
-        return ImageProbe(
-            reference,
-            None,
-            ImageStatus.INVALID_REFERENCE,
-            "a sha256: reference must be 'sha256:' followed by 64 lowercase hex digits",
+        return _invalid(
+            reference, "a sha256: reference must be 'sha256:' followed by 64 lowercase hex digits"
         )
     if embedded_dir is None:
-        return ImageProbe(
+        return _invalid(
             reference,
-            None,
-            ImageStatus.INVALID_REFERENCE,
             "an embedded image, but no embedded-image directory was given to resolve it in",
         )
     return embedded_image_path(embedded_dir, digest)
@@ -246,8 +235,7 @@ def probe_reference(
     embedded_dir: Path | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> ImageProbe:
-    """The probe of one reference: a file under `root`, or an embedded image's file in
-    `embedded_dir` (`sha256:<hex>`)."""
+    """The probe of one reference (`resolve_reference`)."""
     resolved = resolve_reference(root, reference, strip_prefix, embedded_dir)
     if isinstance(resolved, ImageProbe):
         return resolved

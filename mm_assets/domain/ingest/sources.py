@@ -5,24 +5,21 @@ row that fails later is quarantined with its original content. A line that is no
 is kept too (with a parse error) instead of aborting the load.
 
 Memory is flat in the source's size: rows arrive one at a time from a reader
-(`services/ingest.py` reads files and the hub), each kept row goes on to a sink (the
-table writer) as it is read, and `max_samples` is applied in two passes (count the rows
-that pass the filter, then keep the chosen ones) instead of holding the whole source to
-sample from it. ShareGPT4V is ~1.2M records; no row is held past its write.
+(`services/ingest.py`), each kept row goes on to a sink (the table writer) as it is
+read, and `max_samples` is applied in two passes (`select_rows`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from mm_assets.registry import DatasetSpec
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -103,19 +100,11 @@ def build_filter(spec: DatasetSpec) -> Callable[[RawRow], bool]:
 
 def sample_positions(count: int, max_samples: int | None, seed: int) -> Sequence[int]:
     """Which of `count` rows a deterministic subsample keeps (positions among the rows
-    that passed the filter, ascending, so source order is kept). It depends on the count
-    alone, so a counting pass is enough to choose, without holding any row; the formula
-    is the one rows were always sampled with, so a seed keeps selecting the same rows."""
+    that passed the filter, ascending). It depends on the count alone, so a counting
+    pass is enough to choose; a seed keeps selecting the same rows."""
     if max_samples is None or count <= max_samples:
         return range(count)
     return sorted(random.Random(seed).sample(range(count), max_samples))
-
-
-def subsample(rows: Iterable[T], max_samples: int | None, seed: int) -> list[T]:
-    """A deterministic subset of at most `max_samples` rows, in source order (the same
-    rows `select_rows` keeps from a source whose filtered rows are `rows`)."""
-    rows = list(rows)
-    return [rows[i] for i in sample_positions(len(rows), max_samples, seed)]
 
 
 @dataclass(frozen=True)
@@ -135,39 +124,25 @@ class RowSink(Protocol):
         """The rows taken so far are not kept after all."""
 
 
-class KeptRows:
-    """A sink holding the kept rows in a list, for a caller that reads them all back."""
-
-    def __init__(self) -> None:
-        self.rows: list[RawRow] = []
-
-    def take(self, row: RawRow) -> None:
-        self.rows.append(row)
-
-    def discard(self) -> None:
-        self.rows.clear()
-
-
 def select_rows(
     spec: DatasetSpec,
     keep: Callable[[RawRow], bool],
     read: Callable[[], Iterator[RawRow]],
     sink: RowSink,
 ) -> Selection:
-    """The entry's rows from `read` (which reads its source from the start each call):
-    filtered by `keep` (`build_filter`), then subsampled (before any normalization);
-    `sink` takes each row as it is kept, and is told when a first pass's are dropped.
+    """The entry's rows from `read` (which reads its source from the start each call),
+    filtered by `keep` (`build_filter`), then subsampled, into `sink`.
 
     Holds no row: a first pass counts the rows that pass the filter, giving them to
-    `sink` while there are at most `max_samples`, which is all it takes for a source that
-    small; when more pass, `sink` discards them and a second pass gives it the chosen
-    positions (both passes must count the same rows: a source that changes in between
-    is refused). Without `max_samples` every row that passes is kept, as asked."""
-    first = _count_keeping_up_to(read(), keep, spec.max_samples, sink)
+    `sink` while there are at most `max_samples`; when more pass, `sink` discards them
+    and a second pass gives it the chosen positions (a source that changes in between
+    is refused)."""
+    limit = spec.max_samples
+    first = _pass(read(), keep, sink, itertools.count() if limit is None else range(limit), limit)
     if first.kept == first.after_filter:
         return first
     positions = sample_positions(first.after_filter, spec.max_samples, spec.seed)
-    second = _pick(read(), keep, positions, sink)
+    second = _pass(read(), keep, sink, positions)
     if (second.total, second.after_filter) != (first.total, first.after_filter):
         raise RuntimeError(
             f"dataset {spec.name!r}: {spec.hub or spec.resolved_path()} changed between its "
@@ -177,34 +152,18 @@ def select_rows(
     return second
 
 
-def _count_keeping_up_to(
-    rows: Iterable[RawRow], keep: Callable[[RawRow], bool], limit: int | None, sink: RowSink
+def _pass(
+    rows: Iterable[RawRow],
+    keep: Callable[[RawRow], bool],
+    sink: RowSink,
+    wanted: Iterable[int],
+    limit: int | None = None,
 ) -> Selection:
-    """Counts the rows and those passing `keep`, giving the passing ones to `sink` only
-    while there are at most `limit` of them (all when `limit` is None)."""
-    total = after_filter = kept = 0
-    for row in rows:
-        total += 1
-        if not keep(row):
-            continue
-        after_filter += 1
-        if limit is None or after_filter <= limit:
-            sink.take(row)
-            kept += 1
-        elif kept:
-            kept = 0  # too many to keep all: the caller samples them in a second pass
-            sink.discard()
-    return Selection(total, after_filter, kept)
-
-
-def _pick(
-    rows: Iterable[RawRow], keep: Callable[[RawRow], bool], positions: Sequence[int], sink: RowSink
-) -> Selection:
-    """Gives `sink` the rows passing `keep` whose position among them is in `positions`
-    (ascending). Reads to the end anyway, so the counts can be compared with the first
-    pass."""
-    wanted = iter(positions)
-    next_wanted = next(wanted, None)
+    """Counts the rows and those passing `keep`, giving `sink` the passing ones whose
+    position among them `wanted` yields (ascending). Once more than `limit` pass, `sink`
+    discards what it took: the caller samples them in a second pass."""
+    positions = iter(wanted)
+    next_wanted = next(positions, None)
     total = after_filter = kept = 0
     for row in rows:
         total += 1
@@ -213,6 +172,9 @@ def _pick(
         if after_filter == next_wanted:
             sink.take(row)
             kept += 1
-            next_wanted = next(wanted, None)
+            next_wanted = next(positions, None)
+        elif after_filter == limit and kept:
+            kept = 0
+            sink.discard()
         after_filter += 1
     return Selection(total, after_filter, kept)

@@ -6,22 +6,15 @@ where content is a string or a list of parts `{"type": "text", "text": ...}` /
 
 Unknown roles quarantine the whole row rather than being dropped or guessed: a turn
 silently removed or relabelled would train the draft on a conversation shape the target
-never serves, and the row stays visible with its reason for someone to map the role.
-
-Replies are the assistant turns after the first user turn (`reply_indices`). A
-conversation scraped mid-way can open with assistant turns: they answer no question in
-the row, so they are kept as context (the target reads them, as it would a system turn)
-but never supervised nor regenerated. A row of a training entry with no reply is
-quarantined; a benchmark entry's row needs only a user turn to ask (the target writes
-the replies when a draft is measured on it).
-
+never serves. Assistant turns before the first user turn (a conversation scraped mid-way)
+are context the target reads, never supervised nor regenerated (`reply_indices`).
 Where each `format` keeps its turns and images: `formats.py`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +44,7 @@ class Conversation:
         return bool(self.images)
 
     def sample_id(self) -> str:
-        """Stable across reruns, row order and moves of the image root: a hash of the
-        turns with each image replaced by its content hash."""
+        """Stable across reruns, row order and moves of the image root."""
         return json_sha256(canonical_turns(self.turns, [p.content_hash for p in self.images]))[:20]
 
 
@@ -60,14 +52,18 @@ def canonical_turns(turns: list[Turn], image_hashes: list[str]) -> list[Turn]:
     """The turns with each image part replaced by its content hash (in part order), so a
     hash of them names the content, wherever the images lie."""
     hashes = iter(image_hashes)
+    return map_parts(
+        turns,
+        lambda p: {"type": "image", "sha256": next(hashes)} if p.get("type") == "image" else p,
+    )
 
-    def stable(part: Any) -> Any:
-        if isinstance(part, dict) and part.get("type") == "image":
-            return {"type": "image", "sha256": next(hashes)}
-        return part
 
+def map_parts(turns: Sequence[Turn], part: Callable[[Any], Any]) -> list[Turn]:
+    """Copies of the turns with `part` applied to each part of a list content."""
     return [
-        {**t, "content": [stable(p) for p in t["content"]]} if isinstance(t["content"], list) else t
+        {**t, "content": [part(p) for p in t["content"]]}
+        if isinstance(t["content"], list)
+        else dict(t)
         for t in turns
     ]
 
@@ -92,8 +88,7 @@ def parse_record(record_json: str, parse_error: str | None = None) -> dict[str, 
 def image_references(
     record: Mapping[str, Any], fmt: str, columns: PromptColumns | None = None
 ) -> list[str]:
-    """The image references a record names, in the order its image parts show them (for
-    the availability stage); `columns` says where a `prompts` record keeps its image.
+    """The image references a record names, in part order (for the availability stage).
     Unusable entries are skipped here: normalization quarantines their row."""
     if fmt == "sharegpt4v":
         image = record.get("image")
@@ -120,9 +115,9 @@ def normalize(
 ) -> Conversation:
     """The normalized conversation of one record, or `Rejected` with the reason.
 
-    `columns` says where a `prompts` record keeps its parts. A `benchmark` row needs a
-    user turn but no reply: its replies are the target's, written when a draft is
-    measured on it; a training row without a reply has nothing to train on."""
+    A `benchmark` row needs a user turn but no reply: its replies are the target's,
+    written when a draft is measured on it; a training row without one has nothing to
+    train on."""
     if fmt not in NORMALIZERS:
         raise ValueError(f"unknown format {fmt!r}; known: {sorted(NORMALIZERS)}")
     columns = columns or PromptColumns()
@@ -196,21 +191,18 @@ def _first_user_turn(turns: Sequence[Turn]) -> int:
 
 
 def reply_indices(turns: Sequence[Turn]) -> list[int]:
-    """The assistant turns that answer something: those after the first user turn. The
-    ones before it (a conversation scraped mid-way) are context, never a reply."""
+    """The assistant turns that answer something: those after the first user turn."""
     first_user = _first_user_turn(turns)
     return [i for i in range(first_user + 1, len(turns)) if turns[i]["role"] == "assistant"]
 
 
 def opens_with_assistant(turns: Sequence[Turn]) -> bool:
-    """Whether assistant turns come before the first user turn (context, not replies)."""
     return any(t["role"] == "assistant" for t in turns[: _first_user_turn(turns)])
 
 
 def reply_prompts(turns: list[Turn], turn_index: int | None = None) -> list[tuple[int, list[Turn]]]:
-    """The prompts a training row's replies answer, in order, each with its assistant
-    turn's index: the conversation up to that turn (earlier turns as stored), or only up
-    to `turn_index` for a per-turn row."""
+    """(assistant turn index, the turns before it) for each reply of a training row, or
+    only the one at `turn_index` for a per-turn row."""
     indices = reply_indices(turns)
     if turn_index is not None:
         indices = [i for i in indices if i == turn_index]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from enum import StrEnum
-from functools import partial
 from typing import Any
 
 from mm_assets.domain.ingest.images import ImageProbe
@@ -24,6 +23,7 @@ from mm_assets.domain.rejection import RowRejected
 from mm_assets.registry.specs import PromptColumns
 
 IMAGE_PLACEHOLDER = "<image>"
+_PLACEHOLDER = re.compile(f"\n?({re.escape(IMAGE_PLACEHOLDER)})\n?")  # with its newlines
 IMAGES_COLUMN = "images"  # TRL's layout: the images its `{"type": "image"}` parts show
 _INLINE_KEYS = ("image", "path", "url")
 
@@ -89,13 +89,14 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _messages_list(record: Mapping[str, Any], strict: bool = True) -> list[Any]:
-    turns = record.get("messages", record.get("conversations"))
+def _turn_list(record: Mapping[str, Any], key: str = "messages", strict: bool = True) -> list:
+    """The record's turns under `key` (a `messages` record may name them `conversations`)."""
+    turns = record.get(key, record.get("conversations"))
     if not isinstance(turns, list):
         if strict:
             raise Rejected(
                 DropReason.MALFORMED_ROW,
-                f"'messages' is a {type(turns).__name__}, expected a list of turns",
+                f"'{key}' is a {type(turns).__name__}, expected a list of turns",
             )
         return []
     return turns
@@ -106,7 +107,7 @@ def messages_image_refs(record: Mapping[str, Any], strict: bool) -> list[str]:
     column entries no part shows come last (normalization quarantines such a row)."""
     column = iter(column_references(record.get(IMAGES_COLUMN), IMAGES_COLUMN, strict))
     refs = []
-    for message in _messages_list(record, strict):
+    for message in _turn_list(record, strict=strict):
         content = message.get("content") if isinstance(message, dict) else None
         for part in content if isinstance(content, list) else []:
             ref = _part_image_ref(part)
@@ -150,8 +151,7 @@ def _role(raw: Any) -> str:
 
 
 def image_part(probe: ImageProbe) -> dict[str, Any]:
-    """An image part: the file the probe checked and its content hash, which the client
-    checks again when it sends the bytes itself (`to_vllm_messages`)."""
+    """An image part: the file the probe checked and its content hash."""
     return {"type": "image", "path": probe.path, "sha256": probe.content_hash}
 
 
@@ -159,38 +159,26 @@ def _split_placeholders(text: str, images: list[ImageProbe], cursor: list[int]) 
     """Text with `<image>` placeholders as parts; the newline that separates a
     placeholder from its text belongs to the placeholder."""
     parts: list[dict] = []
-    segments = re.split(f"({re.escape(IMAGE_PLACEHOLDER)})", text)
-    for i, segment in enumerate(segments):
-        if segment == IMAGE_PLACEHOLDER:
-            if cursor[0] >= len(images):
-                raise Rejected(
-                    DropReason.IMAGE_PLACEHOLDER_MISMATCH,
-                    f"more {IMAGE_PLACEHOLDER} placeholders than the {len(images)} image(s)",
-                )
-            parts.append(image_part(images[cursor[0]]))
-            cursor[0] += 1
+    for segment in _PLACEHOLDER.split(text):
+        if segment != IMAGE_PLACEHOLDER:
+            parts += [{"type": "text", "text": segment}] if segment else []
             continue
-        if i > 0 and segments[i - 1] == IMAGE_PLACEHOLDER and segment.startswith("\n"):
-            segment = segment[1:]
-        if i + 1 < len(segments) and segments[i + 1] == IMAGE_PLACEHOLDER:
-            segment = segment.removesuffix("\n")
-        if segment:
-            parts.append({"type": "text", "text": segment})
+        if cursor[0] >= len(images):
+            raise Rejected(
+                DropReason.IMAGE_PLACEHOLDER_MISMATCH,
+                f"more {IMAGE_PLACEHOLDER} placeholders than the {len(images)} image(s)",
+            )
+        parts.append(image_part(images[cursor[0]]))
+        cursor[0] += 1
     return parts
 
 
 def _from_value_turns(
     record: Mapping[str, Any], images: list[ImageProbe], with_placeholders: bool
 ) -> list[Turn]:
-    turns_raw = record.get("conversations")
-    if not isinstance(turns_raw, list):
-        raise Rejected(
-            DropReason.MALFORMED_ROW,
-            f"'conversations' is a {type(turns_raw).__name__}, expected a list of turns",
-        )
     cursor = [0]
     turns: list[Turn] = []
-    for index, turn in enumerate(turns_raw):
+    for index, turn in enumerate(_turn_list(record, "conversations")):
         if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
             raise Rejected(DropReason.MALFORMED_ROW, f"turn {index} has no string 'value'")
         role = _role(turn.get("from"))
@@ -220,7 +208,7 @@ def _messages(
     column = column_references(record.get(IMAGES_COLUMN), IMAGES_COLUMN)
     slots = 0
     turns: list[Turn] = []
-    for index, message in enumerate(_messages_list(record)):
+    for index, message in enumerate(_turn_list(record)):
         if not isinstance(message, dict):
             raise Rejected(DropReason.MALFORMED_ROW, f"turn {index} is not an object")
         role = _role(message.get("role"))
@@ -260,9 +248,8 @@ def _messages(
 def _prompts(
     record: Mapping[str, Any], images: list[ImageProbe], columns: PromptColumns
 ) -> list[Turn]:
-    """A prompt (or turns asked one after another) with its image(s) before the first
-    turn's text, and the reference answers, when the entry names a column for them, as
-    assistant turns."""
+    """The prompt turn(s), the image(s) before the first one's text, and the reference
+    answers (when the entry names a column for them) as assistant turns."""
     prompts = _prompt_texts(record, columns.prompt)
     if columns.image is not None:  # `images` holds its usable entries: refuse the others
         column_references(record.get(columns.image), columns.image)
@@ -290,18 +277,23 @@ def _prompt_texts(record: Mapping[str, Any], column: str) -> list[str]:
             f"no prompt in column {column!r} (the record's columns: {keys}; set the "
             f"entry's columns.prompt)",
         )
-    texts = value if isinstance(value, list) else [value]
+    texts = _strings(value if isinstance(value, list) else [value], column, "turn")
     if not texts:
         raise Rejected(DropReason.MALFORMED_ROW, f"{column!r} is an empty list of turns")
     for index, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise Rejected(
-                DropReason.MALFORMED_ROW,
-                f"{column!r} turn {index} is {_shown(text)}, expected a string",
-            )
         if not text.strip():
             raise Rejected(DropReason.MALFORMED_ROW, f"{column!r} turn {index} is empty")
     return texts
+
+
+def _strings(values: list[Any], column: str, noun: str) -> list[str]:
+    for index, text in enumerate(values):
+        if not isinstance(text, str):
+            raise Rejected(
+                DropReason.MALFORMED_ROW,
+                f"{column!r} {noun} {index} is {_shown(text)}, expected a string",
+            )
+    return values
 
 
 def _answer_texts(record: Mapping[str, Any], column: str | None, turns: int) -> list[str]:
@@ -323,25 +315,13 @@ def _answer_texts(record: Mapping[str, Any], column: str | None, turns: int) -> 
             DropReason.MALFORMED_ROW,
             f"{column!r}: expected one answer per prompt turn ({turns}), got {got}",
         )
-    for index, text in enumerate(value):
-        if not isinstance(text, str):
-            raise Rejected(
-                DropReason.MALFORMED_ROW,
-                f"{column!r} answer {index} is {_shown(text)}, expected a string",
-            )
-    return value
-
-
-def _ignoring_columns(
-    normalizer: Callable[[Mapping[str, Any], list[ImageProbe]], list[Turn]],
-) -> Normalizer:
-    return lambda record, images, _columns: normalizer(record, images)
+    return _strings(value, column, "answer")
 
 
 Normalizer = Callable[[Mapping[str, Any], list[ImageProbe], PromptColumns], list[Turn]]
 NORMALIZERS: dict[str, Normalizer] = {
-    "sharegpt4v": _ignoring_columns(partial(_from_value_turns, with_placeholders=True)),
-    "sharegpt": _ignoring_columns(partial(_from_value_turns, with_placeholders=False)),
+    "sharegpt4v": lambda record, images, _: _from_value_turns(record, images, True),
+    "sharegpt": lambda record, images, _: _from_value_turns(record, images, False),
     "messages": _messages,
     "prompts": _prompts,
 }

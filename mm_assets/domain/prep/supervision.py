@@ -1,6 +1,5 @@
-"""Which tokens a training row supervises: character spans to a token mask, the rows'
-shape and reasons for refusing one, the check that a regenerated reply is supervised as
-exactly the ids the target generated, and the mask rendered for a person to read."""
+"""Which tokens a training row supervises, the reasons for refusing a row, and the check
+that a regenerated reply is supervised as exactly the ids the target generated."""
 
 from __future__ import annotations
 
@@ -91,12 +90,10 @@ def supervised_runs(loss_mask: Sequence[int]) -> list[tuple[int, int]]:
 def check_generated_ids(
     row: TokenizedRow, replies: Sequence[tuple[int, Sequence[int]]], special_ids: set[int]
 ) -> int:
-    """The trainer must see exactly the tokens the target generated. `replies` are
-    (turn index, generated ids) of the regenerated turns; each supervised run of the row
-    (the last ones it covers: a row per turn supervises only its last) must begin with
-    the reply's ids, without the stop token the template writes itself. A template whose
-    re-tokenization of the decoded text differs (merges across the boundary, stripped
-    whitespace) is refused. Returns the number of replies checked."""
+    """The trainer must see exactly the tokens the target generated: each supervised run
+    of the row must begin with its reply's ids (`replies`: (turn index, generated ids)),
+    without the stop token the template writes itself. A template whose re-tokenization
+    of the decoded text differs is refused. Returns the number of replies checked."""
     covered = [
         without_trailing(ids, special_ids) for index, ids in replies if index < row.num_turns
     ]

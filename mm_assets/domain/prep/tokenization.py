@@ -1,36 +1,20 @@
 """Chat-template tokenization with loss masks, lazy about images.
 
-Lazy multimodal: an image's placeholder tokens are counted from its header size through
-the processor's own `_get_num_multimodal_tokens` (the method vLLM itself relies on), so no
-pixel is decoded here; vLLM decodes images at hidden-state time and its prompt token ids
-are compared with ours for every sample.
+An image's placeholder tokens are counted from its header size through the processor's
+own `_get_num_multimodal_tokens` (the method vLLM relies on), so no pixel is decoded here.
 
-Loss masks are template-agnostic:
-- when the chat template marks assistant content with `{% generation %}`, HF's
-  assistant-token mask (`return_assistant_tokens_mask`);
-- otherwise the prefix-render boundary: for reply j, what the full render of
-  `turns[:j+1]` adds to the render of `turns[:j]` with the generation prompt is
-  supervised (trailing whitespace excluded: it is template formatting, never generated).
-  If a template rewrites history (a later render is not an extension of an earlier one,
-  as reasoning templates that drop old `<think>` blocks do), one row per assistant turn
-  is emitted, so no row trains on a history inference never sees.
+Loss masks are template-agnostic: HF's assistant-token mask when the template marks
+replies with `{% generation %}`; otherwise, for reply j, what the render of `turns[:j+1]`
+adds to the render of `turns[:j]` with the generation prompt (trailing whitespace
+excluded: template formatting, never generated). A template that rewrites history (as
+reasoning templates dropping old `<think>` blocks do) gets one row per reply, so no row
+trains on a history inference never sees. Only replies (`reply_indices`) are supervised.
 
-Only replies are supervised (`conversations.reply_indices`): assistant turns before the
-first user turn are context, and everything before the first reply's generation prompt
-ends is unsupervised, so a special token the template writes outside a reply (BOS, a
-turn header) never is. A template that refuses such an opening (`[INST]` templates
-demand alternating user/assistant turns) quarantines the row as `template_error`.
-
-Special-token strings in dataset text (`<|im_end|>`, `<|endoftext|>`, `</s>` typed into a
-prompt or pasted into an answer):
-- in a prompt (every turn but a reply) they are tokenized as control tokens, as vLLM
-  tokenizes the same chat request: it renders the template to text and encodes it with
-  the tokenizer's default, which reads special-token strings as special tokens
-  (`vllm/renderers/base.py`, `_tokenize_prompt`). The stored ids are then those of the
-  prompts the deployed target reads, and the hidden states computed on them too.
-- in a reply the row is quarantined (`special_token_in_reply`): the target never writes
-  a control token inside a reply, and the same text encoded as plain characters would
-  be tokenized differently again once the reply is history in a later prompt.
+Special-token strings in dataset text (`<|im_end|>` typed into a prompt) are tokenized as
+control tokens in a prompt, as vLLM encodes a rendered chat (`vllm/renderers/base.py`,
+`_tokenize_prompt`), so the stored ids are those the deployed target reads. In a reply
+the row is quarantined (`special_token_in_reply`): the target never writes one there,
+and the text would tokenize differently again once it is history in a later prompt.
 """
 
 from __future__ import annotations
@@ -42,6 +26,7 @@ from jinja2 import TemplateError
 
 from mm_assets.domain.prep.conversations import (
     Turn,
+    map_parts,
     opens_with_assistant,
     reply_indices,
     turn_text,
@@ -58,16 +43,6 @@ from mm_assets.domain.prep.supervision import (
 
 if TYPE_CHECKING:  # transformers is imported where it is used: it takes seconds
     from transformers import PreTrainedTokenizerBase
-
-
-def _template_turns(turns: Sequence[Turn]) -> list[Turn]:
-    """Turns as chat templates expect them: image parts carry no path or pixels."""
-    return [
-        {**t, "content": [{"type": "image"} if p["type"] == "image" else p for p in t["content"]]}
-        if isinstance(t["content"], list)
-        else dict(t)
-        for t in turns
-    ]
 
 
 def count_images(turns: Sequence[Turn]) -> int:
@@ -88,13 +63,10 @@ def expand_image_tokens(
     out_mask: list[int] = []
     images = iter(counts)
     for token, supervised in zip(ids, mask, strict=True):
-        if token == image_token_id:
-            n = next(images)
-            out_ids.extend([token] * n)
-            out_mask.extend([0] * n)
-        else:
-            out_ids.append(token)
-            out_mask.append(supervised)
+        image = token == image_token_id
+        n = next(images) if image else 1
+        out_ids += [token] * n
+        out_mask += [0 if image else supervised] * n
     return out_ids, out_mask
 
 
@@ -167,7 +139,10 @@ class ChatTokenizer:
 
     def _apply_template(self, turns: Sequence[Turn], **options: Any) -> Any:
         return self.tokenizer.apply_chat_template(
-            _template_turns(turns), chat_template=self.chat_template, **options
+            # as chat templates expect them: image parts carry no path or pixels
+            map_parts(turns, lambda p: {"type": "image"} if p["type"] == "image" else p),
+            chat_template=self.chat_template,
+            **options,
         )
 
     def render(self, turns: Sequence[Turn], add_generation_prompt: bool = False) -> str:
@@ -239,8 +214,6 @@ class ChatTokenizer:
         ]
 
     def _refuse_special_tokens_in_replies(self, turns: Sequence[Turn]) -> None:
-        """`special_token_in_reply` when a reply's text holds a string the tokenizer reads
-        as a special token (see the module docstring)."""
         for j in reply_indices(turns):
             ids = self.tokenizer(turn_text(turns[j]), add_special_tokens=False)["input_ids"]
             found = sorted({t for t in ids if t in self.special_ids})
@@ -255,9 +228,7 @@ class ChatTokenizer:
     def tokenize(
         self, turns: Sequence[Turn], image_sizes: Sequence[tuple[int, int]] = ()
     ) -> list[TokenizedRow]:
-        """Rows for one conversation; `image_sizes` are (height, width) in part order.
-        A conversation that gives no row worth training on is refused for that first
-        (a reply of nothing but `<|im_end|>` is `too_few_supervised_tokens`)."""
+        """Rows for one conversation; `image_sizes` are (height, width) in part order."""
         try:
             if self.uses_generation_markers:
                 raw_rows = self._rows_from_markers(turns)
@@ -287,9 +258,9 @@ class ChatTokenizer:
         )
 
     def worth_training(self, rows: list[TokenizedRow]) -> list[TokenizedRow]:
-        """The rows with at least `min_supervised_tokens` content tokens; `TokenizeRejected`
-        when none is left. A row that supervises only template tokens (an empty reply,
-        or one cut by `max_length` before its text) teaches the draft to end answers."""
+        """The rows with at least `min_supervised_tokens` content tokens, or
+        `TokenizeRejected`: a row that supervises only template tokens (an empty reply, or
+        one cut by `max_length` before its text) teaches the draft to end answers."""
         kept = [row for row in rows if self.content_tokens(row) >= self.min_supervised_tokens]
         if kept:
             return kept
@@ -336,11 +307,10 @@ class ChatTokenizer:
         image_sizes: Sequence[tuple[int, int]] = (),
     ) -> list[TokenizedRow]:
         """One row per regenerated reply, made of exactly what the target read and wrote:
-        the conversation before the reply rendered with the generation prompt (earlier
-        replies as their text, as vLLM tokenized them when it was asked), the ids it
-        generated, and the tokens the template closes the turn with. For conversations
-        whose full render re-tokenizes a reply differently: one row for the whole
-        conversation would put ids the target never read before later replies."""
+        the prompt rendered with the generation prompt, the ids it generated, and the
+        tokens the template closes the turn with. For conversations whose full render
+        re-tokenizes a reply differently, where one row would put ids the target never
+        read before later replies."""
         rows = []
         for index, generated in replies:
             reply = without_trailing(generated, special_ids)
