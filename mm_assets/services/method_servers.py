@@ -68,7 +68,9 @@ class MethodServers:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        for server in self.servers.values():
+        # the first declared (no speculation: the plain target, which the next dataset's
+        # replies serve too) is released last, so a warm one is kept longest
+        for server in reversed(self.servers.values()):
             if exc_type is None:
                 server.release()
             else:
