@@ -31,6 +31,7 @@ from torch import nn
 from mm_assets.domain.model.draft_vocab import DraftVocab
 from mm_assets.domain.model.losses import KL, LossRecipe
 from mm_assets.domain.model.settings import SpeculatorSettings
+from mm_assets.domain.model.training_data import Batch
 
 
 @dataclass(frozen=True)
@@ -300,12 +301,7 @@ class Eagle3Draft(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
-        aux_hidden: torch.Tensor,
-        last_hidden: torch.Tensor,
-        loss_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        segment: torch.Tensor,
+        batch: Batch,
         ttt_steps: int = 3,
         loss: LossRecipe = KL,
         target_greedy: torch.Tensor | None = None,
@@ -316,18 +312,18 @@ class Eagle3Draft(nn.Module):
         `target_greedy_tokens`), a step counts as right only when the draft proposes
         exactly that token — what acceptance depends on; without it, agreement with the
         teacher's best token inside the draft vocabulary."""
-        n = input_ids.shape[0]
-        teacher = _Teacher.of(self, last_hidden, loss_mask)
-        hidden = self.fc(self.aux_normed(aux_hidden))
+        segment, loss_mask, ids = batch.segment, batch.loss_mask, batch.input_ids
+        n = ids.shape[0]
+        teacher = _Teacher.of(self, batch.last_hidden, loss_mask)
+        hidden = self.fc(self.aux_normed(batch.aux_hidden))
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
-        ids = input_ids
         total = hidden.new_zeros((), dtype=torch.float32)
         stats: list[StepStats] = []
-        index = torch.arange(n, device=input_ids.device)
+        index = torch.arange(n, device=ids.device)
         for step in range(ttt_steps):
             embeds = self.embed_tokens(ids)
             hidden = self.layers[0](
-                embeds, hidden, position_ids + step, cache, ttt_mask(segment, step)
+                embeds, hidden, batch.position_ids + step, cache, ttt_mask(segment, step)
             )
             shifted = (index + step).clamp(max=n - 1)
             valid = (index + step < n) & (segment[shifted] == segment) & loss_mask[shifted]

@@ -23,7 +23,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -122,11 +122,6 @@ def _autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _batch_to(batch, device: torch.device):
-    fields = ("input_ids", "aux_hidden", "last_hidden", "loss_mask", "position_ids", "segment")
-    return {name: getattr(batch, name).to(device) for name in fields}
-
-
 def evaluate(
     model: Eagle3Draft,
     refs: Sequence[SampleRef],
@@ -149,20 +144,18 @@ def evaluate(
         for loaded in source.batches(pack(refs, settings.batch_tokens), label):
             if loaded is None:
                 continue
-            batch = _batch_to(loaded, torch_device)
-            greedy = (
-                None if head is None else model.target_greedy_tokens(batch["last_hidden"], head)
-            )
+            batch = loaded.to(torch_device)
+            greedy = None if head is None else model.target_greedy_tokens(batch.last_hidden, head)
             with _autocast(torch_device):
                 loss, steps = model(
-                    **batch,
+                    batch,
                     ttt_steps=settings.ttt_steps,
                     loss=LossRecipe.of(settings.loss, settings.step_loss_decay),
                     target_greedy=greedy,
                 )
             losses.append(float(loss))
             lead = leading_correct([s.correct for s in steps], [s.valid for s in steps])
-            runs = replay_runs(lead.tolist(), steps[0].valid.tolist(), batch["segment"].tolist())
+            runs = replay_runs(lead.tolist(), steps[0].valid.tolist(), batch.segment.tolist())
             for segment, accepted in runs:
                 replies.setdefault(loaded.row_ids[segment], []).append(accepted)
     model.train()
@@ -238,14 +231,14 @@ class _Steps:
         logger.info("epoch %d/%d: loss %.4f", epoch + 1, settings.epochs, result.epoch_losses[-1])
 
     def step(self, batch: Batch, result: TrainResult) -> float:
-        settings, tensors = self.settings, _batch_to(batch, self.device)
+        settings, moved = self.settings, batch.to(self.device)
         if settings.noise_std:
             parts = self.model.cfg.num_aux
-            aux = noisy(tensors["aux_hidden"], settings.noise_std, parts, self.noise)
-            tensors["aux_hidden"] = aux
+            aux = noisy(moved.aux_hidden, settings.noise_std, parts, self.noise)
+            moved = replace(moved, aux_hidden=aux)
         with _autocast(self.device):
             loss, _ = self.runner(
-                **tensors,
+                moved,
                 ttt_steps=settings.ttt_steps,
                 loss=LossRecipe.of(settings.loss, settings.step_loss_decay),
             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from safetensors import safe_open
@@ -37,9 +37,10 @@ class SampleRef:
         return len(self.input_ids)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Batch:
-    """Samples packed along one time axis; `segment` tells them apart."""
+    """Samples packed along one time axis, pre-shifted (`load_batch`); `segment` tells
+    them apart. What the draft's `forward` reads, one object so DDP passes it on whole."""
 
     input_ids: torch.Tensor  # [N] long
     loss_mask: torch.Tensor  # [N] bool
@@ -52,6 +53,10 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def to(self, device: torch.device) -> Batch:
+        names = ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "position_ids", "segment")
+        return replace(self, **{name: getattr(self, name).to(device) for name in names})
 
 
 def check_layer_ids(manifest_rows: Iterable[dict], expected: Sequence[int]) -> None:
