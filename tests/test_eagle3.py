@@ -140,11 +140,11 @@ def test_draft_vocab_mapping_round_trip() -> None:
     frequencies = {7: 50, 3: 50, 90: 10, 5: 1}
     vocab = build_draft_vocab(frequencies, target_vocab_size=100, size=6)
     assert vocab.selected.tolist() == [0, 1, 3, 5, 7, 90]  # seen tokens first, then fill by id
-    assert vocab.to_target(torch.arange(6)).tolist() == vocab.selected.tolist()
+    assert (torch.arange(6) + vocab.d2t).tolist() == vocab.selected.tolist()
     assert int(vocab.t2d.sum()) == 6 and vocab.t2d[90] and not vocab.t2d[2]
     again = draft_vocab_from_mapping(vocab.d2t, 100)
     assert torch.equal(again.selected, vocab.selected)
-    assert build_draft_vocab(frequencies, 100, 32000).is_full
+    assert build_draft_vocab(frequencies, 100, 32000).size == 100
     with pytest.raises(ValueError, match="outside the target vocabulary"):
         build_draft_vocab({100: 1}, 100, 10)
 
@@ -290,7 +290,7 @@ def test_checkpoint_has_the_speculators_fields_and_round_trips(tmp_path: Path) -
     for key, value in loaded.state_dict().items():
         if not key.startswith("verifier_"):
             assert torch.equal(value, model.state_dict()[key]), key
-    full_cfg = Eagle3Config(**{**CFG.as_dict(), "draft_vocab_size": 96})
+    full_cfg = dataclasses.replace(CFG, draft_vocab_size=96)
     torch.manual_seed(0)
     save_checkpoint(Eagle3Draft(full_cfg), config, tmp_path / "full")
     assert not {"d2t", "t2d"} & set(load_file(str(tmp_path / "full" / "model.safetensors")))

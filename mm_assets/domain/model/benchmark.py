@@ -14,8 +14,8 @@ them would: acceptance weighted by drafts, tokens per second as Σ tokens ÷ Σ 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,8 +23,6 @@ from mm_assets.common.request_settings import MAX_CONCURRENCY
 from mm_assets.domain.model.acceptance import OVERALL, Acceptance, WithAcceptance, combine
 
 Turn = dict[str, Any]
-Method = Literal["none", "ngram", "eagle3"]
-METHODS: tuple[Method, ...] = ("none", "ngram", "eagle3")
 # Bump when a change makes a benchmark produce other figures from the same inputs: it is
 # part of the reuse key of recorded figures.
 BENCHMARK_VERSION = "2"  # 2: acceptance recorded as one set of counts
@@ -151,18 +149,13 @@ def combined(figures: Sequence[BenchmarkFigures], category: str = OVERALL) -> Be
     if len(methods) != 1:
         raise ValueError(f"combine the rows of one method at a time, not {sorted(methods)}")
     lossless = [f.lossless for f in figures]
+    counts = [c.name for c in fields(BenchmarkFigures) if c.type in ("int", "float")]
     return BenchmarkFigures(
         category,
         methods.pop(),
-        prompts=sum(f.prompts for f in figures),
-        requests=sum(f.requests for f in figures),
-        output_tokens=sum(f.output_tokens for f in figures),
-        latency_s=sum(f.latency_s for f in figures),
-        time_per_output_token_sum_s=sum(f.time_per_output_token_sum_s for f in figures),
-        time_per_output_token_count=sum(f.time_per_output_token_count for f in figures),
+        **{name: sum(getattr(f, name) for f in figures) for name in counts},
         acceptance=combine(f.acceptance for f in figures),
         lossless=None if None in lossless else sum(x for x in lossless if x is not None),
-        compared=sum(f.compared for f in figures),
     )
 
 

@@ -26,10 +26,6 @@ class DraftVocab:
         return int(self.selected.numel())
 
     @property
-    def is_full(self) -> bool:
-        return self.size == self.target_vocab_size
-
-    @property
     def d2t(self) -> torch.Tensor:
         return self.selected - torch.arange(self.size, dtype=torch.long)
 
@@ -38,9 +34,6 @@ class DraftVocab:
         mask = torch.zeros(self.target_vocab_size, dtype=torch.bool)
         mask[self.selected] = True
         return mask
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
 
 
 def build_draft_vocab(

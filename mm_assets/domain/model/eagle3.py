@@ -21,7 +21,7 @@ Positions whose step-s target would belong to the next packed sample are not cou
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -72,9 +72,6 @@ class Eagle3Config:
             rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
             max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
         )
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def draft_config(target_config: dict[str, Any], settings: SpeculatorSettings) -> Eagle3Config:

@@ -54,12 +54,7 @@ class ResponseSettings(RequestSettings):
 
     def sampling(self) -> dict[str, Any]:
         """The Chat Completions sampling fields."""
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "max_tokens": self.max_tokens,
-        }
+        return self.model_dump(include={"temperature", "top_p", "seed", "max_tokens"})
 
 
 class ResponseProblem(StrEnum):

@@ -23,7 +23,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -113,7 +113,7 @@ def _fingerprint(
 ) -> str:
     """What a saved training state belongs to: settings, model shape and rows."""
     rows = [[ref.row_id, ref.path] for ref in refs]
-    return json_sha256([settings.model_dump(), model.cfg.as_dict(), rows])
+    return json_sha256([settings.model_dump(), asdict(model.cfg), rows])
 
 
 def _autocast(device: torch.device):

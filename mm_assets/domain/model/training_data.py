@@ -140,12 +140,5 @@ def load_batch(refs: Sequence[SampleRef]) -> Batch:
         last.append(final_states(stored, ref))
         pos.append(torch.arange(1, n))
         seg.append(torch.full((n - 1,), index))
-    return Batch(
-        torch.cat(ids),
-        torch.cat(masks),
-        torch.cat(aux),
-        torch.cat(last),
-        torch.cat(pos),
-        torch.cat(seg),
-        [ref.row_id for ref in refs],
-    )
+    tensors = (torch.cat(parts) for parts in (ids, masks, aux, last, pos, seg))
+    return Batch(*tensors, [ref.row_id for ref in refs])
