@@ -1,21 +1,18 @@
-"""The EAGLE-3 draft model, written for training on CPU or GPU with plain torch.
+"""The EAGLE-3 draft model (what vLLM's `Eagle3LlamaForCausalLM` runs), in plain torch.
 
-Architecture (what vLLM's `Eagle3LlamaForCausalLM` runs): the target's three auxiliary
-hidden states are concatenated and projected by `fc` to the hidden size; one Llama-style
-decoder layer whose attention reads `cat(input_layernorm(token embedding),
-hidden_norm(hidden))` (2H wide); a final norm and a head over the draft vocabulary.
-Embeddings are the target's, frozen.
+`fc` projects the target's three auxiliary hidden states, side by side, to the hidden
+size; one Llama-style decoder layer attends over `cat(input_layernorm(token embedding),
+hidden_norm(hidden))` (2H wide); a final norm and a head over the draft vocabulary
+follow. Embeddings are the target's, frozen.
 
-Training unrolls test-time steps (TTT): step 0 reads the target's states; step s reads the
-draft's own output of step s-1 at the same position, with the ground-truth token s
-positions further, and attends to every step-0 key of its sample up to its position plus
-its own keys of steps 1..s (what the draft sees at inference). The teacher is the
-target's final norm + `lm_head` rows of the draft vocabulary applied to the last layer's
-hidden state; each step's loss (forward KL(teacher || draft) unless the recipe says
-otherwise, `losses.py`) is averaged over supervised positions, weighted `decay**s` and
-summed over steps. Batches are pre-shifted as in
-speculators: tokens x[1:], aux states g[:-1], last-layer states y[1:], mask l[1:].
-Positions whose step-s target would belong to the next packed sample are not counted.
+Training unrolls test-time steps (TTT) as the draft runs at inference: step s reads the
+draft's own output of step s-1 at the same position and the token s positions further,
+attending to the step-0 keys of its sample up to its position plus its own keys of steps
+1..s. The teacher is the target's final norm and `lm_head` rows of the draft vocabulary
+over layer L; each step's loss (`losses.py`) is averaged over supervised positions,
+weighted `decay**s` and summed. Batches are pre-shifted as in speculators
+(`training_data.load_batch`); a position whose step-s target lies in the next packed
+sample is not counted.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""Training loop for the EAGLE-3 draft: epochs over packed batches, a checkpoint of the
-training state after every epoch, resume from it, and held-out evaluation.
+"""Training loop for the EAGLE-3 draft: epochs over packed batches, the training state
+saved after every epoch and resumed from, held-out evaluation.
 
-Deterministic for a seed: the model is initialised under the seed, the batch order of
-epoch e is a seeded shuffle, and the state noise (`noise_std`) draws from a generator
-seeded per epoch, so a run resumed from an epoch checkpoint ends with the same weights as
-an uninterrupted one. The recipe (loss, optimizer, schedule, which epoch is kept) is the
-settings': `losses`, `optimization`, `selection`.
-
-Devices: CPU in fp32 (sdpa attention); on CUDA, bf16 autocast. Several GPUs: run the same
-code under `torchrun`; the caller hands in the process group as `Ranks` (each rank takes
-every world-th batch; the wrapper, DistributedDataParallel, averages gradients) and where
-the state is kept as a `StateStore`, so the loop itself opens no file and no process group.
-Nor does it read hidden states itself: a `BatchSource` hands it each batch, from the
-stored blobs (`StoredBatches`) or fetched from vLLM while it trains (`services.online_batches`),
-so an online run steps through exactly the batches an offline one does.
+Deterministic for a seed (initialisation, each epoch's batch order, the state noise), so
+a resumed run ends with the same weights as an uninterrupted one. CPU runs in fp32; CUDA
+under bf16 autocast. Several GPUs run the same code under `torchrun`: the caller hands in
+the process group as `Ranks`, where the state is kept as a `StateStore` and the batches
+as a `BatchSource` (stored blobs, or fetched from vLLM: `services.online_batches`), so
+the loop opens no file or process group and an online run steps through exactly the
+batches an offline one does.
 """
 
 from __future__ import annotations
@@ -43,12 +37,12 @@ logger = logging.getLogger(__name__)
 
 
 class BatchSource(Protocol):
-    """The hidden states of a pass's batches, built in the order asked; None for a batch
-    none of whose rows could be had this pass (skipped)."""
+    """The batches of a pass, in the order asked; None for a batch none of whose rows
+    could be had this pass (skipped). `label` names the pass in logs (`epoch 2`)."""
 
-    def batches(self, groups: Sequence[Sequence[SampleRef]], label: str) -> Iterator[Batch | None]:
-        """`label` names the pass in logs and reports (`epoch 2`, `held-out`)."""
-        ...
+    def batches(
+        self, groups: Sequence[Sequence[SampleRef]], label: str
+    ) -> Iterator[Batch | None]: ...
 
 
 class StoredBatches:
@@ -68,9 +62,8 @@ class StateStore(Protocol):
 
 @dataclass(frozen=True)
 class Ranks:
-    """The processes training together: this one's rank, how many there are, and the
-    wrapper that averages their gradients (DistributedDataParallel under torchrun, see
-    `services.training`). One process, unwrapped, by default."""
+    """The processes training together, and the wrapper that averages their gradients
+    (DistributedDataParallel under torchrun). One process, unwrapped, by default."""
 
     rank: int = 0
     world: int = 1
@@ -90,12 +83,9 @@ class TrainResult:
     batch_learning_rates: list[float] = field(default_factory=list)
     epoch_held_out_losses: list[float] = field(default_factory=list)
     epoch_acceptance: list[float | None] = field(default_factory=list)
-    """The held-out replay's estimate after each epoch run."""
     kept_epoch: int = 0
     kept_because: str = ""
-    held_out_acceptance: float | None = None
-    """Estimated by replaying speculative decoding over the held-out replies (None: no
-    held-out reply)."""
+    held_out_acceptance: float | None = None  # None: no held-out reply
     held_out_per_position: list[float] = field(default_factory=list)
     held_out_replies: dict[str, list[list[int]]] = field(default_factory=dict)
     """Row id -> per supervised reply, the draft tokens accepted at each verification."""
@@ -131,8 +121,7 @@ def evaluate(
     source: BatchSource | None = None,
     label: str = "held-out",
 ) -> tuple[float, dict[str, list[list[int]]]]:
-    """Held-out loss, and speculative decoding replayed over every supervised reply (see
-    `acceptance`): row id -> per reply, the draft tokens accepted at each verification.
+    """Held-out loss, and per row id the replay (`acceptance`) of each supervised reply.
     With the target's full lm_head, a draft token is right only when it is the target's
     own greedy token (what vLLM accepts); without, the teacher's best in the draft vocab."""
     torch_device = resolve_device(device)
@@ -295,17 +284,15 @@ def batch_plan_sha256(
 
 @dataclass(frozen=True)
 class TrainingRun:
-    """How one training runs, apart from what it learns: the device, this process's
-    rank among the ranks, where each batch's states come from (the stored files unless
-    a source fetches them), and what to do after each saved epoch."""
+    """How one training runs, apart from what it learns (`source`: the stored files
+    unless given)."""
 
     device: str = "auto"
     ranks: Ranks = field(default_factory=Ranks)
     source: BatchSource | None = None
     after_epoch: Callable[[int], None] = lambda epoch: None
     log: Callable[[int, dict[str, float]], None] = lambda step, metrics: None
-    """Metrics by optimizer step (experiment tracking): the loss and rate of each step,
-    the held-out figures after each epoch."""
+    """Metrics by optimizer step (experiment tracking)."""
 
 
 def train(
