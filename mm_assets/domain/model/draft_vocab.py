@@ -1,11 +1,8 @@
 """The draft vocabulary: which target tokens the EAGLE-3 draft can propose.
 
-The draft's head covers the `size` target tokens most often supervised in this partition
-(ties broken by token id); when fewer tokens were seen, unseen ids fill the rest in id
-order, so the choice is deterministic. The mapping follows speculators/vLLM: `d2t[i]` is
-the offset from draft id `i` to its target id (`target = i + d2t[i]`), and `t2d` is a
-boolean mask over the target vocabulary. When the draft vocabulary is the whole target
-vocabulary there is no mapping at all (vLLM then expects none).
+The `size` target tokens most often supervised (ties by token id; unseen ids fill the
+rest in id order). As in speculators/vLLM, `d2t[i]` is the offset from draft id `i` to
+its target id, and `t2d` a boolean mask over the target vocabulary.
 """
 
 from __future__ import annotations

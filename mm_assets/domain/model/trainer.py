@@ -12,7 +12,6 @@ batches an offline one does.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
@@ -87,15 +86,13 @@ class TrainResult:
     kept_because: str = ""
     held_out_acceptance: float | None = None  # None: no held-out reply
     held_out_per_position: list[float] = field(default_factory=list)
-    held_out_replies: dict[str, list[list[int]]] = field(default_factory=dict)
-    """Row id -> per supervised reply, the draft tokens accepted at each verification."""
+    held_out_replies: dict[str, list[list[int]]] = field(default_factory=dict)  # `evaluate`
     held_out_loss: float = float("nan")
     tokens_per_s: float = 0.0
     trained_tokens: int = 0
     resumed_from_epoch: int = 0
     batch_plan_sha256: str = ""
-    """The rows of every batch this rank trains on, in order, over all epochs: equal for
-    equal rows, settings and seed, wherever the hidden states come from."""
+    """Equal for equal rows, settings and seed, wherever the hidden states come from."""
 
 
 def _fingerprint(
@@ -106,10 +103,8 @@ def _fingerprint(
     return json_sha256([settings.model_dump(), asdict(model.cfg), rows])
 
 
-def _autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def _autocast(device: torch.device) -> torch.autocast:
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 def evaluate(

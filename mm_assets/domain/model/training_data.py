@@ -1,10 +1,6 @@
-"""Training data for the EAGLE-3 draft: tokenized rows joined with their hidden states.
-
-Rows are split deterministically into train and held-out sets by a hash of the row id
-(stable when rows are added or reordered), and packed into batches of at most
-`batch_tokens` tokens. Hidden states are read from the blob store batch by batch, so
-memory stays bounded by one batch. Hidden states generated for other layer ids, or under
-another layer convention, are refused: training on them silently collapses acceptance.
+"""Training data for the EAGLE-3 draft: tokenized rows joined with their hidden states,
+split into train and held-out sets by a hash of the row id (stable when rows are added
+or reordered), packed, and read batch by batch so memory stays bounded by one batch.
 """
 
 from __future__ import annotations
@@ -60,7 +56,8 @@ class Batch:
 
 
 def check_layer_ids(manifest_rows: Iterable[dict], expected: Sequence[int]) -> None:
-    """Refuse hidden states generated for other layer ids or another convention."""
+    """Refuse hidden states generated for other layer ids or another convention: training
+    on them silently collapses acceptance."""
     for row in manifest_rows:
         if list(row["layer_ids"]) != list(expected) or row["layer_convention"] != LAYER_CONVENTION:
             raise LayerMismatch(
