@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import zip_longest
+from itertools import groupby, zip_longest
 from typing import Any
 
 OVERALL = "overall"  # the row that adds the counts of every category (or source)
@@ -92,21 +92,15 @@ def replay_runs(
     """Per supervised run of a packed batch, in order: (segment, the accepted draft tokens
     of each verification). `lead` is `Eagle3Draft`'s leading right steps per position,
     `supervised` the step-0 validity (the shifted loss mask)."""
-    lead_list, mask, seg = list(lead), list(supervised), list(segment)
-    runs, i, n = [], 0, len(mask)
-    while i < n:
-        if not mask[i]:
-            i += 1
+    runs, positions = [], zip(supervised, segment, lead, strict=True)
+    for (mask, seg), group in groupby(positions, key=lambda x: x[:2]):
+        if not mask:
             continue
-        end = i
-        while end < n and mask[end] and seg[end] == seg[i]:
-            end += 1
-        accepted, j = [], i
-        while j < end:
-            accepted.append(lead_list[j])
-            j += lead_list[j] + 1
-        runs.append((seg[i], accepted))
-        i = end
+        leads, accepted, j = [x[2] for x in group], [], 0
+        while j < len(leads):
+            accepted.append(leads[j])
+            j += leads[j] + 1
+        runs.append((seg, accepted))
     return runs
 
 

@@ -30,6 +30,8 @@ from mm_assets.domain.model.losses import KL, LossRecipe
 from mm_assets.domain.model.settings import SpeculatorSettings
 from mm_assets.domain.model.training_data import Batch
 
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) of each TTT step so far
+
 
 @dataclass(frozen=True)
 class Eagle3Config:
@@ -115,11 +117,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        cache: list[tuple[torch.Tensor, torch.Tensor]],
-        mask: torch.Tensor,
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor
     ) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         q = self.q_proj(x).view(n, cfg.num_attention_heads, cfg.head_dim).transpose(0, 1)
@@ -310,7 +308,7 @@ class Eagle3Draft(nn.Module):
         n = ids.shape[0]
         teacher = _Teacher.of(self, batch.last_hidden, loss_mask)
         hidden = self.fc(self.aux_normed(batch.aux_hidden))
-        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+        cache: KVCache = []
         total = hidden.new_zeros((), dtype=torch.float32)
         stats: list[StepStats] = []
         index = torch.arange(n, device=ids.device)

@@ -61,8 +61,7 @@ class SpeculatorSettings(BaseModel):
     loss: str = Field(
         default="kl",
         description="kl | rkl | jsd | tv | nla | lk_hybrid | ce, or a weighted mix such as "
-        "kl=0.5,tv=0.5 "
-        "(what each computes: mm_assets/domain/model/losses.py).",
+        "kl=0.5,tv=0.5 (what each computes: mm_assets/domain/model/losses.py).",
     )
     optimizer: Literal["adamw", "muon"] = Field(
         default="adamw",
