@@ -13,7 +13,7 @@ reason; one that fails later keeps the turns before the failing exchange. A repl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -121,11 +121,7 @@ class Regeneration:
     detail: str = ""
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "replies": [vars(r) for r in self.replies],
-            "problem": self.problem.value if self.problem else None,
-            "detail": self.detail,
-        }
+        return asdict(self)  # the problem, a StrEnum, is written as its value
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Regeneration:
