@@ -27,6 +27,7 @@ from mm_assets.domain.model.hidden_state_format import (
     StorageDtype,
     StorageFormat,
 )
+from mm_assets.domain.model.training_data import Batch
 
 # Qwen2.5-VL-7B's text model (its config.json), the target the capacity table assumes
 QWEN25_VL_7B = {
@@ -50,7 +51,7 @@ def _draft(hidden: int, heads: int, vocab: int, draft_vocab: int, device: str) -
     return model.to(device)
 
 
-def _batch(tokens: int, hidden: int, vocab: int, device: str) -> dict[str, torch.Tensor]:
+def _batch(tokens: int, hidden: int, vocab: int, device: str) -> Batch:
     """One packed batch of 4 rows, the last third of each supervised (a reply)."""
     g = torch.Generator().manual_seed(1)
     per_row = tokens // 4
@@ -63,7 +64,7 @@ def _batch(tokens: int, hidden: int, vocab: int, device: str) -> dict[str, torch
         "position_ids": torch.arange(per_row).repeat(4),
         "segment": torch.arange(4).repeat_interleave(per_row),
     }
-    return {name: tensor.to(device) for name, tensor in batch.items()}
+    return Batch(**batch).to(torch.device(device))
 
 
 def trainer_speed(
@@ -83,7 +84,7 @@ def trainer_speed(
             torch.cuda.synchronize()
         started = time.perf_counter()
         with autocast:
-            loss, _ = model(**batch, ttt_steps=3)
+            loss, _ = model(batch, ttt_steps=3)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -93,8 +94,8 @@ def trainer_speed(
             elapsed += time.perf_counter() - started
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "tokens_per_batch": batch["input_ids"].numel(),
-        "tokens_per_s": round(batch["input_ids"].numel() * steps / elapsed),
+        "tokens_per_batch": batch.num_tokens,
+        "tokens_per_s": round(batch.num_tokens * steps / elapsed),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         "final_loss": round(float(loss.detach()), 4),
     }

@@ -71,6 +71,7 @@ def _run(side: str, workdir: Path) -> float:
     batches = [load_file(str(workdir / f"batch{b}.safetensors")) for b in range(BATCHES)]
     if side == "ours":
         from mm_assets.domain.model.checkpoint import draft_from
+        from mm_assets.domain.model.training_data import Batch
         from mm_assets.services.target_weights import load_target_head
         from mm_assets.storage.checkpoints import read_checkpoint
 
@@ -81,7 +82,7 @@ def _run(side: str, workdir: Path) -> float:
             model.verifier_lm_head.weight.copy_(head.lm_head[model.t2d])
 
         def step(b):
-            loss, _ = model(**b, ttt_steps=STEPS)
+            loss, _ = model(Batch(**b), ttt_steps=STEPS)
             return loss
     else:
         from speculators.losses import resolve_loss_config

@@ -114,12 +114,12 @@ def test_speculators_loads_our_checkpoint_and_computes_our_loss(
         for k in ("input_ids", "aux_hidden", "last_hidden", "loss_mask", "position_ids", "segment")
     }
     for _ in range(3):
-        loss, _ = model(**fields, ttt_steps=3, loss=LossRecipe(decay=0.8))
+        loss, _ = model(batch, ttt_steps=3, loss=LossRecipe(decay=0.8))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     with torch.no_grad():
-        ours, _ = model(**fields, ttt_steps=3, loss=LossRecipe(decay=0.8))
+        ours, _ = model(batch, ttt_steps=3, loss=LossRecipe(decay=0.8))
 
     ckpt = tmp_path / "draft"
     config = checkpoint_config(cfg, [1, 2, 3], str(verifier), ["LlamaForCausalLM"], 3, {})

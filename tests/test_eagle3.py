@@ -61,17 +61,17 @@ def _model(seed: int = 0, cfg: Eagle3Config = CFG) -> Eagle3Draft:
     return model
 
 
-def _batch(lengths: list[int], seed: int = 1) -> dict[str, torch.Tensor]:
+def _batch(lengths: list[int], seed: int = 1) -> Batch:
     g = torch.Generator().manual_seed(seed)
     n = sum(lengths)
-    return {
-        "input_ids": torch.randint(0, 96, (n,), generator=g),
-        "aux_hidden": torch.randn(n, 192, generator=g),
-        "last_hidden": torch.randn(n, 64, generator=g),
-        "loss_mask": torch.ones(n, dtype=torch.bool),
-        "position_ids": torch.cat([torch.arange(1, k + 1) for k in lengths]),
-        "segment": torch.cat([torch.full((k,), i) for i, k in enumerate(lengths)]),
-    }
+    return Batch(
+        input_ids=torch.randint(0, 96, (n,), generator=g),
+        aux_hidden=torch.randn(n, 192, generator=g),
+        last_hidden=torch.randn(n, 64, generator=g),
+        loss_mask=torch.ones(n, dtype=torch.bool),
+        position_ids=torch.cat([torch.arange(1, k + 1) for k in lengths]),
+        segment=torch.cat([torch.full((k,), i) for i, k in enumerate(lengths)]),
+    )
 
 
 def test_ttt_mask_is_causal_within_a_sample_plus_own_diagonal() -> None:
@@ -99,22 +99,24 @@ def test_no_step_sees_a_later_token_or_another_sample() -> None:
             lambda m, a, out: captured.append(out.detach())
         )
         with torch.no_grad():
-            model(**batch, ttt_steps=3)
+            model(batch, ttt_steps=3)
         handle.remove()
         return captured
 
     reference = logits(base)
-    later = {k: v.clone() for k, v in base.items()}
-    later["aux_hidden"][4] += 1.0  # sample 0, position 4
-    later["last_hidden"][4] += 1.0
+    later = dataclasses.replace(
+        base, aux_hidden=base.aux_hidden.clone(), last_hidden=base.last_hidden.clone()
+    )
+    later.aux_hidden[4] += 1.0  # sample 0, position 4
+    later.last_hidden[4] += 1.0
     changed = logits(later)
     for step in range(3):
         # inputs at step s are tokens shifted by s, so position p reads token p+s; positions
         # whose inputs are all before index 4 must not move
         assert torch.allclose(reference[step][:4], changed[step][:4], atol=1e-6)
         assert torch.allclose(reference[step][6:], changed[step][6:], atol=1e-6)
-    other = {k: v.clone() for k, v in base.items()}
-    other["aux_hidden"][6:] += 1.0
+    other = dataclasses.replace(base, aux_hidden=base.aux_hidden.clone())
+    other.aux_hidden[6:] += 1.0
     for a, b in zip(reference, logits(other), strict=True):
         assert torch.allclose(a[:6], b[:6], atol=1e-6)
 
@@ -125,7 +127,7 @@ def test_loss_decreases_on_a_fixed_batch() -> None:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     losses = []
     for _ in range(30):
-        loss, _ = model(**batch, ttt_steps=3)
+        loss, _ = model(batch, ttt_steps=3)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -138,11 +140,11 @@ def test_draft_vocab_mapping_round_trip() -> None:
     frequencies = {7: 50, 3: 50, 90: 10, 5: 1}
     vocab = build_draft_vocab(frequencies, target_vocab_size=100, size=6)
     assert vocab.selected.tolist() == [0, 1, 3, 5, 7, 90]  # seen tokens first, then fill by id
-    assert vocab.to_target(torch.arange(6)).tolist() == vocab.selected.tolist()
+    assert (torch.arange(6) + vocab.d2t).tolist() == vocab.selected.tolist()
     assert int(vocab.t2d.sum()) == 6 and vocab.t2d[90] and not vocab.t2d[2]
     again = draft_vocab_from_mapping(vocab.d2t, 100)
     assert torch.equal(again.selected, vocab.selected)
-    assert build_draft_vocab(frequencies, 100, 32000).is_full
+    assert build_draft_vocab(frequencies, 100, 32000).size == 100
     with pytest.raises(ValueError, match="outside the target vocabulary"):
         build_draft_vocab({100: 1}, 100, 10)
 
@@ -288,7 +290,7 @@ def test_checkpoint_has_the_speculators_fields_and_round_trips(tmp_path: Path) -
     for key, value in loaded.state_dict().items():
         if not key.startswith("verifier_"):
             assert torch.equal(value, model.state_dict()[key]), key
-    full_cfg = Eagle3Config(**{**CFG.as_dict(), "draft_vocab_size": 96})
+    full_cfg = dataclasses.replace(CFG, draft_vocab_size=96)
     torch.manual_seed(0)
     save_checkpoint(Eagle3Draft(full_cfg), config, tmp_path / "full")
     assert not {"d2t", "t2d"} & set(load_file(str(tmp_path / "full" / "model.safetensors")))
@@ -335,16 +337,16 @@ def test_full_vocab_scoring_counts_only_the_targets_own_greedy_token() -> None:
     model = _model()
     batch = _batch([10])
     full_head = torch.randn(96, 64)
-    greedy = model.target_greedy_tokens(batch["last_hidden"], full_head)
-    expected = (model.verifier_norm(batch["last_hidden"]) @ full_head.T).argmax(-1)
+    greedy = model.target_greedy_tokens(batch.last_hidden, full_head)
+    expected = (model.verifier_norm(batch.last_hidden) @ full_head.T).argmax(-1)
     assert torch.equal(greedy, expected)
     with torch.no_grad():
-        _, inside = model(**batch, ttt_steps=1)
-        _, full = model(**batch, ttt_steps=1, target_greedy=greedy)
+        _, inside = model(batch, ttt_steps=1)
+        _, full = model(batch, ttt_steps=1, target_greedy=greedy)
     proposals = model.to_target_ids(
         model.lm_head(model.norm(model.layers[0](
-            model.embed_tokens(batch["input_ids"]), model.fc(batch["aux_hidden"]),
-            batch["position_ids"], [], ttt_mask(batch["segment"], 0),
+            model.embed_tokens(batch.input_ids), model.fc(batch.aux_hidden),
+            batch.position_ids, [], ttt_mask(batch.segment, 0),
         ))).argmax(-1)
     )  # fmt: skip
     assert torch.equal(full[0].correct, proposals == greedy)

@@ -31,7 +31,7 @@ from mm_assets.domain.model.hidden_state_format import (
     needed_positions,
 )
 from mm_assets.domain.model.hidden_states import HiddenStatesLayout
-from mm_assets.domain.model.training_data import SampleRef, load_batch
+from mm_assets.domain.model.training_data import Batch, SampleRef, load_batch
 from mm_assets.services.extraction import StatesDestination, store_response
 from mm_assets.storage.blobs import BlobStore
 
@@ -118,12 +118,12 @@ def test_needed_keeps_exactly_the_positions_the_loss_reads() -> None:
     n = len(mask)
     shifted_mask = torch.tensor(mask[1:], dtype=torch.bool)
     with torch.no_grad():
-        _, steps = model(
+        batch = Batch(
             input_ids=torch.randint(0, 96, (n - 1,)), aux_hidden=torch.randn(n - 1, 192),
             last_hidden=torch.randn(int(shifted_mask.sum()), 64), loss_mask=shifted_mask,
             position_ids=torch.arange(1, n), segment=torch.zeros(n - 1, dtype=torch.long),
-            ttt_steps=3,
         )  # fmt: skip
+        _, steps = model(batch, ttt_steps=3)
     read = sorted({int(i) + s + 1 for s, st in enumerate(steps) for i in st.valid.nonzero()})
     assert read == [i for i in needed_positions(mask) if i >= 1] == [2, 3, 5, 6, 7, 10, 13]
 

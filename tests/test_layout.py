@@ -109,10 +109,7 @@ def test_asset_bodies_are_short_and_no_function_is_long() -> None:
 
 
 def test_no_function_takes_more_than_seven_parameters() -> None:
-    """Seven at most (self and cls not counted): a longer list is an object to pass whole.
-    The one exception is the draft's `forward`, whose parameters are the packed batch's
-    six tensors as a torch module takes them (DistributedDataParallel passes them on)."""
-    exempt = {"domain/model/eagle3.py:Eagle3Draft.forward"}
+    """Seven at most (self and cls not counted): a longer list is an object to pass whole."""
     long = []
     for path, tree in _modules(PACKAGE):
         for owner in ast.walk(tree):
@@ -125,7 +122,7 @@ def test_no_function_takes_more_than_seven_parameters() -> None:
                 count = len(names) - (names[:1] in (["self"], ["cls"]))
                 prefix = f"{owner.name}." if isinstance(owner, ast.ClassDef) else ""
                 where = f"{path.relative_to(PACKAGE)}:{prefix}{function.name}"
-                if count > 7 and where not in exempt:
+                if count > 7:
                     long.append(f"{where} ({count})")
     assert not long
 

@@ -1,24 +1,19 @@
 """Acceptance estimated offline the way vLLM counts it: by replaying speculative decoding.
 
-vLLM's acceptance length is generated tokens per verification step. A verification
-starts where the last one left off, the draft proposes a chain, the target accepts its
-leading correct part and adds one token, and the next verification starts after that.
-So easy stretches are crossed in few verifications and hard ones in many; averaging a
-per-position accuracy over every token instead (the product of conditional accuracies
-at each position) weighs the easy stretches too much and overestimates acceptance; the
-replay lands on what vLLM measures (BENCHMARKS.md, "Offline acceptance estimate").
-
-The replay reads the test-time-training statistics of a held-out row: at each position,
-how many leading draft steps proposed the target's own greedy token. Along each
-supervised run (one reply), it starts where the target's first reply token has just been
-produced (vLLM drafts nothing before it) and jumps by accepted + 1.
+vLLM's acceptance length is generated tokens per verification: the target accepts the
+leading correct part of the draft's chain, adds one token, and the next verification
+starts after that. Easy stretches are crossed in few verifications, hard ones in many,
+so a per-position accuracy averaged over every token overestimates acceptance; the
+replay lands on what vLLM measures (BENCHMARKS.md, "Offline acceptance estimate"). Along
+each reply it starts after the target's first reply token (vLLM drafts nothing before
+it) and jumps by accepted + 1.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import zip_longest
+from itertools import groupby, zip_longest
 from typing import Any
 
 OVERALL = "overall"  # the row that adds the counts of every category (or source)
@@ -26,12 +21,11 @@ OVERALL = "overall"  # the row that adds the counts of every category (or source
 
 @dataclass(frozen=True)
 class Acceptance:
-    """Acceptance as counts, the one way it is held (vLLM's counters, the offline replay,
-    a benchmark row, a measurement per source), so figures combine by adding counts.
+    """Acceptance as counts, however measured, so figures combine by adding counts.
 
     `drafts`: verification steps that checked a proposal; `accepted_per_position[k]`:
     those whose first k+1 proposed tokens were accepted; `accepted`: accepted tokens in
-    all (vLLM counts it apart; the replay's is the positions' sum)."""
+    all (vLLM counts it apart)."""
 
     drafts: int = 0
     accepted: int = 0
@@ -70,8 +64,7 @@ class Acceptance:
 
 
 class WithAcceptance:
-    """The figures a user reads, for a record that holds vLLM's counts as `acceptance`
-    (a measurement, a benchmark row)."""
+    """The figures a user reads, for a record that holds its counts as `acceptance`."""
 
     acceptance: Acceptance
 
@@ -99,21 +92,15 @@ def replay_runs(
     """Per supervised run of a packed batch, in order: (segment, the accepted draft tokens
     of each verification). `lead` is `Eagle3Draft`'s leading right steps per position,
     `supervised` the step-0 validity (the shifted loss mask)."""
-    lead_list, mask, seg = list(lead), list(supervised), list(segment)
-    runs, i, n = [], 0, len(mask)
-    while i < n:
-        if not mask[i]:
-            i += 1
+    runs, positions = [], zip(supervised, segment, lead, strict=True)
+    for (mask, seg), group in groupby(positions, key=lambda x: x[:2]):
+        if not mask:
             continue
-        end = i
-        while end < n and mask[end] and seg[end] == seg[i]:
-            end += 1
-        accepted, j = [], i
-        while j < end:
-            accepted.append(lead_list[j])
-            j += lead_list[j] + 1
-        runs.append((seg[i], accepted))
-        i = end
+        leads, accepted, j = [x[2] for x in group], [], 0
+        while j < len(leads):
+            accepted.append(leads[j])
+            j += leads[j] + 1
+        runs.append((seg, accepted))
     return runs
 
 

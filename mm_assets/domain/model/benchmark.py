@@ -1,21 +1,17 @@
 """Benchmarking a draft per category: prompts, rounds and the figures vLLM's counters give.
 
-A benchmark conversation is its user turns (system turns kept in front). The dataset's
-assistant turns are dropped: the target answers every turn itself, so round k's prompt is
-the system turns, user turn 1, the target's own answer 1, …, user turn k. The answers come
-from the run without speculation, and every method is sent the same prompts built from
-them: a method's figures then differ only by how it decodes, never by what it was asked.
-
-Figures keep the counter sums they are computed from (tokens, summed latencies, drafts,
-accepted tokens), so categories combine exactly as one counter difference over all of
-them would: acceptance weighted by drafts, tokens per second as Σ tokens ÷ Σ latency.
+The target answers every user turn itself (the dataset's assistant turns are dropped),
+in the run without speculation, and every method is sent the prompts built from those
+answers: a method's figures then differ only by how it decodes, never by what it was
+asked. Figures keep the counter sums they are computed from, so categories combine
+exactly as one counter difference over all of them would.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,11 +19,9 @@ from mm_assets.common.request_settings import MAX_CONCURRENCY
 from mm_assets.domain.model.acceptance import OVERALL, Acceptance, WithAcceptance, combine
 
 Turn = dict[str, Any]
-Method = Literal["none", "ngram", "eagle3"]
-METHODS: tuple[Method, ...] = ("none", "ngram", "eagle3")
-# Bump when a change makes a benchmark produce other figures from the same inputs: it is
-# part of the reuse key of recorded figures.
-BENCHMARK_VERSION = "2"  # 2: acceptance recorded as one set of counts
+# Bump when a change makes a benchmark produce other figures from the same inputs (the
+# reuse key of recorded figures holds it).
+BENCHMARK_VERSION = "2"
 
 
 class BenchmarkSettings(BaseModel):
@@ -111,9 +105,8 @@ class Answer:
 
 @dataclass(frozen=True)
 class BenchmarkFigures(WithAcceptance):
-    """One method on one category (or all of them: `OVERALL`), as vLLM counted it.
-
-    The fields are counter sums; the figures a user reads are properties of them."""
+    """One method on one category (or all of them: `OVERALL`): vLLM's counter sums, and
+    the figures a user reads as properties of them."""
 
     category: str
     method: str
@@ -134,8 +127,7 @@ class BenchmarkFigures(WithAcceptance):
 
     @property
     def tokens_per_s(self) -> float:
-        """Output tokens per second of a request's own time: generated tokens ÷ Σ e2e
-        latency, both counted by vLLM."""
+        """Generated tokens ÷ Σ end-to-end latency of the requests."""
         return self.output_tokens / self.latency_s if self.latency_s else 0.0
 
     @property
@@ -145,24 +137,19 @@ class BenchmarkFigures(WithAcceptance):
 
 
 def combined(figures: Sequence[BenchmarkFigures], category: str = OVERALL) -> BenchmarkFigures:
-    """Several categories of one method as one row, weighted as the counters are: every
-    sum summed, so acceptance is weighted by drafts and tokens/s is Σ tokens ÷ Σ latency."""
+    """Several categories of one method as one row: every count summed, so acceptance is
+    weighted by drafts and tokens/s is Σ tokens ÷ Σ latency."""
     methods = {f.method for f in figures}
     if len(methods) != 1:
         raise ValueError(f"combine the rows of one method at a time, not {sorted(methods)}")
     lossless = [f.lossless for f in figures]
+    counts = [c.name for c in fields(BenchmarkFigures) if c.type in ("int", "float")]
     return BenchmarkFigures(
         category,
         methods.pop(),
-        prompts=sum(f.prompts for f in figures),
-        requests=sum(f.requests for f in figures),
-        output_tokens=sum(f.output_tokens for f in figures),
-        latency_s=sum(f.latency_s for f in figures),
-        time_per_output_token_sum_s=sum(f.time_per_output_token_sum_s for f in figures),
-        time_per_output_token_count=sum(f.time_per_output_token_count for f in figures),
+        **{name: sum(getattr(f, name) for f in figures) for name in counts},
         acceptance=combine(f.acceptance for f in figures),
         lossless=None if None in lossless else sum(x for x in lossless if x is not None),
-        compared=sum(f.compared for f in figures),
     )
 
 
@@ -182,9 +169,7 @@ class Generation:
 def same_generation(a: Generation, b: Generation) -> bool:
     """What "lossless" means everywhere: the same token ids, except that a generation cut
     by `max_tokens` only has to agree with the other up to its cut (more tokens would have
-    continued it). So a benchmark's runs (same `max_tokens`) must be identical, and a
-    measurement's generations are compared with the target's stored replies whichever
-    was given fewer tokens; a reply that ended early never matches a longer one."""
+    continued it); a reply that ended early never matches a longer one."""
     ends = [len(g.token_ids) for g in (a, b) if g.cut]
     n = min(ends) if ends else None
     return list(a.token_ids[:n]) == list(b.token_ids[:n])

@@ -1,12 +1,11 @@
-"""The speculators checkpoint format (what vLLM and `speculators` load).
+"""The speculators checkpoint format (what vLLM and `speculators` load; the files are
+written and read by `storage/checkpoints.py`).
 
-`config.json` carries `speculators_model_type: "eagle3"`, the full one-layer Llama config
-the draft is built from (`transformer_layer_config`, defaults written out because vLLM uses
-it as the draft's HF config), the four norm flags written explicitly (vLLM and
-speculators default them differently), the auxiliary layer ids and the verifier.
-`model.safetensors` holds the draft's weights only: `d2t`/`t2d` (omitted when the draft
-vocabulary is the whole target vocabulary), `embed_tokens`, `fc`, `layers.0.*`, `norm`,
-`lm_head`; never the verifier's. (Writing and reading the files: `storage/checkpoints.py`.)
+`config.json` carries the full one-layer Llama config (`transformer_layer_config`,
+defaults written out: vLLM uses it as the draft's HF config) and the four norm flags
+written explicitly (vLLM and speculators default them differently). The weights are the
+draft's only, never the verifier's; `d2t`/`t2d` are omitted when the draft vocabulary is
+the whole target vocabulary.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """The training set of a draft trained on several datasets (its sources).
 
 From each source's rows with stored hidden states: the cap (a row count or a fraction,
-chosen by a seeded hash of the row id, so the choice is the same on every run and a row
-added to the source changes it by at most one row: it is kept or not, and with
-`max_rows` it may take one other's place), then one copy of each conversation
-that several sources hold (by its prompt side: the turns without the replies' text,
-images by content; the first source listed keeps it), then each source's held-out rows
-by the same rule on the row ids within the source, with at least `min_held_out` per
-source when there are several, so each is measured. The draft's vocabulary counts the
-supervised tokens of the union. Row ids are prefixed with their source
-(`source:row_id`), unique across sources. A dataset's own draft is the one-source case:
-no cap, no duplicate, its held-out rule as is.
+chosen by a seeded hash of the row id, so a row added to the source changes the choice
+by at most one row), then one copy of each conversation several sources hold (the first
+source listed keeps it), then each source's held-out rows, at least `min_held_out` per
+source when there are several, so each is measured. Row ids are prefixed with their
+source (`source:row_id`). A dataset's own draft is the one-source case.
 """
 
 from __future__ import annotations
@@ -23,20 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mm_assets.common.hashing import json_sha256
+from mm_assets.domain.model.responses import prompt_side
 from mm_assets.domain.model.training_data import SampleRef, is_held_out
-from mm_assets.domain.prep.conversations import canonical_turns, reply_indices
 
 SEPARATOR = ":"
 
 
 def prompt_key(turns: Sequence[Mapping[str, Any]], image_hashes: Sequence[str]) -> str:
-    """A conversation's prompt side: every turn, the replies without their text (two
-    sources holding one conversation may hold different answers to it)."""
-    canonical = canonical_turns([dict(t) for t in turns], list(image_hashes))
-    replies = set(reply_indices(canonical))
-    return json_sha256(
-        [{"role": "assistant"} if i in replies else t for i, t in enumerate(canonical)]
-    )
+    """A conversation's key whatever its replies (two sources may answer it differently)."""
+    return json_sha256(prompt_side([dict(t) for t in turns], list(image_hashes)))
 
 
 @dataclass(frozen=True)

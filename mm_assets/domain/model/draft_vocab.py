@@ -1,11 +1,8 @@
 """The draft vocabulary: which target tokens the EAGLE-3 draft can propose.
 
-The draft's head covers the `size` target tokens most often supervised in this partition
-(ties broken by token id); when fewer tokens were seen, unseen ids fill the rest in id
-order, so the choice is deterministic. The mapping follows speculators/vLLM: `d2t[i]` is
-the offset from draft id `i` to its target id (`target = i + d2t[i]`), and `t2d` is a
-boolean mask over the target vocabulary. When the draft vocabulary is the whole target
-vocabulary there is no mapping at all (vLLM then expects none).
+The `size` target tokens most often supervised (ties by token id; unseen ids fill the
+rest in id order). As in speculators/vLLM, `d2t[i]` is the offset from draft id `i` to
+its target id, and `t2d` a boolean mask over the target vocabulary.
 """
 
 from __future__ import annotations
@@ -26,10 +23,6 @@ class DraftVocab:
         return int(self.selected.numel())
 
     @property
-    def is_full(self) -> bool:
-        return self.size == self.target_vocab_size
-
-    @property
     def d2t(self) -> torch.Tensor:
         return self.selected - torch.arange(self.size, dtype=torch.long)
 
@@ -38,9 +31,6 @@ class DraftVocab:
         mask = torch.zeros(self.target_vocab_size, dtype=torch.bool)
         mask[self.selected] = True
         return mask
-
-    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
 
 
 def build_draft_vocab(

@@ -1,27 +1,24 @@
-"""The EAGLE-3 draft model, written for training on CPU or GPU with plain torch.
+"""The EAGLE-3 draft model (what vLLM's `Eagle3LlamaForCausalLM` runs), in plain torch.
 
-Architecture (what vLLM's `Eagle3LlamaForCausalLM` runs): the target's three auxiliary
-hidden states are concatenated and projected by `fc` to the hidden size; one Llama-style
-decoder layer whose attention reads `cat(input_layernorm(token embedding),
-hidden_norm(hidden))` (2H wide); a final norm and a head over the draft vocabulary.
-Embeddings are the target's, frozen.
+`fc` projects the target's three auxiliary hidden states, side by side, to the hidden
+size; one Llama-style decoder layer attends over `cat(input_layernorm(token embedding),
+hidden_norm(hidden))` (2H wide); a final norm and a head over the draft vocabulary
+follow. Embeddings are the target's, frozen.
 
-Training unrolls test-time steps (TTT): step 0 reads the target's states; step s reads the
-draft's own output of step s-1 at the same position, with the ground-truth token s
-positions further, and attends to every step-0 key of its sample up to its position plus
-its own keys of steps 1..s (what the draft sees at inference). The teacher is the
-target's final norm + `lm_head` rows of the draft vocabulary applied to the last layer's
-hidden state; each step's loss (forward KL(teacher || draft) unless the recipe says
-otherwise, `losses.py`) is averaged over supervised positions, weighted `decay**s` and
-summed over steps. Batches are pre-shifted as in
-speculators: tokens x[1:], aux states g[:-1], last-layer states y[1:], mask l[1:].
-Positions whose step-s target would belong to the next packed sample are not counted.
+Training unrolls test-time steps (TTT) as the draft runs at inference: step s reads the
+draft's own output of step s-1 at the same position and the token s positions further,
+attending to the step-0 keys of its sample up to its position plus its own keys of steps
+1..s. The teacher is the target's final norm and `lm_head` rows of the draft vocabulary
+over layer L; each step's loss (`losses.py`) is averaged over supervised positions,
+weighted `decay**s` and summed. Batches are pre-shifted as in speculators
+(`training_data.load_batch`); a position whose step-s target lies in the next packed
+sample is not counted.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,6 +28,9 @@ from torch import nn
 from mm_assets.domain.model.draft_vocab import DraftVocab
 from mm_assets.domain.model.losses import KL, LossRecipe
 from mm_assets.domain.model.settings import SpeculatorSettings
+from mm_assets.domain.model.training_data import Batch
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) of each TTT step so far
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,6 @@ class Eagle3Config:
             rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
             max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
         )
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def draft_config(target_config: dict[str, Any], settings: SpeculatorSettings) -> Eagle3Config:
@@ -120,11 +117,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        cache: list[tuple[torch.Tensor, torch.Tensor]],
-        mask: torch.Tensor,
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, mask: torch.Tensor
     ) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         q = self.q_proj(x).view(n, cfg.num_attention_heads, cfg.head_dim).transpose(0, 1)
@@ -300,12 +293,7 @@ class Eagle3Draft(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
-        aux_hidden: torch.Tensor,
-        last_hidden: torch.Tensor,
-        loss_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        segment: torch.Tensor,
+        batch: Batch,
         ttt_steps: int = 3,
         loss: LossRecipe = KL,
         target_greedy: torch.Tensor | None = None,
@@ -316,18 +304,18 @@ class Eagle3Draft(nn.Module):
         `target_greedy_tokens`), a step counts as right only when the draft proposes
         exactly that token — what acceptance depends on; without it, agreement with the
         teacher's best token inside the draft vocabulary."""
-        n = input_ids.shape[0]
-        teacher = _Teacher.of(self, last_hidden, loss_mask)
-        hidden = self.fc(self.aux_normed(aux_hidden))
-        cache: list[tuple[torch.Tensor, torch.Tensor]] = []
-        ids = input_ids
+        segment, loss_mask, ids = batch.segment, batch.loss_mask, batch.input_ids
+        n = ids.shape[0]
+        teacher = _Teacher.of(self, batch.last_hidden, loss_mask)
+        hidden = self.fc(self.aux_normed(batch.aux_hidden))
+        cache: KVCache = []
         total = hidden.new_zeros((), dtype=torch.float32)
         stats: list[StepStats] = []
-        index = torch.arange(n, device=input_ids.device)
+        index = torch.arange(n, device=ids.device)
         for step in range(ttt_steps):
             embeds = self.embed_tokens(ids)
             hidden = self.layers[0](
-                embeds, hidden, position_ids + step, cache, ttt_mask(segment, step)
+                embeds, hidden, batch.position_ids + step, cache, ttt_mask(segment, step)
             )
             shifted = (index + step).clamp(max=n - 1)
             valid = (index + step < n) & (segment[shifted] == segment) & loss_mask[shifted]

@@ -10,8 +10,6 @@ import torch
 
 from mm_assets.domain.rejection import RowRejected
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class HiddenStatesProblem(StrEnum):
     TOKEN_MISMATCH = "token_mismatch"
@@ -64,7 +62,7 @@ def validate_tensors(
         raise HiddenStatesRejected(
             HiddenStatesProblem.BAD_SHAPE, f"hidden_states {tuple(hidden.shape)} != {expected}"
         )
-    if hidden.dtype != TORCH_DTYPES[dtype]:
+    if hidden.dtype != getattr(torch, dtype):  # a dtype the store knows (`NATIVE_BYTES`)
         raise HiddenStatesRejected(
             HiddenStatesProblem.BAD_DTYPE, f"{hidden.dtype}, expected {dtype}"
         )

@@ -1,28 +1,23 @@
 """How a sample's hidden states are stored: the speculators layout, or a compact one.
 
 `native` is the speculators layout: `hidden_states` `[T, 4, H]` in the target's dtype
-(3 auxiliary layers, then the last layer L), with `token_ids`. Most of those bytes are
-not needed, so two options shrink it:
+(3 auxiliary layers, then the last layer L), with `token_ids`. Two options shrink it:
 
-- `dtype`: `bf16`, or `fp8_e4m3` with one scale per (token, layer): the row's absolute
-  maximum maps to e4m3's largest value (448), so every element is within half an fp8
-  step of its value: at most 16/448 of that row's maximum, times (1 + 2^-8) for the
-  scale's rounding to bf16 (`FP8_ERROR_BOUND`, 3.59%). bf16 values are within 2^-8 of
-  the row's maximum (`BF16_ERROR_BOUND`).
-- `final_layer: needed`: layer L only where the loss reads it. The draft's teacher at a
-  position is the target's next-token distribution there, and training (pre-shifted as
-  in speculators: the teacher of shifted position i is layer L at original position i+1,
-  counted when `loss_mask[i+1]`) reads it exactly at the original positions whose
-  `loss_mask` is 1, for every test-time-training step (a step s counts position i only
-  when `loss_mask[i+1+s]`, the same set shifted). `needed_positions` is that rule; the
-  encoder and the training loader both use it. Image tokens and prompts, most of a
-  multimodal row, then keep their three auxiliary layers only.
+- `dtype`: `bf16` (within 2^-8 of the row's maximum), or `fp8_e4m3` with one scale per
+  (token, layer) mapping the row's absolute maximum to e4m3's 448, so every element is
+  within half an fp8 step: 16/448 of the row's maximum, times (1 + 2^-8) for the scale's
+  rounding to bf16 (`FP8_ERROR_BOUND`).
+- `final_layer: needed`: layer L only where the loss reads it. Pre-shifted, the teacher
+  of position i is layer L at original position i+1, counted when `loss_mask[i+1]` (a
+  TTT step s: `loss_mask[i+1+s]`, the same set shifted), so exactly the original
+  positions whose `loss_mask` is 1: `needed_positions`, which the encoder and the
+  training loader both use. Image tokens and prompts, most of a multimodal row, then
+  keep their three auxiliary layers only.
 
 A compact blob holds `aux` `[T, 3, H]`, `final` `[M, H]`, `token_ids` (int32), and as
 needed `aux_scale` `[T, 3]`, `final_scale` `[M]` and `final_runs` `[R, 2]` (the kept
-positions as start/end runs); its safetensors metadata names the format, which the
-reader checks. Encoding and decoding live in `hidden_state_codec` (torch); this module
-is what configuration and keys need.
+positions as start/end runs); its metadata names the format, which the reader checks.
+Encoding and decoding: `hidden_state_codec`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Which rows of a partition need hidden states, and the manifest rows of what is stored.
 
-Planning streams the rows once to compute each row's content key; a row whose blob is
-stored is a cache hit and costs no request (so a rerun, a reordering or an edit of other
-rows sends nothing for unchanged samples, and an interrupted run resumes where it
-stopped). Identical rows share one key, so one request and one blob.
+A row is keyed by its content, so a row whose blob is stored costs no request (a rerun,
+a reordering or an interrupted run sends nothing for unchanged samples), and identical
+rows share one request and one blob.
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ class Plan:
 def plan_extraction(
     rows: Iterable[dict], layout: HiddenStatesLayout, stored: Callable[[str], bool]
 ) -> Plan:
-    """Each row's key, and which rows have no stored hidden states yet (`stored(key)`:
-    whether the blob store holds that key)."""
+    """Each row's key, and which rows have no stored hidden states yet."""
     planned, missing = [], set()
     seen_keys: set[str] = set()
     for row in rows:
@@ -71,8 +69,7 @@ def manifest_rows(
     stored: Callable[[str], dict[str, Any] | None],
 ) -> Iterator[dict]:
     """One row per stored sample: its blob and how it was made (checked by training).
-    `stored(key)`: the blob's `path` (as recorded), `bytes` and `max_rel_error`, or None
-    when the store does not hold it."""
+    `stored(key)`: the blob's `path`, `bytes` and `max_rel_error`, or None."""
     for row in plan.rows:
         blob = None if row.row_id in rejected else stored(row.key)
         if blob is None:

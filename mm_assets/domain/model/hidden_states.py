@@ -1,10 +1,8 @@
 """Hidden states for EAGLE-3 training: layer ids, the stored layout, cache keys, sizes.
 
-Layer id convention (recorded in every artifact): id k is the residual stream after k
-decoder layers (HF `hidden_states[k]`); id L (the last layer) is that layer's output
-*before* the final norm (HF's `hidden_states[-1]` is after it). Training uses the first
-three ids as auxiliary inputs and id L for the teacher logits (final norm + lm_head). A
-mismatch between generation and training silently collapses acceptance, so it is checked.
+Layer id convention (recorded in every artifact, checked by training): id k is the
+residual stream after k decoder layers (HF `hidden_states[k]`); id L (the last layer) is
+that layer's output *before* the final norm (HF's `hidden_states[-1]` is after it).
 """
 
 from __future__ import annotations
@@ -100,8 +98,7 @@ def resolve_dtype(requested: str, facts: TextConfigFacts) -> str:
 @dataclass(frozen=True)
 class HiddenStatesLayout:
     """What one stored sample holds: `[T, len(layer_ids), hidden_size]` received in
-    `dtype` from the target with this fingerprint, stored in `storage`'s format. Part of
-    every cache key and manifest row."""
+    `dtype` from this target, stored in `storage`'s format."""
 
     target_fingerprint: str
     layer_ids: list[int]

@@ -1,11 +1,9 @@
 """The optimizer and learning-rate schedule of a training run.
 
-`adamw`: AdamW on every trained weight. `muon`: torch's own Muon (`torch.optim.Muon`)
-on the 2-D weights of the layer and `fc`, AdamW on the rest (norms, and the head when it
-is trained), as speculators does; Muon's step is scaled to AdamW's RMS
-(`match_rms_adamw`), so one `learning_rate` means the same for both. The schedule
-multiplies the rate per optimizer step: a linear warmup over `warmup_ratio` of the steps,
-then constant, linear or cosine decay to `min_lr_ratio` of it.
+`muon`: torch's Muon on the 2-D weights of the layer and `fc`, AdamW on the rest, as
+speculators does; Muon's step is scaled to AdamW's RMS (`match_rms_adamw`), so one
+`learning_rate` means the same for both. The schedule: a linear warmup over
+`warmup_ratio` of the steps, then constant, linear or cosine decay to `min_lr_ratio`.
 """
 
 from __future__ import annotations

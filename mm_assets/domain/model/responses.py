@@ -1,23 +1,19 @@
 """On-policy responses: the target rewrites every assistant turn of a conversation.
 
 A draft learns to predict the target's next token, so it must learn from text the target
-wrote; trained on answers someone else wrote it learns another distribution (about 1.05
-accepted tokens per step on the demo). For the assistant turn at index k the prompt is
-the conversation before k with every earlier assistant turn already replaced by the
-target's own reply — what the target would have seen had it held that conversation —
-images included; the user turns stay as the dataset wrote them, and so do assistant
-turns before the first user turn (they answer no question: context, not replies). Turns
-are generated in order, conversations independently.
+wrote, not answers someone else wrote. The prompt of the assistant turn at index k is the
+conversation before k with every earlier reply already the target's own, images
+included; user turns stay as the dataset wrote them, and so do assistant turns before
+the first user turn (context, not replies). Turns are generated in order.
 
-A conversation whose first reply fails or comes back empty has nothing to train on and
-is quarantined with the reason; one that fails later keeps the turns before the failing
-exchange. A reply cut by `max_tokens` (`finish_reason == "length"`) is kept and counted:
-it is still what the target writes.
+A conversation whose first reply fails or comes back empty is quarantined with the
+reason; one that fails later keeps the turns before the failing exchange. A reply cut by
+`max_tokens` is kept: it is still what the target writes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -54,12 +50,7 @@ class ResponseSettings(RequestSettings):
 
     def sampling(self) -> dict[str, Any]:
         """The Chat Completions sampling fields."""
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "max_tokens": self.max_tokens,
-        }
+        return self.model_dump(include={"temperature", "top_p", "seed", "max_tokens"})
 
 
 class ResponseProblem(StrEnum):
@@ -97,14 +88,18 @@ def response_key(
     image_hashes: list[str],
 ) -> str:
     """What the replies depend on: the target and the dtype it is served at, the sampling
-    settings and the prompt side of the conversation (every turn but the replies'
-    text, images by content), so a rerun, a reordering or an edit of another row reuses
-    them."""
-    turns = canonical_turns(with_system_prompt(turns, settings.system_prompt), image_hashes)
-    replies = set(reply_indices(turns))
-    prompt_side = [{"role": "assistant"} if i in replies else t for i, t in enumerate(turns)]
+    settings and the prompt side of the conversation, so a rerun, a reordering or an
+    edit of another row reuses them."""
+    prompt = prompt_side(with_system_prompt(turns, settings.system_prompt), image_hashes)
     sampling = {**settings.sampling(), "system_prompt": settings.system_prompt}
-    return json_sha256([RESPONSES_VERSION, target_fingerprint, dtype, sampling, prompt_side])
+    return json_sha256([RESPONSES_VERSION, target_fingerprint, dtype, sampling, prompt])
+
+
+def prompt_side(turns: list[Turn], image_hashes: list[str]) -> list[Turn]:
+    """The canonical turns with the replies' text left out (images by content)."""
+    canonical = canonical_turns(turns, image_hashes)
+    replies = set(reply_indices(canonical))
+    return [{"role": "assistant"} if i in replies else t for i, t in enumerate(canonical)]
 
 
 @dataclass(frozen=True)
@@ -126,11 +121,7 @@ class Regeneration:
     detail: str = ""
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "replies": [vars(r) for r in self.replies],
-            "problem": self.problem.value if self.problem else None,
-            "detail": self.detail,
-        }
+        return asdict(self)  # the problem, a StrEnum, is written as its value
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Regeneration:

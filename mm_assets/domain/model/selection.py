@@ -1,11 +1,10 @@
 """Which epoch's draft a run keeps, and when it stops.
 
-After every epoch the held-out rows are replayed (`acceptance`): no server, a forward
-pass over a tenth of the rows. Loss keeps falling after acceptance peaks, so `keep:
-best_acceptance` keeps the weights of the epoch with the highest estimate (the earliest
-of equals), and `early_stop_patience` stops once that many epochs in a row found none
+Loss keeps falling after acceptance peaks, so `keep: best_acceptance` keeps the weights
+of the epoch whose held-out replay (`acceptance`) estimates the most (the earliest of
+equals), and `early_stop_patience` stops once that many epochs in a row found none
 higher. The held-out rows then chose the epoch too, so their estimate of the kept draft
-leans optimistic by the noise of that choice; vLLM's measurement uses their prompts.
+leans optimistic by the noise of that choice.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Evaluation:
-    """One epoch's held-out figures: loss, the replay's acceptance estimate (None: no
-    held-out reply) and, per row, the draft tokens accepted at each verification."""
+    """One epoch's held-out figures (acceptance None: no held-out reply)."""
 
     epoch: int
     loss: float
@@ -85,8 +83,7 @@ class EpochChoice:
         return self.evaluations[self.best if self.keep == "best_acceptance" else -1]
 
     def restore(self, model: nn.Module) -> None:
-        """Put the kept epoch's trained weights back into `model` (the frozen ones never
-        changed)."""
+        """Put the kept epoch's trained weights back (the frozen ones never changed)."""
         if self.keep != "best_acceptance" or self.best == len(self.evaluations) - 1:
             return
         assert self.best_weights is not None

@@ -1,11 +1,7 @@
-"""Settings of a speculator training run, declared once.
-
-The `trained_speculator` asset's config and the `python -m mm_assets.train` (torchrun)
-arguments are both generated from these fields, so a knob has one name, one default and
-one description wherever a user sets it. The device is not a setting: it is where the
-run happens (auto: CUDA when present), and it does not change what is learned. Nor are
-the layer ids: they are decided once, by `hidden_states` (`ExtractionSettings.layer_ids`),
-and training reads them from the states it trains on.
+"""Settings of a speculator training run, declared once: the `trained_speculator`
+asset's config and the `python -m mm_assets.train` arguments are generated from them.
+Neither the device (it does not change what is learned) nor the layer ids (decided by
+`hidden_states`, read from the stored states) is a setting.
 """
 
 from __future__ import annotations
@@ -65,8 +61,7 @@ class SpeculatorSettings(BaseModel):
     loss: str = Field(
         default="kl",
         description="kl | rkl | jsd | tv | nla | lk_hybrid | ce, or a weighted mix such as "
-        "kl=0.5,tv=0.5 "
-        "(what each computes: mm_assets/domain/model/losses.py).",
+        "kl=0.5,tv=0.5 (what each computes: mm_assets/domain/model/losses.py).",
     )
     optimizer: Literal["adamw", "muon"] = Field(
         default="adamw",

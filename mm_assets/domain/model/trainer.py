@@ -1,29 +1,22 @@
-"""Training loop for the EAGLE-3 draft: epochs over packed batches, a checkpoint of the
-training state after every epoch, resume from it, and held-out evaluation.
+"""Training loop for the EAGLE-3 draft: epochs over packed batches, the training state
+saved after every epoch and resumed from, held-out evaluation.
 
-Deterministic for a seed: the model is initialised under the seed, the batch order of
-epoch e is a seeded shuffle, and the state noise (`noise_std`) draws from a generator
-seeded per epoch, so a run resumed from an epoch checkpoint ends with the same weights as
-an uninterrupted one. The recipe (loss, optimizer, schedule, which epoch is kept) is the
-settings': `losses`, `optimization`, `selection`.
-
-Devices: CPU in fp32 (sdpa attention); on CUDA, bf16 autocast. Several GPUs: run the same
-code under `torchrun`; the caller hands in the process group as `Ranks` (each rank takes
-every world-th batch; the wrapper, DistributedDataParallel, averages gradients) and where
-the state is kept as a `StateStore`, so the loop itself opens no file and no process group.
-Nor does it read hidden states itself: a `BatchSource` hands it each batch, from the
-stored blobs (`StoredBatches`) or fetched from vLLM while it trains (`services.online_batches`),
-so an online run steps through exactly the batches an offline one does.
+Deterministic for a seed (initialisation, each epoch's batch order, the state noise), so
+a resumed run ends with the same weights as an uninterrupted one. CPU runs in fp32; CUDA
+under bf16 autocast. Several GPUs run the same code under `torchrun`: the caller hands in
+the process group as `Ranks`, where the state is kept as a `StateStore` and the batches
+as a `BatchSource` (stored blobs, or fetched from vLLM: `services.online_batches`), so
+the loop opens no file or process group and an online run steps through exactly the
+batches an offline one does.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -43,12 +36,12 @@ logger = logging.getLogger(__name__)
 
 
 class BatchSource(Protocol):
-    """The hidden states of a pass's batches, built in the order asked; None for a batch
-    none of whose rows could be had this pass (skipped)."""
+    """The batches of a pass, in the order asked; None for a batch none of whose rows
+    could be had this pass (skipped). `label` names the pass in logs (`epoch 2`)."""
 
-    def batches(self, groups: Sequence[Sequence[SampleRef]], label: str) -> Iterator[Batch | None]:
-        """`label` names the pass in logs and reports (`epoch 2`, `held-out`)."""
-        ...
+    def batches(
+        self, groups: Sequence[Sequence[SampleRef]], label: str
+    ) -> Iterator[Batch | None]: ...
 
 
 class StoredBatches:
@@ -68,9 +61,8 @@ class StateStore(Protocol):
 
 @dataclass(frozen=True)
 class Ranks:
-    """The processes training together: this one's rank, how many there are, and the
-    wrapper that averages their gradients (DistributedDataParallel under torchrun, see
-    `services.training`). One process, unwrapped, by default."""
+    """The processes training together, and the wrapper that averages their gradients
+    (DistributedDataParallel under torchrun). One process, unwrapped, by default."""
 
     rank: int = 0
     world: int = 1
@@ -90,22 +82,17 @@ class TrainResult:
     batch_learning_rates: list[float] = field(default_factory=list)
     epoch_held_out_losses: list[float] = field(default_factory=list)
     epoch_acceptance: list[float | None] = field(default_factory=list)
-    """The held-out replay's estimate after each epoch run."""
     kept_epoch: int = 0
     kept_because: str = ""
-    held_out_acceptance: float | None = None
-    """Estimated by replaying speculative decoding over the held-out replies (None: no
-    held-out reply)."""
+    held_out_acceptance: float | None = None  # None: no held-out reply
     held_out_per_position: list[float] = field(default_factory=list)
-    held_out_replies: dict[str, list[list[int]]] = field(default_factory=dict)
-    """Row id -> per supervised reply, the draft tokens accepted at each verification."""
+    held_out_replies: dict[str, list[list[int]]] = field(default_factory=dict)  # `evaluate`
     held_out_loss: float = float("nan")
     tokens_per_s: float = 0.0
     trained_tokens: int = 0
     resumed_from_epoch: int = 0
     batch_plan_sha256: str = ""
-    """The rows of every batch this rank trains on, in order, over all epochs: equal for
-    equal rows, settings and seed, wherever the hidden states come from."""
+    """Equal for equal rows, settings and seed, wherever the hidden states come from."""
 
 
 def _fingerprint(
@@ -113,18 +100,11 @@ def _fingerprint(
 ) -> str:
     """What a saved training state belongs to: settings, model shape and rows."""
     rows = [[ref.row_id, ref.path] for ref in refs]
-    return json_sha256([settings.model_dump(), model.cfg.as_dict(), rows])
+    return json_sha256([settings.model_dump(), asdict(model.cfg), rows])
 
 
-def _autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def _batch_to(batch, device: torch.device):
-    fields = ("input_ids", "aux_hidden", "last_hidden", "loss_mask", "position_ids", "segment")
-    return {name: getattr(batch, name).to(device) for name in fields}
+def _autocast(device: torch.device) -> torch.autocast:
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 def evaluate(
@@ -136,8 +116,7 @@ def evaluate(
     source: BatchSource | None = None,
     label: str = "held-out",
 ) -> tuple[float, dict[str, list[list[int]]]]:
-    """Held-out loss, and speculative decoding replayed over every supervised reply (see
-    `acceptance`): row id -> per reply, the draft tokens accepted at each verification.
+    """Held-out loss, and per row id the replay (`acceptance`) of each supervised reply.
     With the target's full lm_head, a draft token is right only when it is the target's
     own greedy token (what vLLM accepts); without, the teacher's best in the draft vocab."""
     torch_device = resolve_device(device)
@@ -149,20 +128,18 @@ def evaluate(
         for loaded in source.batches(pack(refs, settings.batch_tokens), label):
             if loaded is None:
                 continue
-            batch = _batch_to(loaded, torch_device)
-            greedy = (
-                None if head is None else model.target_greedy_tokens(batch["last_hidden"], head)
-            )
+            batch = loaded.to(torch_device)
+            greedy = None if head is None else model.target_greedy_tokens(batch.last_hidden, head)
             with _autocast(torch_device):
                 loss, steps = model(
-                    **batch,
+                    batch,
                     ttt_steps=settings.ttt_steps,
                     loss=LossRecipe.of(settings.loss, settings.step_loss_decay),
                     target_greedy=greedy,
                 )
             losses.append(float(loss))
             lead = leading_correct([s.correct for s in steps], [s.valid for s in steps])
-            runs = replay_runs(lead.tolist(), steps[0].valid.tolist(), batch["segment"].tolist())
+            runs = replay_runs(lead.tolist(), steps[0].valid.tolist(), batch.segment.tolist())
             for segment, accepted in runs:
                 replies.setdefault(loaded.row_ids[segment], []).append(accepted)
     model.train()
@@ -238,14 +215,14 @@ class _Steps:
         logger.info("epoch %d/%d: loss %.4f", epoch + 1, settings.epochs, result.epoch_losses[-1])
 
     def step(self, batch: Batch, result: TrainResult) -> float:
-        settings, tensors = self.settings, _batch_to(batch, self.device)
+        settings, moved = self.settings, batch.to(self.device)
         if settings.noise_std:
             parts = self.model.cfg.num_aux
-            aux = noisy(tensors["aux_hidden"], settings.noise_std, parts, self.noise)
-            tensors["aux_hidden"] = aux
+            aux = noisy(moved.aux_hidden, settings.noise_std, parts, self.noise)
+            moved = replace(moved, aux_hidden=aux)
         with _autocast(self.device):
             loss, _ = self.runner(
-                **tensors,
+                moved,
                 ttt_steps=settings.ttt_steps,
                 loss=LossRecipe.of(settings.loss, settings.step_loss_decay),
             )
@@ -302,17 +279,15 @@ def batch_plan_sha256(
 
 @dataclass(frozen=True)
 class TrainingRun:
-    """How one training runs, apart from what it learns: the device, this process's
-    rank among the ranks, where each batch's states come from (the stored files unless
-    a source fetches them), and what to do after each saved epoch."""
+    """How one training runs, apart from what it learns (`source`: the stored files
+    unless given)."""
 
     device: str = "auto"
     ranks: Ranks = field(default_factory=Ranks)
     source: BatchSource | None = None
     after_epoch: Callable[[int], None] = lambda epoch: None
     log: Callable[[int, dict[str, float]], None] = lambda step, metrics: None
-    """Metrics by optimizer step (experiment tracking): the loss and rate of each step,
-    the held-out figures after each epoch."""
+    """Metrics by optimizer step (experiment tracking)."""
 
 
 def train(

@@ -1,17 +1,13 @@
-"""Training data for the EAGLE-3 draft: tokenized rows joined with their hidden states.
-
-Rows are split deterministically into train and held-out sets by a hash of the row id
-(stable when rows are added or reordered), and packed into batches of at most
-`batch_tokens` tokens. Hidden states are read from the blob store batch by batch, so
-memory stays bounded by one batch. Hidden states generated for other layer ids, or under
-another layer convention, are refused: training on them silently collapses acceptance.
+"""Training data for the EAGLE-3 draft: tokenized rows joined with their hidden states,
+split into train and held-out sets by a hash of the row id (stable when rows are added
+or reordered), packed, and read batch by batch so memory stays bounded by one batch.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from safetensors import safe_open
@@ -37,9 +33,10 @@ class SampleRef:
         return len(self.input_ids)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Batch:
-    """Samples packed along one time axis; `segment` tells them apart."""
+    """Samples packed along one time axis, pre-shifted (`load_batch`); `segment` tells
+    them apart. What the draft's `forward` reads, one object so DDP passes it on whole."""
 
     input_ids: torch.Tensor  # [N] long
     loss_mask: torch.Tensor  # [N] bool
@@ -53,9 +50,14 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
+    def to(self, device: torch.device) -> Batch:
+        names = ("input_ids", "loss_mask", "aux_hidden", "last_hidden", "position_ids", "segment")
+        return replace(self, **{name: getattr(self, name).to(device) for name in names})
+
 
 def check_layer_ids(manifest_rows: Iterable[dict], expected: Sequence[int]) -> None:
-    """Refuse hidden states generated for other layer ids or another convention."""
+    """Refuse hidden states generated for other layer ids or another convention: training
+    on them silently collapses acceptance."""
     for row in manifest_rows:
         if list(row["layer_ids"]) != list(expected) or row["layer_convention"] != LAYER_CONVENTION:
             raise LayerMismatch(
@@ -135,12 +137,5 @@ def load_batch(refs: Sequence[SampleRef]) -> Batch:
         last.append(final_states(stored, ref))
         pos.append(torch.arange(1, n))
         seg.append(torch.full((n - 1,), index))
-    return Batch(
-        torch.cat(ids),
-        torch.cat(masks),
-        torch.cat(aux),
-        torch.cat(last),
-        torch.cat(pos),
-        torch.cat(seg),
-        [ref.row_id for ref in refs],
-    )
+    tensors = (torch.cat(parts) for parts in (ids, masks, aux, last, pos, seg))
+    return Batch(*tensors, [ref.row_id for ref in refs])
