@@ -38,6 +38,7 @@ from mm_assets.services.extraction import (
     DiskBudgetError,
     HiddenStatesJob,
     StatesDestination,
+    StatesFetch,
     check_disk_budget,
     store_response,
     stored_blobs,
@@ -364,9 +365,13 @@ def test_a_row_answered_without_a_readable_file_is_requested_again(tmp_path: Pat
 
     transport = httpx.AsyncClient(transport=httpx.MockTransport(server))
     client = HiddenStatesClient(["http://vllm.test/v1"], http_client=transport)
-    requests = [ExtractionRequest(r["row_id"], r["input_ids"]) for r in rows]
-    job = HiddenStatesJob(plan.keys(), layout, blobs, ConnectorDir(tmp_path / "incoming"))
-    tally = run_requests(client, requests, job, len(plan.missing))
+    keys = plan.keys()
+    fetches = [
+        StatesFetch(ExtractionRequest(r["row_id"], r["input_ids"]), keys[r["row_id"]], blobs, None)
+        for r in rows
+    ]
+    job = HiddenStatesJob(layout, ConnectorDir(tmp_path / "incoming"))
+    tally = run_requests(client, fetches, job, len(plan.missing))
     assert tally.stored == 1 and blobs.has(plan.rows[0].key)
     assert asked.count([1, 2, 3]) == 2 and asked.count([4, 5, 6]) == 3
     (rejection,) = tally.rejections
@@ -422,9 +427,15 @@ def test_counts_of_many_concurrent_stores_equal_the_manifest(tmp_path: Path) -> 
             RequestSettings(concurrency=32),
             http_client=_completions_server(tmp_path),
         )
-        requests = [ExtractionRequest(r["row_id"], r["input_ids"]) for r in rows]
-        job = HiddenStatesJob(plan.keys(), layout, blobs, ConnectorDir(tmp_path / "incoming"))
-        tally = run_requests(client, requests, job, len(plan.missing))
+        keys = plan.keys()
+        fetches = [
+            StatesFetch(
+                ExtractionRequest(r["row_id"], r["input_ids"]), keys[r["row_id"]], blobs, None
+            )
+            for r in rows
+        ]
+        job = HiddenStatesJob(layout, ConnectorDir(tmp_path / "incoming"))
+        tally = run_requests(client, fetches, job, len(plan.missing))
     finally:
         sys.setswitchinterval(previous)
     manifest = list(manifest_rows(plan, set(), layout, stored_blobs(blobs, layout)))

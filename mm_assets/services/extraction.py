@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,31 +60,20 @@ class DiskBudgetError(RuntimeError):
     """The hidden states to request cannot fit on the disk that would store them."""
 
 
-def requests_for(
-    rows: Iterable[dict],
-    missing: set[str],
-    image_token_id: int | None,
-    loss_masks: dict[str, list[int]] | None = None,
-) -> Iterator[ExtractionRequest]:
-    """Requests for the missing rows; a row with images carries their URLs (from its
-    `messages`) and its ids with the placeholder runs collapsed. With `loss_masks`, each
-    request's row mask is put there until its response is stored (compact formats)."""
-    for row in rows:
-        if row["row_id"] not in missing:
-            continue
-        if loss_masks is not None:
-            loss_masks[row["row_id"]] = row["loss_mask"]
-        ids = list(row["input_ids"])
-        urls = tuple(image_urls(json.loads(row["messages"]))) if row["messages"] else ()
-        prompt = None
-        if urls:
-            if image_token_id is None:
-                raise ValueError(
-                    f"row {row['row_id']} has images but the target's config names no image "
-                    "token (image_token_id / image_token_index); is it a vision-language model?"
-                )
-            prompt = collapse_image_tokens(ids, image_token_id)
-        yield ExtractionRequest(row["row_id"], ids, urls, prompt)
+def extraction_request(row: dict, image_token_id: int | None) -> ExtractionRequest:
+    """A tokenized row's request; a row with images carries their URLs (from its
+    `messages`) and its ids with the placeholder runs collapsed."""
+    ids = list(row["input_ids"])
+    urls = tuple(image_urls(json.loads(row["messages"]))) if row["messages"] else ()
+    prompt = None
+    if urls:
+        if image_token_id is None:
+            raise ValueError(
+                f"row {row['row_id']} has images but the target's config names no image "
+                "token (image_token_id / image_token_index); is it a vision-language model?"
+            )
+        prompt = collapse_image_tokens(ids, image_token_id)
+    return ExtractionRequest(row["row_id"], ids, urls, prompt)
 
 
 def check_disk_budget(plan: Plan, layout: HiddenStatesLayout, blobs: BlobStore) -> int:
@@ -189,38 +178,38 @@ def stored_blobs(blobs: BlobStore, layout: HiddenStatesLayout) -> Callable[[str]
     return stored
 
 
+@dataclass(frozen=True)
+class StatesFetch:
+    """One row's request, and where its states go: `key` in `blobs`, encoded with the
+    row's loss `mask` (compact formats; None for native ones)."""
+
+    request: ExtractionRequest
+    key: str
+    blobs: BlobStore
+    mask: list[int] | None
+
+
 @dataclass
 class HiddenStatesJob:
-    """Hidden states for extraction requests: each answer's file verified and stored as
-    it arrives (`store_response`); a file that cannot be read is asked for again."""
+    """Hidden states for `StatesFetch` items: each answer's file verified and stored as
+    it arrives (`store_outcome`); a file that cannot be read is asked for again."""
 
-    keys: dict[str, str]
     layout: HiddenStatesLayout
-    blobs: BlobStore
-    connector: ConnectorDir
-    loss_masks: dict[str, list[int]] | None = None
-    """The rows' masks as `requests_for` fills them (compact formats need them)."""
-    what = "hidden states"
-    kept = "Samples stored so far are kept"
+    connector: ConnectorDir | None = None  # online: set when the servers start
+    what: str = "hidden states"
+    kept: str = "Samples stored so far are kept"
     ask_again = FILE_RETRIES
     workers_per_slot = 1
 
-    async def ask(
-        self, client: HiddenStatesClient, request: ExtractionRequest
-    ) -> ExtractionResponse:
-        return await client.extract(request)
+    async def ask(self, client: HiddenStatesClient, item: StatesFetch) -> ExtractionResponse:
+        return await client.extract(item.request)
 
     def write(
-        self, request: ExtractionRequest, answer: ExtractionResponse | Exception, final: bool
+        self, item: StatesFetch, answer: ExtractionResponse | Exception, final: bool
     ) -> Outcome:
-        """Store one response (`store_outcome`). A row's mask is held only while it is asked."""
-        masks = self.loss_masks if self.loss_masks is not None else {}
-        mask = masks.pop(request.row_id, None)
-        dest = StatesDestination(self.layout, self.blobs, self.connector)
-        outcome = store_outcome(request, answer, final, self.keys[request.row_id], dest, mask)
-        if outcome is ASK_AGAIN and mask is not None:
-            masks[request.row_id] = mask
-        return outcome
+        assert self.connector is not None
+        dest = StatesDestination(self.layout, item.blobs, self.connector)
+        return store_outcome(item.request, answer, final, item.key, dest, item.mask)
 
 
 def store_outcome(
@@ -357,12 +346,26 @@ class PartitionExtraction:
         rows = self.tables.iter_rows(
             TOKENIZED, self.partition, ["row_id", "input_ids", "messages", "loss_mask"]
         )
-        masks = None if layout.storage.is_native else {}
-        requests = requests_for(rows, plan.missing, self.target.facts.image_token_id, masks)
-        job = HiddenStatesJob(plan.keys(), layout, self.blobs, connector, masks)
+        keys, token = plan.keys(), self.target.facts.image_token_id
+        fetches = (
+            StatesFetch(
+                extraction_request(row, token),
+                keys[row["row_id"]],
+                self.blobs,
+                None if layout.storage.is_native else row["loss_mask"],
+            )
+            for row in rows
+            if row["row_id"] in plan.missing
+        )
         stage = RequestStage(session, self.settings)
         with _one_torch_thread():
-            report = stage.run(HiddenStatesClient, job, requests, len(plan.missing))
-        if not any(incoming.iterdir()):
-            incoming.rmdir()
+            report = stage.run(
+                HiddenStatesClient, HiddenStatesJob(layout, connector), fetches, len(plan.missing)
+            )
+        remove_if_empty(incoming)
         return report
+
+
+def remove_if_empty(directory: Path) -> None:
+    if directory.is_dir() and not any(directory.iterdir()):
+        directory.rmdir()

@@ -29,25 +29,17 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from mm_assets.clients.connector_files import ConnectorDir
 from mm_assets.clients.vllm_client import CircuitOpen, ExtractionRequest, HiddenStatesClient
 from mm_assets.clients.vllm_server import ManagedVllmServer, unavailable
 from mm_assets.domain.model.training_data import Batch, SampleRef, load_batch
 from mm_assets.domain.rejection import StateRejections
-from mm_assets.services.extraction import FILE_RETRIES, StatesDestination, store_outcome
+from mm_assets.services.extraction import HiddenStatesJob, StatesFetch, remove_if_empty
 from mm_assets.services.online_states import FetchReport, OnlineStates, PassReport
-from mm_assets.services.request_stage import (
-    Outcome,
-    Stored,
-    Unusable,
-    make_client,
-    request_all,
-)
-from mm_assets.storage.blobs import BlobStore
+from mm_assets.services.request_stage import Stored, Unusable, make_client, request_all
 
 logger = logging.getLogger(__name__)
+KEPT = "The training state of the last finished epoch is kept"
 
 
 class TooManyRejections(RuntimeError):
@@ -73,14 +65,10 @@ class _Group:
             self.ready.set_result(None)
 
 
-@dataclass(eq=False)
-class _Fetch:
+@dataclass(eq=False, frozen=True)
+class _Fetch(StatesFetch):
     """One request, and the rows of the groups that wait for it (identical rows share)."""
 
-    request: ExtractionRequest
-    key: str
-    dest: BlobStore
-    mask: list[int] | None
     pending_as: tuple[int, str]  # its entry in `_Pass.pending` while it is asked
     rows: dict[_Group, list[str]] = field(default_factory=dict)
 
@@ -91,26 +79,6 @@ class _Pass:
     report: PassReport
     pending: dict[tuple[int, str], _Fetch] = field(default_factory=dict)
     window: asyncio.Semaphore | None = None
-
-
-@dataclass
-class _FetchJob:
-    """The request stage's job: ask for one row's states, store them where it says."""
-
-    states: OnlineStates
-    connector: ConnectorDir | None = None  # set when the servers start
-    what = "hidden states (online)"
-    kept = "The training state of the last finished epoch is kept"
-    ask_again = FILE_RETRIES
-    workers_per_slot = 1
-
-    async def ask(self, client: HiddenStatesClient, item: _Fetch) -> Any:
-        return await client.extract(item.request)
-
-    def write(self, item: _Fetch, answer: Any, final: bool) -> Outcome:
-        assert self.connector is not None
-        dest = StatesDestination(self.states.layout, item.dest, self.connector)
-        return store_outcome(item.request, answer, final, item.key, dest, item.mask)
 
 
 class OnlineBatches:
@@ -140,7 +108,7 @@ class OnlineBatches:
         self.scratch = states.blobs.scratch() if self._discard else None
         if self.scratch is not None:
             stack.callback(shutil.rmtree, self.scratch.dir, True)
-        self.job = _FetchJob(states)
+        self.job = HiddenStatesJob(states.layout, None, "hidden states (online)", KEPT)
         self.loop = asyncio.new_event_loop()
         thread = threading.Thread(target=self.loop.run_forever, name="online-states", daemon=True)
         thread.start()
@@ -164,7 +132,7 @@ class OnlineBatches:
     def _start_servers(self) -> None:
         states, servers = self.states, self._servers
         incoming = states.blobs.incoming_dir()
-        servers.callback(_remove_if_empty, incoming)
+        servers.callback(remove_if_empty, incoming)
         self.job.connector = states.serving.engine.connector_files(incoming)
         session = servers.enter_context(
             states.serving.extraction_session(states.layout.layer_ids, incoming)
@@ -221,8 +189,8 @@ class OnlineBatches:
             task.result()
         except CircuitOpen as exc:
             what = (
-                f"vLLM stopped answering during online training ({label}): {exc}. The "
-                "training state of the last finished epoch is kept; rerun to resume."
+                f"vLLM stopped answering during online training ({label}): {exc}. {KEPT}; "
+                "rerun to resume."
             )
             raise unavailable(what, self.managed) from exc
         finally:
@@ -301,7 +269,7 @@ class OnlineBatches:
     def _done(self, run: _Pass, fetch: _Fetch, outcome: Stored | Unusable) -> None:
         """On the loop: where the states of `fetch`'s rows are, or why they are not."""
         del run.pending[fetch.pending_as]
-        path = fetch.dest.path(fetch.key)
+        path = fetch.blobs.path(fetch.key)
         if isinstance(outcome, Stored):
             run.report.fetched += 1
             run.report.fetched_tokens += outcome.tokens
@@ -355,8 +323,3 @@ class OnlineBatches:
                 f"{report.label}: hidden states (max_rejection_ratio): {judged.describe()} "
                 f"By reason: {dict(report.rejected)}."
             )
-
-
-def _remove_if_empty(directory: Path) -> None:
-    if directory.is_dir() and not any(directory.iterdir()):
-        directory.rmdir()

@@ -16,7 +16,11 @@ from mm_assets.domain.model.hidden_states import ExtractionSettings, HiddenState
 from mm_assets.domain.model.settings import OnlineSettings
 from mm_assets.domain.model.training_data import SampleRef
 from mm_assets.services.engine import Serving
-from mm_assets.services.extraction import check_disk_budget, hidden_states_layout, requests_for
+from mm_assets.services.extraction import (
+    check_disk_budget,
+    extraction_request,
+    hidden_states_layout,
+)
 from mm_assets.services.request_stage import RequestReport
 from mm_assets.services.target import TargetModel
 from mm_assets.storage.blobs import BlobStore
@@ -93,7 +97,11 @@ class OnlineStates:
         if self.online.online_cache == "keep":  # what is missing ends up on this disk
             check_disk_budget(plan, self.layout, self.blobs)
         keys = plan.keys()
-        requests = {q.row_id: q for q in requests_for(rows, set(keys), self.image_token_id)}
+        requests = {
+            r["row_id"]: extraction_request(r, self.image_token_id)
+            for r in rows
+            if r["row_id"] in keys
+        }
         path = {row: str(self.blobs.path(key)) for row, key in keys.items()}
         refs = [
             SampleRef(r["row_id"], path[r["row_id"]], r["input_ids"], r["loss_mask"]) for r in rows
