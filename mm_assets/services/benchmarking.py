@@ -1,25 +1,17 @@
 """A draft benchmarked per category in vLLM, beside no speculation and vLLM's n-gram method.
 
-Each method runs on a server of its own (`services/method_servers.py`: started together on
-CPU, one at a time on a GPU), and is measured one after the other: `none` first, because its
-answers are the target's, and every method's later rounds are built from them (so all
-three are sent the same prompts) and its token ids are what losslessness is checked
-against; then `ngram` (prompt lookup, the free baseline); then `eagle3` with the draft.
-On each server a short warm-up request goes first (compilation and caches are not the
-draft's cost); then for each category its requests, all rounds, between two scrapes of
-`/metrics`, so categories never mix. One more pair of scrapes spans every category: the
-combined rows must agree with it.
+Each method runs on a server of its own (`services/method_servers.py`), one after the
+other: `none` first, since its answers are the target's (every method's later rounds
+quote them, and losslessness is checked against its token ids), then `ngram`, then
+`eagle3`. A warm-up request goes first (compilation is not the draft's cost); each
+category's requests run between two scrapes of `/metrics`, and one more pair spans every
+category, which the combined rows must agree with.
 
-Starting servers and generating cost minutes on CPU and hold the accelerator on GPU, so
-figures are recorded under the cache directory: the `none` and `ngram` figures (with
-answers and token ids) keyed by the target's content, the conversations, the settings and
-the engine options, so a second draft on the same target and benchmark starts no baseline
-server; the draft's figures keyed additionally by its weights. A rerun with nothing
-changed starts no server and sends nothing.
-
-A method vLLM refuses to start (a method the engine does not support) is reported as not
-run with vLLM's reason, and the others still run; `none` failing fails the benchmark, as
-there is nothing to compare with.
+Servers cost minutes, so figures are recorded under the cache directory: `none` and
+`ngram` keyed by the target's content, the conversations, the settings and the engine
+options (a second draft on the same benchmark starts no baseline server), the draft's
+keyed by its weights too. A method vLLM refuses to start is reported as not run, with
+vLLM's reason; `none` failing fails the benchmark (nothing to compare with).
 """
 
 from __future__ import annotations
@@ -64,28 +56,23 @@ DEFAULT_NGRAM_TOKENS = 3
 
 @dataclass(frozen=True)
 class MethodRun:
-    """One method's server run: figures per category, the answers per category (one list
-    per conversation, one answer per round), and the figures of one counter difference
-    over all categories."""
+    """One method's run: figures and answers (per conversation, per round) per category,
+    and the figures of one counter difference over all categories."""
 
     method: str
     figures: list[BenchmarkFigures] = field(default_factory=list)
     answers: dict[str, list[list[Answer]]] = field(default_factory=dict)
     whole_run: BenchmarkFigures | None = None
-    not_run: str | None = None
-    """Why the method did not run (vLLM's refusal to start it); None when it ran."""
+    not_run: str | None = None  # vLLM's refusal to start it
     reused: bool = False
 
 
 @dataclass(frozen=True)
 class BenchmarkReport:
-    rows: list[BenchmarkFigures]
-    """Per category per method, then one `OVERALL` row per method (`combined`)."""
+    rows: list[BenchmarkFigures]  # per category per method, then `OVERALL` per method
     runs: dict[str, MethodRun]
-    """Each method's run, with its answers (generations) and its whole-run figures."""
     prompts: dict[str, list[list[list[Turn]]]]
-    """The prompts every method was sent, per category, per conversation, per round
-    (normalized turns, built from the `none` answers)."""
+    """What every method was sent, per category, conversation and round (from `none`)."""
 
     @property
     def not_run(self) -> dict[str, str]:
@@ -139,9 +126,8 @@ def _category_answers(
     reference: list[list[Answer]] | None,
     settings: BenchmarkSettings,
 ) -> list[list[Answer]]:
-    """Every round of a category's conversations, round by round (round k of every
-    conversation before round k+1): a later round quotes the reference answers, or,
-    without a reference (`none` itself), the answers just generated."""
+    """A category's conversations, round k of each before round k+1: a later round
+    quotes the reference answers, or without one (`none` itself) those just generated."""
     answers: list[list[Answer]] = [[] for _ in conversations]
     for k in range(max((c.rounds for c in conversations), default=0)):
         asked = [i for i, c in enumerate(conversations) if c.rounds > k]
@@ -217,13 +203,7 @@ def _checked(run: MethodRun, reference: MethodRun, max_tokens: int) -> MethodRun
 
 
 def _to_record(run: MethodRun) -> dict[str, Any]:
-    return {
-        "method": run.method,
-        "figures": [asdict(f) for f in run.figures],
-        "answers": {k: [[asdict(a) for a in conv] for conv in v] for k, v in run.answers.items()},
-        "whole_run": asdict(run.whole_run) if run.whole_run else None,
-        "not_run": run.not_run,
-    }
+    return {key: value for key, value in asdict(run).items() if key != "reused"}
 
 
 def _figures_from_record(fields: dict[str, Any]) -> BenchmarkFigures:
@@ -251,9 +231,8 @@ def benchmark(
     cache_dir: Path,
     reuse: bool = True,
 ) -> BenchmarkReport:
-    """Per category (normalized conversations, grouped), the figures of `none`, `ngram`
-    and — with a draft — `eagle3`, each on a server of its own (see the module's
-    docstring), plus an `OVERALL` row per method."""
+    """Per category, the figures of `none`, `ngram` and (with a draft) `eagle3`, plus an
+    `OVERALL` row per method (see the module's docstring)."""
     if not serving.engine.managed:
         raise ValueError(
             "benchmarking starts a server per method (none, ngram, eagle3) with its own "
