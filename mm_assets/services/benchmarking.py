@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ from mm_assets.storage.records import load_record, save_record
 logger = logging.getLogger(__name__)
 WARMUP_PROMPT = [{"role": "user", "content": "Hello."}]
 DEFAULT_NGRAM_TOKENS = 3
+RECORDS = {"none": "none", "ngram": "ngram", "eagle3": "draft"}  # a method's record file
 
 
 @dataclass(frozen=True)
@@ -251,84 +251,32 @@ def benchmark(
     base_key = json_sha256(
         [BENCHMARK_VERSION, fingerprint, categories, settings.model_dump(), options, ngram_tokens]
     )
-    plan = _plan(cache_dir, base_key, draft, ngram_args(settings, ngram_tokens), reuse)
+    keys = {"none": base_key, "ngram": base_key}
+    serve_args = {"none": [], "ngram": ngram_args(settings, ngram_tokens)}
+    if draft is not None:
+        keys["eagle3"] = json_sha256([base_key, draft.weights_sha256, draft.speculative_tokens])
+        serve_args["eagle3"] = draft.serve_args()
+    records = {m: cache_dir / f"benchmark_{RECORDS[m]}_{k[:20]}.json" for m, k in keys.items()}
+    found = {m: (load_record(records[m], k) if reuse else None) for m, k in keys.items()}
+    if found["none"] is None:  # ngram was checked against the recorded `none`
+        found["ngram"] = None
+    recorded = {m: _from_record(record) for m, record in found.items() if record}
+    runs: dict[str, MethodRun] = {}
     with MethodServers(serving, settings.start_servers_together) as servers:
-        servers.start(plan.to_run)
-
-        def run(method: str, reference: MethodRun | None) -> MethodRun:
-            if reference is None:
-                return run_method(method, servers, conversations, None, settings)
-            measured = run_method(method, servers, conversations, reference.answers, settings)
-            return _checked(measured, reference, settings.max_tokens)
-
-        none, ngram = _baselines(run, plan)
-        runs = {"none": none, "ngram": ngram}
-        if draft is not None:
-            runs["eagle3"] = _draft_run(run, none, plan)
+        servers.start({m: args for m, args in serve_args.items() if m not in recorded})
+        for method in keys:  # `none` first: the reference of the others
+            if method in recorded:
+                runs[method] = recorded[method]
+                continue
+            reference = runs.get("none")
+            answers = reference.answers if reference else None
+            run = run_method(method, servers, conversations, answers, settings)
+            runs[method] = _checked(run, reference, settings.max_tokens) if reference else run
+            if run.not_run is None:  # a method vLLM did not start is tried again next time
+                save_record(records[method], keys[method], _to_record(runs[method]))
+    none = runs["none"]
     rows = with_overall([f for r in runs.values() for f in r.figures])
     prompts = {
         name: all_prompts(convs, none.answers[name]) for name, convs in conversations.items()
     }
     return BenchmarkReport(rows, runs, prompts)
-
-
-# A method's run; given the reference run, with its lossless counts against it.
-Runner = Callable[[str, MethodRun | None], MethodRun]
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What is recorded already, and the methods (with their serve arguments) to run."""
-
-    base_record: Path
-    base_key: str
-    base: dict[str, Any]
-    draft_record: Path | None
-    draft_key: str | None
-    draft: dict[str, Any] | None
-    to_run: dict[str, list[str]]
-
-
-def _plan(
-    cache_dir: Path, base_key: str, draft: DraftUnderTest | None, ngram: list[str], reuse: bool
-) -> _Plan:
-    """The records of this benchmark (a method vLLM did not start is not reused: the
-    next run tries it again), and so the methods that must run."""
-    base_record = cache_dir / f"benchmark_baselines_{base_key[:20]}.json"
-    base = (load_record(base_record, base_key) if reuse else None) or {}
-    to_run: dict[str, list[str]] = {}
-    if "none" not in base:
-        to_run["none"] = []
-    if "ngram" not in base or base["ngram"]["not_run"] is not None:
-        base.pop("ngram", None)
-        to_run["ngram"] = ngram
-    if draft is None:
-        return _Plan(base_record, base_key, base, None, None, None, to_run)
-    draft_key = json_sha256([base_key, draft.weights_sha256, draft.speculative_tokens])
-    draft_record = cache_dir / f"benchmark_draft_{draft_key[:20]}.json"
-    cached = load_record(draft_record, draft_key) if reuse else None
-    if not cached:
-        to_run["eagle3"] = draft.serve_args()
-    return _Plan(base_record, base_key, base, draft_record, draft_key, cached, to_run)
-
-
-def _baselines(run: Runner, plan: _Plan) -> tuple[MethodRun, MethodRun]:
-    """`none` and `ngram`, from their record when it is there, else measured."""
-    cached = plan.base
-    none = _from_record(cached["none"]) if "none" in cached else run("none", None)
-    n_gram = _from_record(cached["ngram"]) if "ngram" in cached else run("ngram", none)
-    if not (none.reused and n_gram.reused):
-        record = {"none": _to_record(none), "ngram": _to_record(n_gram)}
-        save_record(plan.base_record, plan.base_key, record)
-    return none, n_gram
-
-
-def _draft_run(run: Runner, none: MethodRun, plan: _Plan) -> MethodRun:
-    """The draft's run, from its record (keyed by its weights too) when it is there."""
-    assert plan.draft_record is not None and plan.draft_key is not None
-    if plan.draft:
-        return _from_record(plan.draft)
-    measured = run("eagle3", none)
-    if measured.not_run is None:
-        save_record(plan.draft_record, plan.draft_key, _to_record(measured))
-    return measured

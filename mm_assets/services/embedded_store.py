@@ -1,9 +1,8 @@
 """Removing the embedded images that nothing references any more, safely by construction.
 
 An image taken out of a row is written once, by content, and shared by every partition
-whose rows held it. A partition loaded again with other rows (a new filter, seed or
-source) leaves behind the images of the rows it no longer keeps, and nothing else
-removes them: `prune_embedded_images` does (the Dagster job of that name, `apply: true`).
+whose rows held it; a partition loaded again with other rows leaves images behind, which
+`prune_embedded_images` removes (the Dagster job of that name, `apply: true`).
 
 An image is removed only when all of these hold at the moment of its removal:
 - no table that can name an embedded image names it (`IMAGE_COLUMNS`: the raw rows, the
@@ -57,7 +56,7 @@ _DIGEST = r"sha256[:/](?:[0-9a-f]{2}/)?([0-9a-f]{64})"
 
 @dataclass
 class PruneReport:
-    removed: list[Path] = field(default_factory=list)  # or that would be, in a dry run
+    removed: list[Path] = field(default_factory=list)  # or would be, in a dry run
     removed_bytes: int = 0
     kept_young: int = 0  # unreferenced, but too fresh to be sure
     kept_referenced_again: int = 0  # unreferenced at the scan, referenced at the removal

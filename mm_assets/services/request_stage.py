@@ -1,9 +1,6 @@
 """One request stage for every job that asks vLLM one result per row and stores it
-(target responses, hidden states, next the trainer fetching hidden states). The caller
-plans first: rows stored under their content key are never passed in, and with none left
-no server starts. The stage reaches the servers, sends every item through one
-`VllmClient` (rotation, breaker, retries), hands each answer to the job's writer in a
-storer thread, and returns one `RequestReport` (counts, per-server stats, rejections).
+(target responses, hidden states, online or not): every item through one `VllmClient`,
+each answer to the job's writer in a storer thread, one `RequestReport` back.
 
 Writers run in many threads at once (storing waits on the disk or on vLLM's connector,
 and must not hold back the next requests), so they only return what they did: the
@@ -75,8 +72,7 @@ class RequestReport:
     tokens: int = 0
     rejections: list[dict[str, str]] = field(default_factory=list)
     requests_sent: int = 0
-    servers: list[dict[str, Any]] = field(default_factory=list)
-    """Each server's answers, failed tries and tokens (`VllmClient.server_stats`)."""
+    servers: list[dict[str, Any]] = field(default_factory=list)  # `VllmClient.server_stats`
     seconds: float = 0.0
     startup_s: float | None = None
     server_rss_bytes: int | None = None
@@ -108,10 +104,9 @@ async def request_all(
     total: int | None = None,
 ) -> None:
     """On the running loop: ask for every item and store each answer with `storers`,
-    counting into `report` and telling `on_done` (on the loop) what became of each item;
-    servers that stop answering raise `CircuitOpen`. `items` may be asynchronous: a
-    producer that waits for room (the online trainer's prefetch window) without holding
-    the loop."""
+    counting into `report` and telling `on_done` what became of each item; servers that
+    stop answering raise `CircuitOpen`. Asynchronous `items` may wait for room (the
+    online trainer's prefetch window) without holding the loop."""
     started = time.perf_counter()
     progress = Progress(logger.info, job.what, total, every_s=10.0)
     ask = functools.partial(job.ask, client)
@@ -142,8 +137,7 @@ async def request_all(
 def run_requests(
     client: VllmClient, items: Iterable[Any], job: RequestJob, total: int | None = None
 ) -> RequestReport:
-    """Ask for every item and store each answer (`request_all`); per-item problems come
-    back as rejections, servers that stop answering raise `CircuitOpen`."""
+    """`request_all` on a loop of its own, with its own storers."""
     report, started = RequestReport(), time.perf_counter()
 
     async def main() -> None:
@@ -172,8 +166,8 @@ def make_client(
 
 @dataclass(frozen=True)
 class RequestStage:
-    """A step's requests; `session` is `VllmEngine.session(...)` (or its extraction
-    twin), entered here and left when the requests are done."""
+    """A step's requests; `session` (`VllmEngine.session(...)` or its extraction twin) is
+    entered here and left when they are done."""
 
     session: AbstractContextManager[ServerSession]
     settings: RequestSettings
