@@ -283,10 +283,6 @@ class ExtractionReport:
     manifest: WrittenTable | None = None
     stored: StoredTotals = field(default_factory=StoredTotals)
 
-    @property
-    def rejection_ratio(self) -> float:
-        return len(self.requests.rejections) / max(len(self.plan.rows), 1)
-
 
 @dataclass(frozen=True)
 class PartitionExtraction:
