@@ -1,5 +1,6 @@
 """Prep: raw rows into normalized conversations (with a quarantine), then into the
-target's token ids and loss masks (with a quarantine and supervised-token counts)."""
+target's token ids and loss masks (with a quarantine and supervised-token counts). A
+stage's quarantine (`StageReport`, `quarantine_row`) serves regeneration too."""
 
 from __future__ import annotations
 
@@ -27,14 +28,41 @@ from mm_assets.domain.prep.supervision import (
     render_supervision,
 )
 from mm_assets.domain.prep.tokenization import ChatTokenizer
-from mm_assets.domain.rejection import RowFailureWatch, failed_on
+from mm_assets.domain.rejection import RowFailureWatch, RowRejected, failed_on
 from mm_assets.domain.row_ids import make_row_id
 from mm_assets.registry import DatasetSpec
-from mm_assets.services.quarantine import StageReport, quarantine_row
-from mm_assets.storage import TableStore, schemas
+from mm_assets.storage import TableStore, WrittenTable, schemas
+from mm_assets.storage.tables import BatchWriter
 
 logger = logging.getLogger(__name__)
 CONVERSATIONS = "target_responses"  # what tokenization reads (see `services/regeneration.py`)
+
+
+@dataclass
+class StageReport:
+    kept: WrittenTable | None = None
+    quarantine: WrittenTable | None = None
+    reasons: Counter[str] = field(default_factory=Counter)
+
+
+def quarantine_row(
+    out: BatchWriter,
+    report: StageReport,
+    source_index: int,
+    sample_id: str | None,
+    record: str,
+    exc: RowRejected,
+) -> None:
+    report.reasons[exc.reason.value] += 1
+    out.write(
+        {
+            "source_index": source_index,
+            "sample_id": sample_id,
+            "reason": exc.reason.value,
+            "detail": exc.detail,
+            "record": record,
+        }
+    )
 
 
 def load_probes(tables: TableStore, partition: str) -> dict[str, ImageProbe]:

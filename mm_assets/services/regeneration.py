@@ -37,7 +37,7 @@ from mm_assets.domain.model.responses import (
 from mm_assets.domain.prep.conversations import reply_indices, to_vllm_messages
 from mm_assets.domain.prep.tokenization import count_images
 from mm_assets.services.engine import VllmEngine
-from mm_assets.services.quarantine import StageReport, quarantine_row
+from mm_assets.services.prep import StageReport, quarantine_row
 from mm_assets.services.request_stage import Outcome, RequestReport, RequestStage, Stored, Unusable
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, schemas

@@ -68,8 +68,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SpeculatorJob:
-    """One training: a draft (`partition`: its name, a dataset's or a `drafts:` entry's),
-    the target, the layer ids its sources' states are made with, and the settings."""
+    """One training: a draft (`partition`: its name), the target, the layer ids its
+    sources' states are made with, and the settings."""
 
     partition: str
     storage_root: Path
@@ -78,10 +78,8 @@ class SpeculatorJob:
     target_fingerprint: str
     layer_ids: list[int]
     settings: SpeculatorSettings
-    online: OnlineStates | None = None
-    """How states are fetched while training; None: train on the stored ones."""
-    init: InitSource | None = None
-    """The draft training starts from (`init_from`); None: random weights."""
+    online: OnlineStates | None = None  # None: train on the stored states
+    init: InitSource | None = None  # `init_from`; None: random weights
 
     @classmethod
     def for_draft(
@@ -93,9 +91,8 @@ class SpeculatorJob:
         tables: TableStore,
         online: OnlineStates | None = None,
     ) -> SpeculatorJob:
-        """The job for the layer ids the sources' states are made with: those
-        `hidden_states` stored them with, or online, those its settings name (checked
-        against the target); decided there, once, and never chosen again here."""
+        """The job for the layer ids the sources' states were stored with, or online,
+        those its settings name (decided there, once, never chosen again here)."""
         layer_ids = online.layout.layer_ids if online else draft_layer_ids(tables, draft)
         layout = StorageLayout(storage_root)
         given = settings.init_from
@@ -139,37 +136,28 @@ class SpeculatorOutcome:
     untrained_acceptance: float | None
     train_rows: int
     held_out: list[SampleRef]
-    untrained_replies: dict[str, list[list[int]]]
-    """The untrained draft's replay of the held-out replies (`TrainResult.held_out_replies`)."""
-    reused: bool = False
-    """True when an identical earlier training was found and nothing was trained."""
-    weights_sha256: str | None = None
-    """Hash of the saved `model.safetensors` (None on ranks that do not save)."""
+    untrained_replies: dict[str, list[list[int]]]  # as `TrainResult.held_out_replies`
+    reused: bool = False  # an identical earlier training was found: nothing trained
+    weights_sha256: str | None = None  # None on ranks that do not save
     untrained_sha256: str | None = None
-    """Hash of the untrained draft's `model.safetensors` (`SpeculatorJob.untrained_dir`)."""
-    fetch: FetchReport | None = None
-    """Online: what fetching the states took, pass by pass."""
-    sources: dict[str, SourceFigures] = field(default_factory=dict)
-    """Each source's rows: trained, held out, capped, duplicates (`draft_set`)."""
+    fetch: FetchReport | None = None  # online: what fetching the states took
+    sources: dict[str, SourceFigures] = field(default_factory=dict)  # `draft_set`'s
     duplicates: dict[str, int] = field(default_factory=dict)
     """`kept_by/dropped_from` -> rows of conversations both sources hold, trained once."""
 
 
 @dataclass(frozen=True)
 class TrainingSet:
-    """What one training reads: the draft's rows (`draft_set`: trained, held out, the
-    supervised-token counts the draft vocabulary is chosen from, figures per source)."""
+    """What one training reads: the draft's rows (`draft_set`), and online each row's
+    blob key and extraction request (`OnlineStates.training_rows`)."""
 
     rows: DraftSet
     keys: dict[str, str] = field(default_factory=dict)
-    """Online: each row's blob key (`OnlineStates.training_rows`)."""
     requests: dict[str, ExtractionRequest] = field(default_factory=dict)
-    """Online: each row's extraction request."""
 
 
 def training_set(job: SpeculatorJob, draft: DraftSpec, tables: TableStore) -> TrainingSet:
-    """Each source's rows with stored states, or online every tokenized row (with its
-    blob key and extraction request), as the draft's one training set."""
+    """Each source's rows with stored states (online, every tokenized row), as one set."""
     several = len(draft.sources) > 1
     sources, keys, requests = [], {}, {}
     for name, cap in draft.sources.items():
@@ -254,10 +242,9 @@ def train_speculator(
     device: str = "auto",
     tracking: Tracking | None = None,
 ) -> SpeculatorOutcome:
-    """Train and save the draft on its sources' rows (`training_set`), or, with `reuse`,
-    return the checkpoint an identical earlier job left (its weights verified by hash)
-    without training. Without `reuse`, training starts from the first epoch, not from a
-    saved training state."""
+    """Train and save the draft, or with `reuse` return the checkpoint an identical
+    earlier job left (its weights verified by hash). Without `reuse`, training starts
+    from the first epoch, not from a saved training state."""
     data = training_set(job, draft, tables)
     for name, figures in data.rows.figures.items():
         logger.info("%s: %s", name, figures)
@@ -348,8 +335,7 @@ class _FromScratch:
 
 
 def _ranks() -> Ranks:
-    """The torchrun process group when one is initialised (rank 0 writes checkpoints),
-    else this process alone."""
+    """The torchrun process group when one is initialised, else this process alone."""
     if not (dist.is_available() and dist.is_initialized()):
         return Ranks()
     ddp = torch.nn.parallel.DistributedDataParallel
@@ -382,8 +368,7 @@ def _checkpoint_config(job: SpeculatorJob, cfg: Eagle3Config, extra: dict[str, A
 
 
 def _save(job: SpeculatorJob, model: Eagle3Draft, outcome: SpeculatorOutcome, key: str) -> None:
-    """The checkpoint in the speculators format, and the record that lets an identical
-    job reuse it."""
+    """The checkpoint, and the record that lets an identical job reuse it."""
     estimate = {"held_out_acceptance_estimate": outcome.result.held_out_acceptance}
     save_checkpoint(
         model.cpu(), _checkpoint_config(job, outcome.config, estimate), job.checkpoint_dir
