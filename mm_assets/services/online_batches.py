@@ -1,14 +1,11 @@
 """The `BatchSource` that fetches hidden states from vLLM while the draft trains
 (`hidden_states: online`; what it fetches: `services/online_states.py`).
 
-The trainer asks its `BatchSource` for each pass's batches in order (`domain.model.trainer`).
-`OnlineBatches` answers from the blob store where a row's states are stored, and requests
-the others through the same client, verification and storing as offline extraction
-(`services.extraction.store_outcome`), with the next `prefetch_batches` batches in flight
-while the current one trains. `online_cache: keep` stores what it fetched in the blob
-store, so later epochs, reruns and offline runs find it; `discard` stores it in a scratch
-directory and deletes each batch's files once the batch is built, so at most
-prefetch_batches + 1 batches are on disk, and every pass requests its rows again.
+Stored rows come from the blob store; the others are requested as offline extraction
+requests them (`HiddenStatesJob`), the next `prefetch_batches` batches in flight while
+the current one trains. `online_cache: keep` stores what it fetched in the blob store
+(later epochs, reruns and offline runs find it); `discard` deletes each batch's files
+once it is built, so at most prefetch_batches + 1 batches are on disk.
 
 Threads: the trainer's (it builds batches and deletes their files), one event-loop thread
 that runs every pass's requests, and the storer threads that verify and store answers.

@@ -1,7 +1,6 @@
 """Hidden states fetched from vLLM while the draft trains (`hidden_states: online`): what
-a training run fetches (`OnlineStates`: the layout, the partition's request settings,
-where blobs go, each row's key and request) and what fetching took (`FetchReport`, pass
-by pass). The fetching itself is `services/online_batches.py`.
+a training run fetches (`OnlineStates`) and what fetching took (`FetchReport`). The
+fetching itself is `services/online_batches.py`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Target responses for a partition: every assistant turn rewritten by the target through
 vLLM (`responses: target`), or the normalized conversations passed through (`dataset`).
 
-Replies are stored per conversation under a content key (`response_key`: target, sampling
-settings, the prompt side of the conversation) as soon as the conversation is done, so a
-rerun, a reordering or an edit of other rows sends nothing for unchanged conversations,
-and an interrupted run resumes where it stopped. Generation errors that may be passing
-(a refused request other than a too-long prompt) are not stored: the next run asks again.
-The `target_responses` table is then assembled from the stored replies.
+Replies are stored per conversation under a content key (`response_key`) once it is
+done, so a rerun sends nothing for unchanged conversations and an interrupted run
+resumes. Generation errors that may be passing are not stored: the next run asks again.
 """
 
 from __future__ import annotations
@@ -51,18 +48,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RegenerationReport(StageReport):
-    """What a `target_responses` run did, for the asset to render."""
-
     mode: str = "dataset"
     conversations: int = 0
     cache_hits: int = 0
     requests: RequestReport = field(default_factory=RequestReport)
-    """`tokens`: the tokens generated now, in every reply (stored or not)."""
     server: str = ""
     reply_lengths: list[int] = field(default_factory=list)
     length_capped: int = 0
-    cut_short: int = 0
-    """Conversations kept up to the turn before a failed or empty reply."""
+    cut_short: int = 0  # conversations kept up to the turn before a failed or empty reply
 
 
 def _passthrough(row: dict[str, Any]) -> dict[str, Any]:

@@ -1,10 +1,7 @@
 """Experiment tracking: a training's curves where ML engineers compare runs.
 
-`tracking: tensorboard` writes TensorBoard event files (torch's `SummaryWriter`);
-`tracking: mlflow` logs to an MLflow tracking server, or to a local SQLite store (MLflow's
-own client; MLflow 3 refuses its old file store unless told otherwise). Per optimizer
-step the training loss and learning rate; after each epoch the held-out loss and
-acceptance estimate; once, the settings and what launched the run (the Dagster run id).
+`tracking: tensorboard` writes TensorBoard event files; `tracking: mlflow` logs to an
+MLflow tracking server, or a local SQLite store (MLflow 3 refuses its old file store).
 Off by default: the packages are the `tracking` extra.
 """
 
