@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # matplotlib loads inside the steps that plot, not with the d
 
     from mm_assets.domain.model.benchmark import BenchmarkFigures
     from mm_assets.domain.model.trainer import TrainResult
-    from mm_assets.services.online_states import FetchReport
+    from mm_assets.services.online_batches import FetchReport
 
 
 def counts_table(counts: Mapping[str, int], key: str, value: str = "rows") -> dg.MetadataValue:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from mm_assets.registry import DraftSpec
     from mm_assets.services.extraction import ExtractionReport, PartitionExtraction
     from mm_assets.services.measurement import SourceMeasurement
-    from mm_assets.services.online_states import OnlineStates
+    from mm_assets.services.online_batches import OnlineStates
     from mm_assets.services.target import TargetModel
     from mm_assets.services.training import SpeculatorJob, SpeculatorOutcome
 
@@ -279,7 +279,7 @@ def online_states(
     settings (layer ids, which every source shares, storage format, requests) read as
     that step reads them, through one server that may read every source's images."""
     from mm_assets.services.media import sources_media_root
-    from mm_assets.services.online_states import OnlineStates
+    from mm_assets.services.online_batches import OnlineStates
 
     sources = [REGISTRY[name] for name in draft.sources]
     extraction = stage_settings(context, sources[0], "hidden_states", ExtractionSettings)

@@ -157,13 +157,6 @@ def run_requests(
     return report
 
 
-def make_client(
-    client_type: type[Client], served: ServerSession, settings: RequestSettings
-) -> Client:
-    """A client for a session's servers with a stage's request settings."""
-    return client_type(served.base_urls, settings, served.access)
-
-
 @dataclass(frozen=True)
 class RequestStage:
     """A step's requests; `session` (`VllmEngine.session(...)` or its extraction twin) is
@@ -181,7 +174,7 @@ class RequestStage:
             if served.managed:
                 startup = served.managed.startup_seconds or 0.0
                 logger.info("vLLM started in %.1fs, log %s", startup, served.managed.log_path)
-            client = make_client(client_type, served, self.settings)
+            client = client_type(served.base_urls, self.settings, served.access)
             try:
                 report = run_requests(client, items, job, total)
             except CircuitOpen as exc:

@@ -51,8 +51,7 @@ from mm_assets.services.draft_sources import (
     row_keys,
     sample_refs,
 )
-from mm_assets.services.online_batches import OnlineBatches
-from mm_assets.services.online_states import FetchReport, OnlineStates
+from mm_assets.services.online_batches import FetchReport, OnlineBatches, OnlineStates
 from mm_assets.services.target import TargetModel
 from mm_assets.services.target_weights import load_target_head
 from mm_assets.services.tracking import Tracking, open_tracker
