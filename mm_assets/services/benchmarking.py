@@ -12,12 +12,16 @@ Servers cost minutes, so figures are recorded under the cache directory: `none` 
 options (a second draft on the same benchmark starts no baseline server), the draft's
 keyed by its weights too. A method vLLM refuses to start is reported as not run, with
 vLLM's reason; `none` failing fails the benchmark (nothing to compare with).
+
+A benchmark's prompts are its partition's normalized conversations (`role: benchmark`
+entries are prepared like any dataset), by category (`load_benchmark`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,9 +47,11 @@ from mm_assets.domain.model.benchmark import (
     with_overall,
 )
 from mm_assets.domain.prep.conversations import to_vllm_messages
+from mm_assets.registry.specs import DEFAULT_CATEGORY
 from mm_assets.services.engine import DraftUnderTest, Serving
 from mm_assets.services.method_servers import MethodServers
 from mm_assets.services.target import target_fingerprint
+from mm_assets.storage import TableStore
 from mm_assets.storage.records import load_record, save_record
 
 logger = logging.getLogger(__name__)
@@ -280,3 +286,50 @@ def benchmark(
         name: all_prompts(convs, none.answers[name]) for name, convs in conversations.items()
     }
     return BenchmarkReport(rows, runs, prompts)
+
+
+@dataclass(frozen=True)
+class BenchmarkSet:
+    """One benchmark's conversations, by category (in the order categories first appear)."""
+
+    name: str
+    categories: dict[str, list[list[Turn]]]
+    images: bool
+
+    @property
+    def conversations(self) -> int:
+        return sum(len(c) for c in self.categories.values())
+
+
+def load_benchmark(
+    tables: TableStore, benchmark: str, per_category: int | None = None
+) -> BenchmarkSet:
+    """The benchmark partition's conversations by category, the first `per_category` of
+    each (all when None). Fails with what to run when the benchmark is not prepared."""
+    if not tables.exists("normalized_conversations", benchmark):
+        raise FileNotFoundError(
+            f"benchmark {benchmark!r} is not prepared: materialize its partition first "
+            f"(`dagster asset materialize -m mm_assets.definitions --select "
+            f"'+normalized_conversations' --partition {benchmark}`, or the prepare job)"
+        )
+    categories: dict[str, list[list[Turn]]] = {}
+    images = False
+    columns = ["turns", "category", "multimodal"]
+    for row in tables.iter_rows("normalized_conversations", benchmark, columns):
+        found = categories.setdefault(category_name(row["category"]), [])
+        if per_category is None or len(found) < per_category:
+            found.append(json.loads(row["turns"]))
+            images = images or bool(row["multimodal"])
+    return BenchmarkSet(benchmark, categories, images)
+
+
+def category_name(stored: str | None) -> str:
+    """The category a benchmark row is reported under: `overall` names the row that sums
+    every category, so a category of that name is reported as `overall (category)`."""
+    name = stored or DEFAULT_CATEGORY
+    return f"{OVERALL} (category)" if name == OVERALL else name
+
+
+def results_key(draft_sha256: str | None, benchmark: str, settings: Mapping[str, Any]) -> str:
+    """What makes two measurements the same one: reruns of it replace its rows."""
+    return json_sha256([draft_sha256, benchmark, dict(settings)])[:16]
