@@ -52,8 +52,7 @@ from mm_assets.services.draft_sources import (
     sample_refs,
 )
 from mm_assets.services.online_batches import FetchReport, OnlineBatches, OnlineStates
-from mm_assets.services.target import TargetModel
-from mm_assets.services.target_weights import load_target_head
+from mm_assets.services.target import TargetModel, load_target_head
 from mm_assets.services.tracking import Tracking, open_tracker
 from mm_assets.services.warm_start import InitSource, locate, warm_draft
 from mm_assets.storage import TableStore
