@@ -37,7 +37,6 @@ from mm_assets.domain.model.hidden_states import (
 from mm_assets.services.extraction import (
     DiskBudgetError,
     HiddenStatesJob,
-    StatesDestination,
     StatesFetch,
     check_disk_budget,
     store_response,
@@ -258,7 +257,7 @@ def test_store_response_moves_a_valid_file_into_the_blob_store(tmp_path: Path) -
     key = layout.key(request.input_ids, [], [0, 0, 1, 1, 1])
     response = ExtractionResponse(list(range(5)), str(source))
     stored = store_response(
-        request, response, key, StatesDestination(layout, blobs, ConnectorDir(source.parent))
+        StatesFetch(request, key, blobs, None), response, layout, ConnectorDir(source.parent)
     )
     assert stored == blobs.path(key) and blobs.has(key)
     assert torch.equal(load_file(str(stored))["hidden_states"], tensors["hidden_states"])
@@ -274,7 +273,7 @@ def test_store_response_keeps_the_rows_prefix_of_an_untruncated_render(tmp_path:
     request = ExtractionRequest("r", [0, 1, 2, 3])  # the row was truncated to 4 tokens
     response = ExtractionResponse(list(range(7)), str(source))
     stored = store_response(
-        request, response, "k" * 64, StatesDestination(layout, blobs, ConnectorDir(source.parent))
+        StatesFetch(request, "k" * 64, blobs, None), response, layout, ConnectorDir(source.parent)
     )
     kept = load_file(str(stored))
     assert kept["hidden_states"].shape == (4, 4, 8) and kept["token_ids"].tolist() == [0, 1, 2, 3]
@@ -299,10 +298,10 @@ def test_store_response_rejects_and_discards_what_it_cannot_use(
     with pytest.raises(HiddenStatesRejected) as info:
         response = ExtractionResponse(prompt_ids, str(source))
         store_response(
-            request,
+            StatesFetch(request, "k" * 64, blobs, None),
             response,
-            "k" * 64,
-            StatesDestination(layout, blobs, ConnectorDir(source.parent)),
+            layout,
+            ConnectorDir(source.parent),
         )
     assert info.value.reason == problem
     assert not source.exists() and not any(blobs.dir.rglob("*.safetensors"))
@@ -320,9 +319,9 @@ def test_a_file_that_is_not_safetensors_rejects_its_row_not_the_partition(
     source.parent.mkdir()
     source.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n")
     request = ExtractionRequest("r", [0, 1, 2])
-    dest = StatesDestination(layout, blobs, ConnectorDir(source.parent))
+    fetch = StatesFetch(request, "k" * 64, blobs, None)
     answer = ExtractionResponse([0, 1, 2], str(source))
-    outcome = store_outcome(request, answer, True, "k" * 64, dest, None)
+    outcome = store_outcome(fetch, answer, True, layout, ConnectorDir(source.parent))
     assert outcome.reason == "bad_file" and "req.safetensors" in outcome.detail
 
 

@@ -92,49 +92,43 @@ def check_disk_budget(plan: Plan, layout: HiddenStatesLayout, blobs: BlobStore) 
 
 
 @dataclass(frozen=True)
-class StatesDestination:
-    """Where answers' states go: what they must be (`layout`), the store they are moved
-    into, and the only directory their files may come from (`connector`)."""
+class StatesFetch:
+    """One row's request, and where its states go: `key` in `blobs`, encoded with the
+    row's loss `mask` (compact formats; None for native ones)."""
 
-    layout: HiddenStatesLayout
+    request: ExtractionRequest
+    key: str
     blobs: BlobStore
-    connector: ConnectorDir
+    mask: list[int] | None
 
 
 def store_response(
-    request: ExtractionRequest,
+    fetch: StatesFetch,
     response: ExtractionResponse,
-    key: str,
-    dest: StatesDestination,
-    loss_mask: list[int] | None = None,
+    layout: HiddenStatesLayout,
+    connector: ConnectorDir,
     lock_timeout_s: float = LOCK_TIMEOUT_S,
 ) -> Path:
-    """Verify one response and its file, then move the file into the blob store — in
-    another storage format, encoded once here, with its decoding error recorded. A path
-    outside the connector directory is rejected untouched (`ConnectorDir`)."""
+    """Verify one response and its file (states as `layout` says; only from `connector`'s
+    directory, else rejected untouched), then move the file into the blob store — in
+    another storage format, encoded once here, with its decoding error recorded."""
     try:
-        check_prompt_ids(response.prompt_token_ids, request.input_ids)
-        with dest.connector.open(response.hidden_states_path, lock_timeout_s) as file:
-            return _store_file(request, file, key, dest, loss_mask)
+        check_prompt_ids(response.prompt_token_ids, fetch.request.input_ids)
+        with connector.open(response.hidden_states_path, lock_timeout_s) as file:
+            return _store_file(fetch, file, layout)
     except OutsideConnectorDir as exc:
         raise HiddenStatesRejected(HiddenStatesProblem.PATH_OUTSIDE, str(exc)) from exc
     finally:
-        dest.connector.discard(response.hidden_states_path)
+        connector.discard(response.hidden_states_path)
 
 
-def _store_file(
-    request: ExtractionRequest,
-    file: ConnectorFile,
-    key: str,
-    dest: StatesDestination,
-    loss_mask: list[int] | None,
-) -> Path:
+def _store_file(fetch: StatesFetch, file: ConnectorFile, layout: HiddenStatesLayout) -> Path:
     """Store the opened, checked file: read through its descriptor, moved by name only
     when the name still is that file (and checked again once moved)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    layout, blobs = dest.layout, dest.blobs
+    request, key, blobs, loss_mask = fetch.request, fetch.key, fetch.blobs, fetch.mask
     try:
         tensors = load_file(file.read_path)
     except SafetensorError as exc:  # cut short or not safetensors: unreadable, asked again
@@ -178,17 +172,6 @@ def stored_blobs(blobs: BlobStore, layout: HiddenStatesLayout) -> Callable[[str]
     return stored
 
 
-@dataclass(frozen=True)
-class StatesFetch:
-    """One row's request, and where its states go: `key` in `blobs`, encoded with the
-    row's loss `mask` (compact formats; None for native ones)."""
-
-    request: ExtractionRequest
-    key: str
-    blobs: BlobStore
-    mask: list[int] | None
-
-
 @dataclass
 class HiddenStatesJob:
     """Hidden states for `StatesFetch` items: each answer's file verified and stored as
@@ -208,24 +191,23 @@ class HiddenStatesJob:
         self, item: StatesFetch, answer: ExtractionResponse | Exception, final: bool
     ) -> Outcome:
         assert self.connector is not None
-        dest = StatesDestination(self.layout, item.blobs, self.connector)
-        return store_outcome(item.request, answer, final, item.key, dest, item.mask)
+        return store_outcome(item, answer, final, self.layout, self.connector)
 
 
 def store_outcome(
-    request: ExtractionRequest,
+    fetch: StatesFetch,
     answer: ExtractionResponse | Exception,
     final: bool,
-    key: str,
-    dest: StatesDestination,
-    loss_mask: list[int] | None,
+    layout: HiddenStatesLayout,
+    connector: ConnectorDir,
 ) -> Outcome:
-    """Store one response under `key` (`store_response`), or say why its row is rejected;
+    """Store one response (`store_response`), or say why its row is rejected;
     `ASK_AGAIN` when its file could not be read (unless `final`)."""
+    request = fetch.request
     if isinstance(answer, Exception):
         return Unusable(request.row_id, "request_refused", str(answer))
     try:
-        path = store_response(request, answer, key, dest, loss_mask)
+        path = store_response(fetch, answer, layout, connector)
     except HiddenStatesRejected as exc:
         return Unusable(request.row_id, exc.reason.value, exc.detail)
     except (OSError, TimeoutError, ValueError) as exc:
