@@ -1,10 +1,7 @@
-"""Hidden states for a partition's tokenized rows: plan against the cache, request from
-vLLM, verify, store, and write the manifest.
-
-Planning (`domain/model/hidden_state_plan.py`) skips the rows whose blob exists; the rest
-go through the request stage (`services/request_stage.py`). Every response is checked —
-vLLM's prompt token ids must equal the stored `input_ids` — and every file is validated
-before it is renamed into the blob store.
+"""Hidden states for a partition's tokenized rows: plan against the cache (rows whose blob
+exists are skipped), request from vLLM, verify, store, and write the manifest. Every
+response is checked (vLLM's prompt token ids must equal the stored `input_ids`) and
+every file validated before it is renamed into the blob store.
 """
 
 from __future__ import annotations
@@ -51,9 +48,7 @@ from mm_assets.storage.blobs import BlobStore
 logger = logging.getLogger(__name__)
 TOKENIZED = "tokenized_samples"
 LOCK_TIMEOUT_S = 120.0
-FILE_RETRIES = 2
-"""Requests again for a row whose answer came without a readable file: the server that
-answered can die before its connector finished writing (the next try goes to another)."""
+FILE_RETRIES = 2  # a server can die before its connector wrote the file: ask another
 
 
 class DiskBudgetError(RuntimeError):
