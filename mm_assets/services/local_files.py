@@ -30,13 +30,9 @@ def read_local(path: Path, data_files: list[str] | None = None) -> Iterator[RawR
     source index is stable), or of its `data_files` only, in order; each names its file."""
     if path.is_dir():
         files = _listed_files(path, data_files) if data_files else _all_files(path)
-        rows = (
-            RawRow(0, row.record, row.parse_error, file.relative_to(path).as_posix())
-            for file in files
-            for row in _read_file(file)
-        )
-        for index, row in enumerate(rows):
-            yield RawRow(index, row.record, row.parse_error, row.source_file)
+        rows = ((file, row) for file in files for row in _read_file(file))
+        for index, (file, row) in enumerate(rows):
+            yield RawRow(index, row.record, row.parse_error, file.relative_to(path).as_posix())
         return
     if data_files:
         raise ValueError(
