@@ -37,9 +37,9 @@ from mm_assets.services.request_stage import (
     ASK_AGAIN,
     Outcome,
     RequestReport,
-    RequestStage,
     Stored,
     Unusable,
+    run_stage,
 )
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, WrittenTable, schemas
@@ -330,11 +330,9 @@ class PartitionExtraction:
             for row in rows
             if row["row_id"] in plan.missing
         )
-        stage = RequestStage(session, self.settings)
+        job, client = HiddenStatesJob(layout, connector), HiddenStatesClient
         with _one_torch_thread():
-            report = stage.run(
-                HiddenStatesClient, HiddenStatesJob(layout, connector), fetches, len(plan.missing)
-            )
+            report = run_stage(session, self.settings, client, job, fetches, len(plan.missing))
         remove_if_empty(incoming)
         return report
 

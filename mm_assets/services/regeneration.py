@@ -35,7 +35,7 @@ from mm_assets.domain.prep.conversations import reply_indices, to_vllm_messages
 from mm_assets.domain.prep.tokenization import count_images
 from mm_assets.services.engine import VllmEngine
 from mm_assets.services.prep import StageReport, quarantine_row
-from mm_assets.services.request_stage import Outcome, RequestReport, RequestStage, Stored, Unusable
+from mm_assets.services.request_stage import Outcome, RequestReport, Stored, Unusable, run_stage
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, schemas
 from mm_assets.storage.blobs import BlobStore
@@ -104,8 +104,7 @@ class TargetRegeneration:
             rows = (r for r in self._rows() if r["sample_id"] in missing)
             model, engine = str(self.target.local_dir), self._engine
             session = engine.session(model, [], self.image_root, self.log_path)
-            stage = RequestStage(session, self.settings)
-            report.requests = stage.run(ChatClient, job, rows, len(missing))
+            report.requests = run_stage(session, self.settings, ChatClient, job, rows, len(missing))
         self._write_table(keys, unstored, report)
         return report
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterable, Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from mm_assets.clients.vllm_client import CircuitOpen, RequestRefused, VllmClient
 from mm_assets.clients.vllm_server import unavailable
@@ -27,7 +27,6 @@ from mm_assets.common.request_settings import RequestSettings
 from mm_assets.services.engine import ServerSession
 
 logger = logging.getLogger(__name__)
-Client = TypeVar("Client", bound=VllmClient)
 
 
 @dataclass(frozen=True)
@@ -157,30 +156,28 @@ def run_requests(
     return report
 
 
-@dataclass(frozen=True)
-class RequestStage:
-    """A step's requests; `session` (`VllmEngine.session(...)` or its extraction twin) is
-    entered here and left when they are done."""
-
-    session: AbstractContextManager[ServerSession]
-    settings: RequestSettings
-
-    def run(
-        self, client_type: type[Client], job: RequestJob, items: Iterable[Any], total: int
-    ) -> RequestReport:
-        """Every item through the servers; one that stops answering stops the step with
-        `ServerUnavailable` (what is stored stays for the rerun)."""
-        with self.session as served:
-            if served.managed:
-                startup = served.managed.startup_seconds or 0.0
-                logger.info("vLLM started in %.1fs, log %s", startup, served.managed.log_path)
-            client = client_type(served.base_urls, self.settings, served.access)
-            try:
-                report = run_requests(client, items, job, total)
-            except CircuitOpen as exc:
-                what = f"vLLM stopped answering: {exc}. {job.kept}; rerun to resume."
-                raise unavailable(what, served.managed) from exc
-            if served.managed:
-                report.startup_s = served.managed.startup_seconds
-                report.server_rss_bytes = served.managed.rss_bytes()
-        return report
+def run_stage(
+    session: AbstractContextManager[ServerSession],
+    settings: RequestSettings,
+    client_type: type[VllmClient],
+    job: RequestJob,
+    items: Iterable[Any],
+    total: int,
+) -> RequestReport:
+    """A step's requests: every item through the servers of `session` (entered here and
+    left when they are done) with a `client_type` client; a server that stops
+    answering stops the step with `ServerUnavailable` (what is stored stays)."""
+    with session as served:
+        if served.managed:
+            startup = served.managed.startup_seconds or 0.0
+            logger.info("vLLM started in %.1fs, log %s", startup, served.managed.log_path)
+        try:
+            client = client_type(served.base_urls, settings, served.access)
+            report = run_requests(client, items, job, total)
+        except CircuitOpen as exc:
+            what = f"vLLM stopped answering: {exc}. {job.kept}; rerun to resume."
+            raise unavailable(what, served.managed) from exc
+        if served.managed:
+            report.startup_s = served.managed.startup_seconds
+            report.server_rss_bytes = served.managed.rss_bytes()
+    return report

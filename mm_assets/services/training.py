@@ -92,8 +92,7 @@ class SpeculatorJob:
         """The job for the layer ids the sources' states were stored with, or online,
         those its settings name (decided there, once, never chosen again here)."""
         layer_ids = online.layout.layer_ids if online else draft_layer_ids(tables, draft)
-        layout = StorageLayout(storage_root)
-        given = settings.init_from
+        given, layout = settings.init_from, StorageLayout(storage_root)
         init = locate(given, layout, settings.init_revision) if given else None
         return cls(
             draft.name,
@@ -120,10 +119,6 @@ class SpeculatorJob:
         """The draft as initialised, before any step: the baseline the trained draft is
         measured against on the same prompts (a draft that learned nothing stays there)."""
         return self.layout.untrained_draft(self.partition)
-
-    @property
-    def state_dir(self) -> Path:
-        return self.layout.train_state(self.partition)
 
 
 @dataclass
@@ -294,7 +289,7 @@ def _train(
         config = _checkpoint_config(job, cfg, {"untrained": True})
         save_checkpoint(model.cpu(), config, job.untrained_dir)
         untrained_sha256 = file_sha256(weights(job.untrained_dir))
-    states: StateStore = TrainStateFile(job.state_dir / "train_state.pt")
+    states: StateStore = TrainStateFile(job.layout.train_state(job.partition) / "train_state.pt")
     if not resume:
         states = _FromScratch(states)
     params = settings.model_dump() | {"layer_ids": job.layer_ids, "target": job.target_dir}

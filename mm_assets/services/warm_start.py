@@ -103,9 +103,6 @@ def warm_draft(
     state = read_weights(source.path)
     state.setdefault("embed_tokens.weight", embed)
     model = draft_from(config, state, str(source.path))
-    d2t = state.get("d2t")
-    if d2t is None:
-        vocab = DraftVocab(torch.arange(target.vocab_size), target.vocab_size)
-    else:
-        vocab = draft_vocab_from_mapping(d2t, target.vocab_size)
-    return model, vocab
+    if (d2t := state.get("d2t")) is None:
+        return model, DraftVocab(torch.arange(target.vocab_size), target.vocab_size)
+    return model, draft_vocab_from_mapping(d2t, target.vocab_size)
