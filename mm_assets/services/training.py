@@ -61,6 +61,14 @@ from mm_assets.storage.layout import StorageLayout, weights
 from mm_assets.storage.records import load_record, save_record
 
 OUTCOME_RECORD = "mm_assets_outcome.json"
+# what the record keeps of an outcome, besides its `TrainResult`
+RECORDED = (
+    "untrained_sha256",
+    "weights_sha256",
+    "untrained_acceptance",
+    "untrained_replies",
+    "train_rows",
+)
 logger = logging.getLogger(__name__)
 
 
@@ -205,8 +213,7 @@ def _reused_outcome(job: SpeculatorJob, key: str, data: TrainingSet) -> Speculat
     stored = weights(job.checkpoint_dir)
     if record is None or not stored.is_file():
         return None
-    weights_sha256 = file_sha256(stored)
-    if weights_sha256 != record.get("weights_sha256"):  # replaced since: train again
+    if file_sha256(stored) != record.get("weights_sha256"):  # replaced since: train again
         return None
     untrained = weights(job.untrained_dir)
     if not untrained.is_file() or file_sha256(untrained) != record.get("untrained_sha256"):
@@ -215,15 +222,11 @@ def _reused_outcome(job: SpeculatorJob, key: str, data: TrainingSet) -> Speculat
         job.checkpoint_dir,
         draft_shape(json.loads((job.checkpoint_dir / "config.json").read_text())),
         TrainResult(**record["result"]),
-        record["untrained_acceptance"],
-        record["train_rows"],
-        data.rows.held_out,
-        record["untrained_replies"],
+        held_out=data.rows.held_out,
         reused=True,
-        weights_sha256=weights_sha256,
-        untrained_sha256=record["untrained_sha256"],
         sources=data.rows.figures,
         duplicates=data.rows.duplicates,
+        **{name: record[name] for name in RECORDED},
     )
 
 
@@ -367,12 +370,6 @@ def _save(job: SpeculatorJob, model: Eagle3Draft, outcome: SpeculatorOutcome, ke
         model.cpu(), _checkpoint_config(job, outcome.config, estimate), job.checkpoint_dir
     )
     outcome.weights_sha256 = file_sha256(weights(job.checkpoint_dir))
-    record = {
-        "untrained_sha256": outcome.untrained_sha256,
-        "weights_sha256": outcome.weights_sha256,
-        "result": asdict(outcome.result),
-        "untrained_acceptance": outcome.untrained_acceptance,
-        "untrained_replies": outcome.untrained_replies,
-        "train_rows": outcome.train_rows,
-    }
+    record = {name: getattr(outcome, name) for name in RECORDED}
+    record["result"] = asdict(outcome.result)
     save_record(job.checkpoint_dir / OUTCOME_RECORD, key, record)
