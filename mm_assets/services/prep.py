@@ -82,8 +82,7 @@ class NormalizeReport(StageReport):
 
 def normalize_partition(spec: DatasetSpec, tables: TableStore) -> NormalizeReport:
     """One row per usable, distinct sample; every dropped row quarantined with its reason.
-    A benchmark's rows carry their category (`DatasetSpec.category_of`, from the row's
-    `source_file` when the raw table has one)."""
+    A benchmark's rows carry their category (`DatasetSpec.category_of`)."""
     partition = spec.name
     probes = load_probes(tables, partition)
     seen: set[str] = set()
@@ -145,9 +144,7 @@ class TokenizeReport(StageReport):
     conversations: int = 0
     exact_replies: int = 0
     """Regenerated replies whose supervised tokens are exactly what the target generated."""
-    spliced_replies: int = 0
-    """Regenerated replies of conversations rebuilt reply by reply from the generated
-    ids (their template re-tokenizes some reply differently)."""
+    spliced_replies: int = 0  # of conversations rebuilt reply by reply (`_on_policy_rows`)
     example: str | None = None
     """One row rendered with its supervised tokens marked (a multimodal one if any)."""
 
@@ -212,9 +209,8 @@ def tokenize_partition(
 ) -> TokenizeReport:
     """Training rows for every normalized conversation, their supervised-token counts
     (`token_frequencies`), and a quarantine of conversations that give no usable row.
-    A rejection that dominates the first rows (`watch`), or an exception that is not a
-    known rejection, stops the step instead (see `RowFailureWatch`; without one, the
-    watch `TokenizationSettings` describes by default)."""
+    A rejection that dominates the first rows (`watch`: by default, as the default
+    `TokenizationSettings` say), or an unknown exception, stops the step instead."""
     if watch is None:
         default = TokenizationSettings()
         watch = RowFailureWatch(
