@@ -34,7 +34,6 @@ from mm_assets.domain.model.settings import TRAINING_VERSION, SpeculatorSettings
 from mm_assets.domain.model.trainer import (
     BatchSource,
     Ranks,
-    StateStore,
     StoredBatches,
     TrainingRun,
     TrainResult,
@@ -292,9 +291,8 @@ def _train(
         config = _checkpoint_config(job, cfg, {"untrained": True})
         save_checkpoint(model.cpu(), config, job.untrained_dir)
         untrained_sha256 = file_sha256(weights(job.untrained_dir))
-    states: StateStore = TrainStateFile(job.layout.train_state(job.partition) / "train_state.pt")
-    if not resume:
-        states = _FromScratch(states)
+    state_file = job.layout.train_state(job.partition) / "train_state.pt"
+    states = TrainStateFile(state_file) if resume else _FromScratch(state_file)
     params = settings.model_dump() | {"layer_ids": job.layer_ids, "target": job.target_dir}
     tracker = open_tracker(tracking, job.partition, params, job.storage_root, ranks.rank)
     try:
@@ -317,17 +315,11 @@ def _train(
     return outcome, model
 
 
-@dataclass(frozen=True)
-class _FromScratch:
-    """A state store with nothing to resume from (`retrain`), saving as usual."""
-
-    store: StateStore
+class _FromScratch(TrainStateFile):
+    """A state file nothing is resumed from (`retrain`), saved as usual."""
 
     def load(self, device: torch.device) -> None:
         return None
-
-    def save(self, state: dict[str, Any]) -> None:
-        self.store.save(state)
 
 
 def _ranks() -> Ranks:
