@@ -57,7 +57,6 @@ from mm_assets.storage.records import load_record, save_record
 logger = logging.getLogger(__name__)
 WARMUP_PROMPT = [{"role": "user", "content": "Hello."}]
 DEFAULT_NGRAM_TOKENS = 3
-RECORDS = {"none": "none", "ngram": "ngram", "eagle3": "draft"}  # a method's record file
 
 
 @dataclass(frozen=True)
@@ -208,10 +207,6 @@ def _checked(run: MethodRun, reference: MethodRun, max_tokens: int) -> MethodRun
     return replace(run, figures=figures, whole_run=whole)
 
 
-def _to_record(run: MethodRun) -> dict[str, Any]:
-    return {key: value for key, value in asdict(run).items() if key != "reused"}
-
-
 def _figures_from_record(fields: dict[str, Any]) -> BenchmarkFigures:
     acceptance = Acceptance.from_record(fields["acceptance"])
     return BenchmarkFigures(**{**fields, "acceptance": acceptance})
@@ -262,7 +257,8 @@ def benchmark(
     if draft is not None:
         keys["eagle3"] = json_sha256([base_key, draft.weights_sha256, draft.speculative_tokens])
         serve_args["eagle3"] = draft.serve_args()
-    records = {m: cache_dir / f"benchmark_{RECORDS[m]}_{k[:20]}.json" for m, k in keys.items()}
+    names = {"none": "none", "ngram": "ngram", "eagle3": "draft"}
+    records = {m: cache_dir / f"benchmark_{names[m]}_{k[:20]}.json" for m, k in keys.items()}
     found = {m: (load_record(records[m], k) if reuse else None) for m, k in keys.items()}
     if found["none"] is None:  # ngram was checked against the recorded `none`
         found["ngram"] = None
@@ -279,7 +275,7 @@ def benchmark(
             run = run_method(method, servers, conversations, answers, settings)
             runs[method] = _checked(run, reference, settings.max_tokens) if reference else run
             if run.not_run is None:  # a method vLLM did not start is tried again next time
-                save_record(records[method], keys[method], _to_record(runs[method]))
+                save_record(records[method], keys[method], asdict(runs[method]))
     none = runs["none"]
     rows = with_overall([f for r in runs.values() for f in r.figures])
     prompts = {
