@@ -1,6 +1,6 @@
 """Prep: raw rows into normalized conversations (with a quarantine), then into the
 target's token ids and loss masks (with a quarantine and supervised-token counts). A
-stage's quarantine (`StageReport`, `quarantine_row`) serves regeneration too."""
+stage's quarantine (`StageReport`) serves regeneration too."""
 
 from __future__ import annotations
 
@@ -44,25 +44,25 @@ class StageReport:
     quarantine: WrittenTable | None = None
     reasons: Counter[str] = field(default_factory=Counter)
 
-
-def quarantine_row(
-    out: BatchWriter,
-    report: StageReport,
-    source_index: int,
-    sample_id: str | None,
-    record: str,
-    exc: RowRejected,
-) -> None:
-    report.reasons[exc.reason.value] += 1
-    out.write(
-        {
-            "source_index": source_index,
-            "sample_id": sample_id,
-            "reason": exc.reason.value,
-            "detail": exc.detail,
-            "record": record,
-        }
-    )
+    def reject(
+        self,
+        out: BatchWriter,
+        source_index: int,
+        sample_id: str | None,
+        record: str,
+        exc: RowRejected,
+    ) -> None:
+        """A dropped row into the quarantine `out`, counted by its reason."""
+        self.reasons[exc.reason.value] += 1
+        out.write(
+            {
+                "source_index": source_index,
+                "sample_id": sample_id,
+                "reason": exc.reason.value,
+                "detail": exc.detail,
+                "record": record,
+            }
+        )
 
 
 def load_probes(tables: TableStore, partition: str) -> dict[str, ImageProbe]:
@@ -106,9 +106,7 @@ def normalize_partition(spec: DatasetSpec, tables: TableStore) -> NormalizeRepor
                 if sample_id in seen:
                     raise Rejected(DropReason.DUPLICATE_SAMPLE, "same conversation seen earlier")
             except Rejected as exc:
-                quarantine_row(
-                    quarantine, report, row["source_index"], sample_id, row["record"], exc
-                )
+                report.reject(quarantine, row["source_index"], sample_id, row["record"], exc)
                 continue
             except Exception as exc:
                 raise failed_on(f"normalizing source row {row['source_index']}", exc) from exc
@@ -234,8 +232,8 @@ def tokenize_partition(
                 rows = _on_policy_rows(sample, rows, chat, report)
             except TokenizeRejected as exc:
                 watch.observe(exc, where)
-                quarantine_row(
-                    bad, report, sample["source_index"], sample["sample_id"], sample["turns"], exc
+                report.reject(
+                    bad, sample["source_index"], sample["sample_id"], sample["turns"], exc
                 )
                 continue
             except Exception as exc:

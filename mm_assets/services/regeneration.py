@@ -34,7 +34,7 @@ from mm_assets.domain.model.responses import (
 from mm_assets.domain.prep.conversations import reply_indices, to_vllm_messages
 from mm_assets.domain.prep.tokenization import count_images
 from mm_assets.services.engine import VllmEngine
-from mm_assets.services.prep import StageReport, quarantine_row
+from mm_assets.services.prep import StageReport
 from mm_assets.services.request_stage import Outcome, RequestReport, Stored, Unusable, run_stage
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, schemas
@@ -146,9 +146,7 @@ class TargetRegeneration:
                 try:
                     out.write(self._regenerated_row(row, key, regeneration, report))
                 except ResponseRejected as exc:
-                    quarantine_row(
-                        bad, report, row["source_index"], row["sample_id"], row["turns"], exc
-                    )
+                    report.reject(bad, row["source_index"], row["sample_id"], row["turns"], exc)
         report.kept, report.quarantine = out.result, bad.result
 
     def _regenerated_row(
