@@ -127,7 +127,7 @@ def client_cost_at_real_width(tokens: int = 1000, hidden_size: int = 3584, rows:
     from mm_assets.clients.connector_files import ConnectorDir
     from mm_assets.domain.model.hidden_state_format import FinalLayer, StorageDtype, StorageFormat
     from mm_assets.domain.model.hidden_states import HiddenStatesLayout
-    from mm_assets.services.extraction import StatesDestination, store_response
+    from mm_assets.services.extraction import StatesFetch, store_response
     from mm_assets.storage.blobs import BlobStore
 
     @dataclass
@@ -154,9 +154,10 @@ def client_cost_at_real_width(tokens: int = 1000, hidden_size: int = 3584, rows:
                 hidden = torch.randn(tokens, 4, hidden_size).to(torch.bfloat16)
                 save_file({"hidden_states": hidden, "token_ids": torch.tensor(ids)}, str(source))
                 started = time.process_time()
-                dest = StatesDestination(layout, blobs, ConnectorDir(source.parent))
-                key = f"{i:02d}{name[:2]}"
-                store_response(Request(ids), Response(str(source), ids), key, dest, mask)
+                fetch = StatesFetch(Request(ids), f"{i:02d}{name[:2]}", blobs, mask)
+                store_response(
+                    fetch, Response(str(source), ids), layout, ConnectorDir(source.parent)
+                )
                 cost[name].append((time.process_time() - started) * 1e6 / tokens)
     return {name: round(statistics.median(c), 1) for name, c in cost.items()}
 

@@ -28,7 +28,7 @@ def _prepare(workdir: Path) -> None:
     from mm_assets.domain.model.checkpoint import checkpoint_config
     from mm_assets.domain.model.draft_vocab import build_draft_vocab
     from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
-    from mm_assets.services.target_weights import load_target_head
+    from mm_assets.services.target import load_target_head
     from mm_assets.services.training import save_checkpoint
 
     torch.manual_seed(0)
@@ -72,7 +72,7 @@ def _run(side: str, workdir: Path) -> float:
     if side == "ours":
         from mm_assets.domain.model.checkpoint import draft_from
         from mm_assets.domain.model.training_data import Batch
-        from mm_assets.services.target_weights import load_target_head
+        from mm_assets.services.target import load_target_head
         from mm_assets.storage.checkpoints import read_checkpoint
 
         model = draft_from(*read_checkpoint(workdir / "draft"), str(workdir / "draft"))

@@ -34,7 +34,7 @@ from mm_assets.registry import DatasetSpec, DraftSpec
 from mm_assets.services import settings as settings_of
 from mm_assets.services.engine import Serving, VllmEngine
 from mm_assets.services.media import sources_media_root
-from mm_assets.services.online_states import OnlineStates
+from mm_assets.services.online_batches import OnlineStates
 from mm_assets.services.target import TargetModel
 from mm_assets.services.tracking import Tracking
 from mm_assets.services.training import SpeculatorJob, train_speculator

@@ -29,7 +29,7 @@ from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 from mm_assets.domain.model.hidden_states import default_layer_ids, text_config_facts
 from mm_assets.services.benchmarking import BenchmarkReport, benchmark
 from mm_assets.services.engine import DraftUnderTest, Serving, VllmEngine
-from mm_assets.services.target_weights import load_target_head
+from mm_assets.services.target import load_target_head
 from mm_assets.services.training import save_checkpoint
 
 pytestmark = pytest.mark.slow

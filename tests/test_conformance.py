@@ -24,7 +24,7 @@ from mm_assets.domain.model.draft_vocab import build_draft_vocab
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 from mm_assets.domain.model.losses import LOSSES, LossRecipe, position_losses
 from mm_assets.domain.model.training_data import SampleRef, load_batch
-from mm_assets.services.target_weights import load_target_head
+from mm_assets.services.target import load_target_head
 from mm_assets.services.training import save_checkpoint
 from mm_assets.services.warm_start import locate, warm_draft
 from mm_assets.storage.layout import StorageLayout

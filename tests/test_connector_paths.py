@@ -22,8 +22,7 @@ from mm_assets.domain.model.hidden_states import ExtractionSettings
 from mm_assets.domain.model.settings import OnlineSettings
 from mm_assets.services.engine import Serving, VllmEngine
 from mm_assets.services.extraction import PartitionExtraction
-from mm_assets.services.online_batches import OnlineBatches, TooManyRejections
-from mm_assets.services.online_states import OnlineStates
+from mm_assets.services.online_batches import OnlineBatches, OnlineStates, TooManyRejections
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, schemas
 from mm_assets.storage.blobs import BlobStore

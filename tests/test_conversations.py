@@ -436,7 +436,7 @@ def test_a_file_url_names_the_file_vllm_opens(name: str) -> None:
 
 
 def test_a_category_named_overall_does_not_collide_with_the_sum_row() -> None:
-    from mm_assets.services.benchmark_sets import category_name
+    from mm_assets.services.benchmarking import category_name
 
     assert category_name("overall") == "overall (category)"
     assert category_name(None) == category_name("") == "all"

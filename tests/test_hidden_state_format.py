@@ -32,7 +32,7 @@ from mm_assets.domain.model.hidden_state_format import (
 )
 from mm_assets.domain.model.hidden_states import HiddenStatesLayout
 from mm_assets.domain.model.training_data import Batch, SampleRef, load_batch
-from mm_assets.services.extraction import StatesDestination, store_response
+from mm_assets.services.extraction import StatesFetch, store_response
 from mm_assets.storage.blobs import BlobStore
 
 FP8_NEEDED = StorageFormat(StorageDtype.FP8_E4M3, FinalLayer.NEEDED)
@@ -208,7 +208,7 @@ def test_a_received_file_is_stored_compactly_with_its_error(tmp_path: Path) -> N
     key = layout.key(request.input_ids, [], mask)
     response = ExtractionResponse(list(range(6)), str(source))
     path = store_response(
-        request, response, key, StatesDestination(layout, blobs, ConnectorDir(source.parent)), mask
+        StatesFetch(request, key, blobs, mask), response, layout, ConnectorDir(source.parent)
     )
     with safe_open(str(path), framework="pt") as blob:
         assert set(blob.keys()) == {

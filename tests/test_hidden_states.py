@@ -28,7 +28,7 @@ from mm_assets.domain.model.hidden_states import (
     text_config_facts,
 )
 from mm_assets.domain.model.training_data import read_states
-from mm_assets.services.extraction import HiddenStatesJob, requests_for
+from mm_assets.services.extraction import HiddenStatesJob, StatesFetch, extraction_request
 from mm_assets.services.request_stage import run_requests
 from mm_assets.services.target import target_fingerprint
 from mm_assets.storage.blobs import BlobStore
@@ -182,10 +182,11 @@ def test_token_mismatch_is_rejected_and_nothing_stored(
     client = HiddenStatesClient(
         [vllm_server.base_url], RequestSettings(concurrency=1), vllm_server.access
     )
-    (request,) = requests_for(rows, {row["row_id"]}, image_token)
+    request = extraction_request(rows[0], image_token)
     assert request.image_urls and request.prompt_ids.count(image_token) == 1
-    job = HiddenStatesJob(plan.keys(), settings, blobs, ConnectorDir(SESSION_INCOMING))
-    report = run_requests(client, [request], job, len(plan.missing))
+    fetch = StatesFetch(request, plan.keys()[row["row_id"]], blobs, None)
+    job = HiddenStatesJob(settings, ConnectorDir(SESSION_INCOMING))
+    report = run_requests(client, [fetch], job, len(plan.missing))
     assert report.stored == 0 and len(report.rejections) == 1
     assert report.rejections[0]["reason"] == "token_mismatch"
     assert (

@@ -37,7 +37,7 @@ from mm_assets.domain.model.hidden_states import (
 from mm_assets.services.extraction import (
     DiskBudgetError,
     HiddenStatesJob,
-    StatesDestination,
+    StatesFetch,
     check_disk_budget,
     store_response,
     stored_blobs,
@@ -257,7 +257,7 @@ def test_store_response_moves_a_valid_file_into_the_blob_store(tmp_path: Path) -
     key = layout.key(request.input_ids, [], [0, 0, 1, 1, 1])
     response = ExtractionResponse(list(range(5)), str(source))
     stored = store_response(
-        request, response, key, StatesDestination(layout, blobs, ConnectorDir(source.parent))
+        StatesFetch(request, key, blobs, None), response, layout, ConnectorDir(source.parent)
     )
     assert stored == blobs.path(key) and blobs.has(key)
     assert torch.equal(load_file(str(stored))["hidden_states"], tensors["hidden_states"])
@@ -273,7 +273,7 @@ def test_store_response_keeps_the_rows_prefix_of_an_untruncated_render(tmp_path:
     request = ExtractionRequest("r", [0, 1, 2, 3])  # the row was truncated to 4 tokens
     response = ExtractionResponse(list(range(7)), str(source))
     stored = store_response(
-        request, response, "k" * 64, StatesDestination(layout, blobs, ConnectorDir(source.parent))
+        StatesFetch(request, "k" * 64, blobs, None), response, layout, ConnectorDir(source.parent)
     )
     kept = load_file(str(stored))
     assert kept["hidden_states"].shape == (4, 4, 8) and kept["token_ids"].tolist() == [0, 1, 2, 3]
@@ -298,10 +298,10 @@ def test_store_response_rejects_and_discards_what_it_cannot_use(
     with pytest.raises(HiddenStatesRejected) as info:
         response = ExtractionResponse(prompt_ids, str(source))
         store_response(
-            request,
+            StatesFetch(request, "k" * 64, blobs, None),
             response,
-            "k" * 64,
-            StatesDestination(layout, blobs, ConnectorDir(source.parent)),
+            layout,
+            ConnectorDir(source.parent),
         )
     assert info.value.reason == problem
     assert not source.exists() and not any(blobs.dir.rglob("*.safetensors"))
@@ -319,9 +319,9 @@ def test_a_file_that_is_not_safetensors_rejects_its_row_not_the_partition(
     source.parent.mkdir()
     source.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n")
     request = ExtractionRequest("r", [0, 1, 2])
-    dest = StatesDestination(layout, blobs, ConnectorDir(source.parent))
+    fetch = StatesFetch(request, "k" * 64, blobs, None)
     answer = ExtractionResponse([0, 1, 2], str(source))
-    outcome = store_outcome(request, answer, True, "k" * 64, dest, None)
+    outcome = store_outcome(fetch, answer, True, layout, ConnectorDir(source.parent))
     assert outcome.reason == "bad_file" and "req.safetensors" in outcome.detail
 
 
@@ -364,9 +364,13 @@ def test_a_row_answered_without_a_readable_file_is_requested_again(tmp_path: Pat
 
     transport = httpx.AsyncClient(transport=httpx.MockTransport(server))
     client = HiddenStatesClient(["http://vllm.test/v1"], http_client=transport)
-    requests = [ExtractionRequest(r["row_id"], r["input_ids"]) for r in rows]
-    job = HiddenStatesJob(plan.keys(), layout, blobs, ConnectorDir(tmp_path / "incoming"))
-    tally = run_requests(client, requests, job, len(plan.missing))
+    keys = plan.keys()
+    fetches = [
+        StatesFetch(ExtractionRequest(r["row_id"], r["input_ids"]), keys[r["row_id"]], blobs, None)
+        for r in rows
+    ]
+    job = HiddenStatesJob(layout, ConnectorDir(tmp_path / "incoming"))
+    tally = run_requests(client, fetches, job, len(plan.missing))
     assert tally.stored == 1 and blobs.has(plan.rows[0].key)
     assert asked.count([1, 2, 3]) == 2 and asked.count([4, 5, 6]) == 3
     (rejection,) = tally.rejections
@@ -422,9 +426,15 @@ def test_counts_of_many_concurrent_stores_equal_the_manifest(tmp_path: Path) -> 
             RequestSettings(concurrency=32),
             http_client=_completions_server(tmp_path),
         )
-        requests = [ExtractionRequest(r["row_id"], r["input_ids"]) for r in rows]
-        job = HiddenStatesJob(plan.keys(), layout, blobs, ConnectorDir(tmp_path / "incoming"))
-        tally = run_requests(client, requests, job, len(plan.missing))
+        keys = plan.keys()
+        fetches = [
+            StatesFetch(
+                ExtractionRequest(r["row_id"], r["input_ids"]), keys[r["row_id"]], blobs, None
+            )
+            for r in rows
+        ]
+        job = HiddenStatesJob(layout, ConnectorDir(tmp_path / "incoming"))
+        tally = run_requests(client, fetches, job, len(plan.missing))
     finally:
         sys.setswitchinterval(previous)
     manifest = list(manifest_rows(plan, set(), layout, stored_blobs(blobs, layout)))

@@ -105,8 +105,7 @@ def benchmark_step(
     """The partition's draft on each of its benchmarks; no- speculation and n-gram
     figures are recorded per target, benchmark and settings, so a second draft on the
     same benchmark starts only its own server."""
-    from mm_assets.services.benchmark_sets import load_benchmark, results_key
-    from mm_assets.services.benchmarking import benchmark
+    from mm_assets.services.benchmarking import benchmark, load_benchmark, results_key
     from mm_assets.services.engine import DraftUnderTest
     from mm_assets.services.result_tables import write_results
 

@@ -11,7 +11,7 @@ import dagster as dg
 from mm_assets.assets.metadata import rounded
 
 if TYPE_CHECKING:
-    from mm_assets.services.quarantine import StageReport
+    from mm_assets.services.prep import StageReport
 
 HAS_ROWS = "has_rows"
 QUARANTINE_RATIO = "quarantine_ratio"

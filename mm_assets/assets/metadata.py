@@ -22,8 +22,8 @@ if TYPE_CHECKING:  # matplotlib loads inside the steps that plot, not with the d
     from mm_assets.domain.model.benchmark import BenchmarkFigures
     from mm_assets.domain.model.trainer import TrainResult
     from mm_assets.services.measurement import DraftMeasurements
-    from mm_assets.services.online_states import FetchReport
-    from mm_assets.services.quarantine import StageReport
+    from mm_assets.services.online_batches import FetchReport
+    from mm_assets.services.prep import StageReport
     from mm_assets.services.training import SpeculatorOutcome
 
 

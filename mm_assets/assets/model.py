@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from mm_assets.registry import DraftSpec
     from mm_assets.services.engine import Serving
     from mm_assets.services.extraction import ExtractionReport, PartitionExtraction
-    from mm_assets.services.online_states import OnlineStates
+    from mm_assets.services.online_batches import OnlineStates
     from mm_assets.services.target import TargetModel
     from mm_assets.services.training import SpeculatorJob, SpeculatorOutcome
 
@@ -300,7 +300,7 @@ def online_states(
     format, requests) read as that step reads them."""
     if online.hidden_states != "online":
         return None
-    from mm_assets.services.online_states import OnlineStates
+    from mm_assets.services.online_batches import OnlineStates
 
     first = REGISTRY[next(iter(draft.sources))]
     extraction = stage_settings(context, first, "hidden_states", ExtractionSettings)

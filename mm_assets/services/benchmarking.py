@@ -1,32 +1,27 @@
 """A draft benchmarked per category in vLLM, beside no speculation and vLLM's n-gram method.
 
-Each method runs on a server of its own (`services/method_servers.py`: started together on
-CPU, one at a time on a GPU), and is measured one after the other: `none` first, because its
-answers are the target's, and every method's later rounds are built from them (so all
-three are sent the same prompts) and its token ids are what losslessness is checked
-against; then `ngram` (prompt lookup, the free baseline); then `eagle3` with the draft.
-On each server a short warm-up request goes first (compilation and caches are not the
-draft's cost); then for each category its requests, all rounds, between two scrapes of
-`/metrics`, so categories never mix. One more pair of scrapes spans every category: the
-combined rows must agree with it.
+Each method runs on a server of its own (`services/method_servers.py`), one after the
+other: `none` first, since its answers are the target's (every method's later rounds
+quote them, and losslessness is checked against its token ids), then `ngram`, then
+`eagle3`. A warm-up request goes first (compilation is not the draft's cost); each
+category's requests run between two scrapes of `/metrics`, and one more pair spans every
+category, which the combined rows must agree with.
 
-Starting servers and generating cost minutes on CPU and hold the accelerator on GPU, so
-figures are recorded under the cache directory: the `none` and `ngram` figures (with
-answers and token ids) keyed by the target's content, the conversations, the settings and
-the engine options, so a second draft on the same target and benchmark starts no baseline
-server; the draft's figures keyed additionally by its weights. A rerun with nothing
-changed starts no server and sends nothing.
+Servers cost minutes, so figures are recorded under the cache directory: `none` and
+`ngram` keyed by the target's content, the conversations, the settings and the engine
+options (a second draft on the same benchmark starts no baseline server), the draft's
+keyed by its weights too. A method vLLM refuses to start is reported as not run, with
+vLLM's reason; `none` failing fails the benchmark (nothing to compare with).
 
-A method vLLM refuses to start (a method the engine does not support) is reported as not
-run with vLLM's reason, and the others still run; `none` failing fails the benchmark, as
-there is nothing to compare with.
+A benchmark's prompts are its partition's normalized conversations (`role: benchmark`
+entries are prepared like any dataset), by category (`load_benchmark`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,9 +47,11 @@ from mm_assets.domain.model.benchmark import (
     with_overall,
 )
 from mm_assets.domain.prep.conversations import to_vllm_messages
+from mm_assets.registry.specs import DEFAULT_CATEGORY
 from mm_assets.services.engine import DraftUnderTest, Serving
 from mm_assets.services.method_servers import MethodServers
 from mm_assets.services.target import target_fingerprint
+from mm_assets.storage import TableStore
 from mm_assets.storage.records import load_record, save_record
 
 logger = logging.getLogger(__name__)
@@ -64,28 +61,23 @@ DEFAULT_NGRAM_TOKENS = 3
 
 @dataclass(frozen=True)
 class MethodRun:
-    """One method's server run: figures per category, the answers per category (one list
-    per conversation, one answer per round), and the figures of one counter difference
-    over all categories."""
+    """One method's run: figures and answers (per conversation, per round) per category,
+    and the figures of one counter difference over all categories."""
 
     method: str
     figures: list[BenchmarkFigures] = field(default_factory=list)
     answers: dict[str, list[list[Answer]]] = field(default_factory=dict)
     whole_run: BenchmarkFigures | None = None
-    not_run: str | None = None
-    """Why the method did not run (vLLM's refusal to start it); None when it ran."""
+    not_run: str | None = None  # vLLM's refusal to start it
     reused: bool = False
 
 
 @dataclass(frozen=True)
 class BenchmarkReport:
-    rows: list[BenchmarkFigures]
-    """Per category per method, then one `OVERALL` row per method (`combined`)."""
+    rows: list[BenchmarkFigures]  # per category per method, then `OVERALL` per method
     runs: dict[str, MethodRun]
-    """Each method's run, with its answers (generations) and its whole-run figures."""
     prompts: dict[str, list[list[list[Turn]]]]
-    """The prompts every method was sent, per category, per conversation, per round
-    (normalized turns, built from the `none` answers)."""
+    """What every method was sent, per category, conversation and round (from `none`)."""
 
     @property
     def not_run(self) -> dict[str, str]:
@@ -139,9 +131,8 @@ def _category_answers(
     reference: list[list[Answer]] | None,
     settings: BenchmarkSettings,
 ) -> list[list[Answer]]:
-    """Every round of a category's conversations, round by round (round k of every
-    conversation before round k+1): a later round quotes the reference answers, or,
-    without a reference (`none` itself), the answers just generated."""
+    """A category's conversations, round k of each before round k+1: a later round
+    quotes the reference answers, or without one (`none` itself) those just generated."""
     answers: list[list[Answer]] = [[] for _ in conversations]
     for k in range(max((c.rounds for c in conversations), default=0)):
         asked = [i for i, c in enumerate(conversations) if c.rounds > k]
@@ -216,16 +207,6 @@ def _checked(run: MethodRun, reference: MethodRun, max_tokens: int) -> MethodRun
     return replace(run, figures=figures, whole_run=whole)
 
 
-def _to_record(run: MethodRun) -> dict[str, Any]:
-    return {
-        "method": run.method,
-        "figures": [asdict(f) for f in run.figures],
-        "answers": {k: [[asdict(a) for a in conv] for conv in v] for k, v in run.answers.items()},
-        "whole_run": asdict(run.whole_run) if run.whole_run else None,
-        "not_run": run.not_run,
-    }
-
-
 def _figures_from_record(fields: dict[str, Any]) -> BenchmarkFigures:
     acceptance = Acceptance.from_record(fields["acceptance"])
     return BenchmarkFigures(**{**fields, "acceptance": acceptance})
@@ -251,9 +232,8 @@ def benchmark(
     cache_dir: Path,
     reuse: bool = True,
 ) -> BenchmarkReport:
-    """Per category (normalized conversations, grouped), the figures of `none`, `ngram`
-    and — with a draft — `eagle3`, each on a server of its own (see the module's
-    docstring), plus an `OVERALL` row per method."""
+    """Per category, the figures of `none`, `ngram` and (with a draft) `eagle3`, plus an
+    `OVERALL` row per method (see the module's docstring)."""
     if not serving.engine.managed:
         raise ValueError(
             "benchmarking starts a server per method (none, ngram, eagle3) with its own "
@@ -272,20 +252,31 @@ def benchmark(
     base_key = json_sha256(
         [BENCHMARK_VERSION, fingerprint, categories, settings.model_dump(), options, ngram_tokens]
     )
-    plan = _plan(cache_dir, base_key, draft, ngram_args(settings, ngram_tokens), reuse)
+    keys = {"none": base_key, "ngram": base_key}
+    serve_args = {"none": [], "ngram": ngram_args(settings, ngram_tokens)}
+    if draft is not None:
+        keys["eagle3"] = json_sha256([base_key, draft.weights_sha256, draft.speculative_tokens])
+        serve_args["eagle3"] = draft.serve_args()
+    names = {"none": "none", "ngram": "ngram", "eagle3": "draft"}
+    records = {m: cache_dir / f"benchmark_{names[m]}_{k[:20]}.json" for m, k in keys.items()}
+    found = {m: (load_record(records[m], k) if reuse else None) for m, k in keys.items()}
+    if found["none"] is None:  # ngram was checked against the recorded `none`
+        found["ngram"] = None
+    recorded = {m: _from_record(record) for m, record in found.items() if record}
+    runs: dict[str, MethodRun] = {}
     with MethodServers(serving, settings.start_servers_together) as servers:
-        servers.start(plan.to_run)
-
-        def run(method: str, reference: MethodRun | None) -> MethodRun:
-            if reference is None:
-                return run_method(method, servers, conversations, None, settings)
-            measured = run_method(method, servers, conversations, reference.answers, settings)
-            return _checked(measured, reference, settings.max_tokens)
-
-        none, ngram = _baselines(run, plan)
-        runs = {"none": none, "ngram": ngram}
-        if draft is not None:
-            runs["eagle3"] = _draft_run(run, none, plan)
+        servers.start({m: args for m, args in serve_args.items() if m not in recorded})
+        for method in keys:  # `none` first: the reference of the others
+            if method in recorded:
+                runs[method] = recorded[method]
+                continue
+            reference = runs.get("none")
+            answers = reference.answers if reference else None
+            run = run_method(method, servers, conversations, answers, settings)
+            runs[method] = _checked(run, reference, settings.max_tokens) if reference else run
+            if run.not_run is None:  # a method vLLM did not start is tried again next time
+                save_record(records[method], keys[method], asdict(runs[method]))
+    none = runs["none"]
     rows = with_overall([f for r in runs.values() for f in r.figures])
     prompts = {
         name: all_prompts(convs, none.answers[name]) for name, convs in conversations.items()
@@ -293,63 +284,48 @@ def benchmark(
     return BenchmarkReport(rows, runs, prompts)
 
 
-# A method's run; given the reference run, with its lossless counts against it.
-Runner = Callable[[str, MethodRun | None], MethodRun]
-
-
 @dataclass(frozen=True)
-class _Plan:
-    """What is recorded already, and the methods (with their serve arguments) to run."""
+class BenchmarkSet:
+    """One benchmark's conversations, by category (in the order categories first appear)."""
 
-    base_record: Path
-    base_key: str
-    base: dict[str, Any]
-    draft_record: Path | None
-    draft_key: str | None
-    draft: dict[str, Any] | None
-    to_run: dict[str, list[str]]
+    name: str
+    categories: dict[str, list[list[Turn]]]
+    images: bool
 
-
-def _plan(
-    cache_dir: Path, base_key: str, draft: DraftUnderTest | None, ngram: list[str], reuse: bool
-) -> _Plan:
-    """The records of this benchmark (a method vLLM did not start is not reused: the
-    next run tries it again), and so the methods that must run."""
-    base_record = cache_dir / f"benchmark_baselines_{base_key[:20]}.json"
-    base = (load_record(base_record, base_key) if reuse else None) or {}
-    to_run: dict[str, list[str]] = {}
-    if "none" not in base:
-        to_run["none"] = []
-    if "ngram" not in base or base["ngram"]["not_run"] is not None:
-        base.pop("ngram", None)
-        to_run["ngram"] = ngram
-    if draft is None:
-        return _Plan(base_record, base_key, base, None, None, None, to_run)
-    draft_key = json_sha256([base_key, draft.weights_sha256, draft.speculative_tokens])
-    draft_record = cache_dir / f"benchmark_draft_{draft_key[:20]}.json"
-    cached = load_record(draft_record, draft_key) if reuse else None
-    if not cached:
-        to_run["eagle3"] = draft.serve_args()
-    return _Plan(base_record, base_key, base, draft_record, draft_key, cached, to_run)
+    @property
+    def conversations(self) -> int:
+        return sum(len(c) for c in self.categories.values())
 
 
-def _baselines(run: Runner, plan: _Plan) -> tuple[MethodRun, MethodRun]:
-    """`none` and `ngram`, from their record when it is there, else measured."""
-    cached = plan.base
-    none = _from_record(cached["none"]) if "none" in cached else run("none", None)
-    n_gram = _from_record(cached["ngram"]) if "ngram" in cached else run("ngram", none)
-    if not (none.reused and n_gram.reused):
-        record = {"none": _to_record(none), "ngram": _to_record(n_gram)}
-        save_record(plan.base_record, plan.base_key, record)
-    return none, n_gram
+def load_benchmark(
+    tables: TableStore, benchmark: str, per_category: int | None = None
+) -> BenchmarkSet:
+    """The benchmark partition's conversations by category, the first `per_category` of
+    each (all when None). Fails with what to run when the benchmark is not prepared."""
+    if not tables.exists("normalized_conversations", benchmark):
+        raise FileNotFoundError(
+            f"benchmark {benchmark!r} is not prepared: materialize its partition first "
+            f"(`dagster asset materialize -m mm_assets.definitions --select "
+            f"'+normalized_conversations' --partition {benchmark}`, or the prepare job)"
+        )
+    categories: dict[str, list[list[Turn]]] = {}
+    images = False
+    columns = ["turns", "category", "multimodal"]
+    for row in tables.iter_rows("normalized_conversations", benchmark, columns):
+        found = categories.setdefault(category_name(row["category"]), [])
+        if per_category is None or len(found) < per_category:
+            found.append(json.loads(row["turns"]))
+            images = images or bool(row["multimodal"])
+    return BenchmarkSet(benchmark, categories, images)
 
 
-def _draft_run(run: Runner, none: MethodRun, plan: _Plan) -> MethodRun:
-    """The draft's run, from its record (keyed by its weights too) when it is there."""
-    assert plan.draft_record is not None and plan.draft_key is not None
-    if plan.draft:
-        return _from_record(plan.draft)
-    measured = run("eagle3", none)
-    if measured.not_run is None:
-        save_record(plan.draft_record, plan.draft_key, _to_record(measured))
-    return measured
+def category_name(stored: str | None) -> str:
+    """The category a benchmark row is reported under: `overall` names the row that sums
+    every category, so a category of that name is reported as `overall (category)`."""
+    name = stored or DEFAULT_CATEGORY
+    return f"{OVERALL} (category)" if name == OVERALL else name
+
+
+def results_key(draft_sha256: str | None, benchmark: str, settings: Mapping[str, Any]) -> str:
+    """What makes two measurements the same one: reruns of it replace its rows."""
+    return json_sha256([draft_sha256, benchmark, dict(settings)])[:16]

@@ -39,15 +39,11 @@ def sample_refs(tables: TableStore, partition: str, layer_ids: list[int]) -> lis
     check_layer_ids(manifest, layer_ids)
     columns = ["row_id", "input_ids", "loss_mask"]
     tokens = {r["row_id"]: r for r in tables.iter_rows("tokenized_samples", partition, columns)}
+    rows = ((m, tokens.get(m["row_id"])) for m in manifest)
     return [
-        SampleRef(
-            m["row_id"],
-            str(tables.resolve(m["path"])),
-            tokens[m["row_id"]]["input_ids"],
-            tokens[m["row_id"]]["loss_mask"],
-        )
-        for m in manifest
-        if m["row_id"] in tokens and len(tokens[m["row_id"]]["input_ids"]) > 1
+        SampleRef(m["row_id"], str(tables.resolve(m["path"])), t["input_ids"], t["loss_mask"])
+        for m, t in rows
+        if t is not None and len(t["input_ids"]) > 1
     ]
 
 

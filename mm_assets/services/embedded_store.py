@@ -1,23 +1,19 @@
 """Removing the embedded images that nothing references any more, safely by construction.
 
 An image taken out of a row is written once, by content, and shared by every partition
-whose rows held it. A partition loaded again with other rows (a new filter, seed or
-source) leaves behind the images of the rows it no longer keeps, and nothing else
-removes them: `prune_embedded_images` does (the Dagster job of that name, `apply: true`).
+whose rows held it; a partition loaded again with other rows leaves images behind, which
+`prune_embedded_images` removes (the Dagster job of that name, `apply: true`).
 
 An image is removed only when all of these hold at the moment of its removal:
-- no table that can name an embedded image names it (`IMAGE_COLUMNS`: the raw rows, the
-  probes, the normalized and regenerated conversations a benchmark's prompts are read
-  from, the tokenized messages vLLM is sent), read again right before each batch of
-  removals, not once at the start;
-- no load in flight references it: a load stages every image it references, a new one
-  as a file and one already stored as a hard link (`EmbeddedImageWriter`), so a removal
-  that races the load leaves the load's link, which its commit puts back;
+- no table that can name an embedded image names it (`IMAGE_COLUMNS`), read again right
+  before each batch of removals, not once at the start;
+- no load in flight references it: a load stages every image it references, a stored
+  one as a hard link (`EmbeddedImageWriter`), so a racing removal leaves the load's link,
+  which its commit puts back;
 - it is older than `min_age_s` (at least `MIN_AGE_S`): a commit gives every image the
-  load references a fresh mtime, which covers the moments between the commit and the
-  load's table being written;
-- the tables could be read and name at least one image: an empty or unreadable catalog
-  removes nothing (it looks the same as "nothing referenced").
+  load references a fresh mtime, covering the moments until the load's table is written;
+- the tables could be read and name at least one image (an empty or unreadable catalog
+  looks the same as "nothing referenced").
 Removals and commits exclude each other (`store_lock`), so the check and the removal
 see the same staging directories.
 """
@@ -57,7 +53,7 @@ _DIGEST = r"sha256[:/](?:[0-9a-f]{2}/)?([0-9a-f]{64})"
 
 @dataclass
 class PruneReport:
-    removed: list[Path] = field(default_factory=list)  # or that would be, in a dry run
+    removed: list[Path] = field(default_factory=list)  # or would be, in a dry run
     removed_bytes: int = 0
     kept_young: int = 0  # unreferenced, but too fresh to be sure
     kept_referenced_again: int = 0  # unreferenced at the scan, referenced at the removal

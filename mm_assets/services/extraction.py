@@ -1,10 +1,7 @@
-"""Hidden states for a partition's tokenized rows: plan against the cache, request from
-vLLM, verify, store, and write the manifest.
-
-Planning (`domain/model/hidden_state_plan.py`) skips the rows whose blob exists; the rest
-go through the request stage (`services/request_stage.py`). Every response is checked —
-vLLM's prompt token ids must equal the stored `input_ids` — and every file is validated
-before it is renamed into the blob store.
+"""Hidden states for a partition's tokenized rows: plan against the cache (rows whose blob
+exists are skipped), request from vLLM, verify, store, and write the manifest. Every
+response is checked (vLLM's prompt token ids must equal the stored `input_ids`) and
+every file validated before it is renamed into the blob store.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,9 +37,9 @@ from mm_assets.services.request_stage import (
     ASK_AGAIN,
     Outcome,
     RequestReport,
-    RequestStage,
     Stored,
     Unusable,
+    run_stage,
 )
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, WrittenTable, schemas
@@ -51,40 +48,27 @@ from mm_assets.storage.blobs import BlobStore
 logger = logging.getLogger(__name__)
 TOKENIZED = "tokenized_samples"
 LOCK_TIMEOUT_S = 120.0
-FILE_RETRIES = 2
-"""Requests again for a row whose answer came without a readable file: the server that
-answered can die before its connector finished writing (the next try goes to another)."""
+FILE_RETRIES = 2  # a server can die before its connector wrote the file: ask another
 
 
 class DiskBudgetError(RuntimeError):
     """The hidden states to request cannot fit on the disk that would store them."""
 
 
-def requests_for(
-    rows: Iterable[dict],
-    missing: set[str],
-    image_token_id: int | None,
-    loss_masks: dict[str, list[int]] | None = None,
-) -> Iterator[ExtractionRequest]:
-    """Requests for the missing rows; a row with images carries their URLs (from its
-    `messages`) and its ids with the placeholder runs collapsed. With `loss_masks`, each
-    request's row mask is put there until its response is stored (compact formats)."""
-    for row in rows:
-        if row["row_id"] not in missing:
-            continue
-        if loss_masks is not None:
-            loss_masks[row["row_id"]] = row["loss_mask"]
-        ids = list(row["input_ids"])
-        urls = tuple(image_urls(json.loads(row["messages"]))) if row["messages"] else ()
-        prompt = None
-        if urls:
-            if image_token_id is None:
-                raise ValueError(
-                    f"row {row['row_id']} has images but the target's config names no image "
-                    "token (image_token_id / image_token_index); is it a vision-language model?"
-                )
-            prompt = collapse_image_tokens(ids, image_token_id)
-        yield ExtractionRequest(row["row_id"], ids, urls, prompt)
+def extraction_request(row: dict, image_token_id: int | None) -> ExtractionRequest:
+    """A tokenized row's request; a row with images carries their URLs (from its
+    `messages`) and its ids with the placeholder runs collapsed."""
+    ids = list(row["input_ids"])
+    urls = tuple(image_urls(json.loads(row["messages"]))) if row["messages"] else ()
+    prompt = None
+    if urls:
+        if image_token_id is None:
+            raise ValueError(
+                f"row {row['row_id']} has images but the target's config names no image "
+                "token (image_token_id / image_token_index); is it a vision-language model?"
+            )
+        prompt = collapse_image_tokens(ids, image_token_id)
+    return ExtractionRequest(row["row_id"], ids, urls, prompt)
 
 
 def check_disk_budget(plan: Plan, layout: HiddenStatesLayout, blobs: BlobStore) -> int:
@@ -103,49 +87,43 @@ def check_disk_budget(plan: Plan, layout: HiddenStatesLayout, blobs: BlobStore) 
 
 
 @dataclass(frozen=True)
-class StatesDestination:
-    """Where answers' states go: what they must be (`layout`), the store they are moved
-    into, and the only directory their files may come from (`connector`)."""
+class StatesFetch:
+    """One row's request, and where its states go: `key` in `blobs`, encoded with the
+    row's loss `mask` (compact formats; None for native ones)."""
 
-    layout: HiddenStatesLayout
+    request: ExtractionRequest
+    key: str
     blobs: BlobStore
-    connector: ConnectorDir
+    mask: list[int] | None
 
 
 def store_response(
-    request: ExtractionRequest,
+    fetch: StatesFetch,
     response: ExtractionResponse,
-    key: str,
-    dest: StatesDestination,
-    loss_mask: list[int] | None = None,
+    layout: HiddenStatesLayout,
+    connector: ConnectorDir,
     lock_timeout_s: float = LOCK_TIMEOUT_S,
 ) -> Path:
-    """Verify one response and its file, then move the file into the blob store — in
-    another storage format, encoded once here, with its decoding error recorded. A path
-    outside the connector directory is rejected untouched (`ConnectorDir`)."""
+    """Verify one response and its file (states as `layout` says; only from `connector`'s
+    directory, else rejected untouched), then move the file into the blob store — in
+    another storage format, encoded once here, with its decoding error recorded."""
     try:
-        check_prompt_ids(response.prompt_token_ids, request.input_ids)
-        with dest.connector.open(response.hidden_states_path, lock_timeout_s) as file:
-            return _store_file(request, file, key, dest, loss_mask)
+        check_prompt_ids(response.prompt_token_ids, fetch.request.input_ids)
+        with connector.open(response.hidden_states_path, lock_timeout_s) as file:
+            return _store_file(fetch, file, layout)
     except OutsideConnectorDir as exc:
         raise HiddenStatesRejected(HiddenStatesProblem.PATH_OUTSIDE, str(exc)) from exc
     finally:
-        dest.connector.discard(response.hidden_states_path)
+        connector.discard(response.hidden_states_path)
 
 
-def _store_file(
-    request: ExtractionRequest,
-    file: ConnectorFile,
-    key: str,
-    dest: StatesDestination,
-    loss_mask: list[int] | None,
-) -> Path:
+def _store_file(fetch: StatesFetch, file: ConnectorFile, layout: HiddenStatesLayout) -> Path:
     """Store the opened, checked file: read through its descriptor, moved by name only
     when the name still is that file (and checked again once moved)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    layout, blobs = dest.layout, dest.blobs
+    request, key, blobs, loss_mask = fetch.request, fetch.key, fetch.blobs, fetch.mask
     try:
         tensors = load_file(file.read_path)
     except SafetensorError as exc:  # cut short or not safetensors: unreadable, asked again
@@ -191,52 +169,40 @@ def stored_blobs(blobs: BlobStore, layout: HiddenStatesLayout) -> Callable[[str]
 
 @dataclass
 class HiddenStatesJob:
-    """Hidden states for extraction requests: each answer's file verified and stored as
-    it arrives (`store_response`); a file that cannot be read is asked for again."""
+    """Hidden states for `StatesFetch` items: each answer's file verified and stored as
+    it arrives (`store_outcome`); a file that cannot be read is asked for again."""
 
-    keys: dict[str, str]
     layout: HiddenStatesLayout
-    blobs: BlobStore
-    connector: ConnectorDir
-    loss_masks: dict[str, list[int]] | None = None
-    """The rows' masks as `requests_for` fills them (compact formats need them)."""
-    what = "hidden states"
-    kept = "Samples stored so far are kept"
+    connector: ConnectorDir | None = None  # online: set when the servers start
+    what: str = "hidden states"
+    kept: str = "Samples stored so far are kept"
     ask_again = FILE_RETRIES
     workers_per_slot = 1
 
-    async def ask(
-        self, client: HiddenStatesClient, request: ExtractionRequest
-    ) -> ExtractionResponse:
-        return await client.extract(request)
+    async def ask(self, client: HiddenStatesClient, item: StatesFetch) -> ExtractionResponse:
+        return await client.extract(item.request)
 
     def write(
-        self, request: ExtractionRequest, answer: ExtractionResponse | Exception, final: bool
+        self, item: StatesFetch, answer: ExtractionResponse | Exception, final: bool
     ) -> Outcome:
-        """Store one response (`store_outcome`). A row's mask is held only while it is asked."""
-        masks = self.loss_masks if self.loss_masks is not None else {}
-        mask = masks.pop(request.row_id, None)
-        dest = StatesDestination(self.layout, self.blobs, self.connector)
-        outcome = store_outcome(request, answer, final, self.keys[request.row_id], dest, mask)
-        if outcome is ASK_AGAIN and mask is not None:
-            masks[request.row_id] = mask
-        return outcome
+        assert self.connector is not None
+        return store_outcome(item, answer, final, self.layout, self.connector)
 
 
 def store_outcome(
-    request: ExtractionRequest,
+    fetch: StatesFetch,
     answer: ExtractionResponse | Exception,
     final: bool,
-    key: str,
-    dest: StatesDestination,
-    loss_mask: list[int] | None,
+    layout: HiddenStatesLayout,
+    connector: ConnectorDir,
 ) -> Outcome:
-    """Store one response under `key` (`store_response`), or say why its row is rejected;
+    """Store one response (`store_response`), or say why its row is rejected;
     `ASK_AGAIN` when its file could not be read (unless `final`)."""
+    request = fetch.request
     if isinstance(answer, Exception):
         return Unusable(request.row_id, "request_refused", str(answer))
     try:
-        path = store_response(request, answer, key, dest, loss_mask)
+        path = store_response(fetch, answer, layout, connector)
     except HiddenStatesRejected as exc:
         return Unusable(request.row_id, exc.reason.value, exc.detail)
     except (OSError, TimeoutError, ValueError) as exc:
@@ -293,10 +259,6 @@ class ExtractionReport:
     requests: RequestReport = field(default_factory=RequestReport)
     manifest: WrittenTable | None = None
     stored: StoredTotals = field(default_factory=StoredTotals)
-
-    @property
-    def rejection_ratio(self) -> float:
-        return len(self.requests.rejections) / max(len(self.plan.rows), 1)
 
 
 @dataclass(frozen=True)
@@ -357,12 +319,24 @@ class PartitionExtraction:
         rows = self.tables.iter_rows(
             TOKENIZED, self.partition, ["row_id", "input_ids", "messages", "loss_mask"]
         )
-        masks = None if layout.storage.is_native else {}
-        requests = requests_for(rows, plan.missing, self.target.facts.image_token_id, masks)
-        job = HiddenStatesJob(plan.keys(), layout, self.blobs, connector, masks)
-        stage = RequestStage(session, self.settings)
+        keys, token = plan.keys(), self.target.facts.image_token_id
+        fetches = (
+            StatesFetch(
+                extraction_request(row, token),
+                keys[row["row_id"]],
+                self.blobs,
+                None if layout.storage.is_native else row["loss_mask"],
+            )
+            for row in rows
+            if row["row_id"] in plan.missing
+        )
+        job, client = HiddenStatesJob(layout, connector), HiddenStatesClient
         with _one_torch_thread():
-            report = stage.run(HiddenStatesClient, job, requests, len(plan.missing))
-        if not any(incoming.iterdir()):
-            incoming.rmdir()
+            report = run_stage(session, self.settings, client, job, fetches, len(plan.missing))
+        remove_if_empty(incoming)
         return report
+
+
+def remove_if_empty(directory: Path) -> None:
+    if directory.is_dir() and not any(directory.iterdir()):
+        directory.rmdir()

@@ -1,16 +1,11 @@
 """Ingest: a registered dataset's rows into the `raw_dataset` table, and a probe of every
 image they reference into `coco_image_availability` (headers only).
 
-The source (local files, `local_files.py`, or the hub) is read a record at a time and each
-kept row is written to the table in batches as it comes, so memory stays flat in the
-source's size (BENCHMARKS.md, "Raw dataset memory"); every row is checked as a table can
-hold it (`sources.checked`), and which rows are kept (filters, the deterministic
-subsample) is decided in `domain/ingest/sources.py`.
-
-Images kept inside the rows (`domain/ingest/embedded_images.py`) are taken out of each row
-as the selection keeps it and written once to the content-addressed directory under the
-storage root, so no table holds pixels and no kept row holds its image's bytes past its
-read. A row the filter or the subsample leaves out writes no image.
+The source (local files, `local_files.py`, or the hub) is read a record at a time, each
+kept row written as it comes, so memory stays flat in the source's size (BENCHMARKS.md,
+"Raw dataset memory"); which rows are kept is decided in `domain/ingest/sources.py`.
+Images inside the rows are taken out of each kept row and written once to the
+content-addressed directory under the storage root, so no table holds pixels.
 """
 
 from __future__ import annotations
@@ -69,13 +64,10 @@ logger = logging.getLogger(__name__)
 def hub_source(
     path: str, subset: str | None, split: str, data_files: list[str] | None = None
 ) -> Callable[[], Iterator[RawRow]]:
-    """Rows through `datasets.load_dataset(path, name=subset, split=split)`: a hub id, or
-    a local directory the `datasets` library can read. Loaded once (memory-mapped Arrow,
-    so not held in RAM); each call of the returned function reads it from the start.
-
-    With `data_files`, each file is loaded on its own, in the listed order, so each row
-    knows its file (`RawRow.source_file`). Image columns are read undecoded
-    (`undecoded_images`): rows give the image's bytes, never PIL pixels."""
+    """Rows through `datasets.load_dataset` (a hub id, or a local directory it reads),
+    loaded once (memory-mapped); each call of the returned function reads from the start.
+    With `data_files`, each file is loaded on its own, in order, so each row knows its
+    file. Image columns are read undecoded: rows give the image's bytes, never pixels."""
     import datasets  # heavy import, only on this path
 
     def load(files: str | None) -> datasets.Dataset:
@@ -93,9 +85,8 @@ def hub_source(
 
 
 def undecoded_images(dataset: Any) -> Any:
-    """`dataset` with every `datasets.Image` column (alone, in a list or in a struct) cast
-    to `Image(decode=False)`, so iteration gives `{bytes, path}` dicts: decoding every
-    image to pixels would cost time and memory for nothing, as only the bytes are kept."""
+    """`dataset` with every `datasets.Image` column (alone, in a list or a struct) cast to
+    `Image(decode=False)`: only the bytes are kept, so decoding pixels would be waste."""
     for name, feature in dataset.features.items():
         undecoded = _undecoded(feature)
         if undecoded != feature:
@@ -118,14 +109,11 @@ def _undecoded(feature: Any) -> Any:
 
 
 class EmbeddedImageWriter:
-    """Takes the images out of each row the selection keeps (`RawTableSink`), never out
-    of a row the filter or the subsample leaves out. Every image the load references is
-    staged in a directory of this load's own, a new one as a file and one already stored as
-    a hard link (so `prune_embedded_images` sees it referenced, and a removal that raced
-    the check leaves the link), until `commit` moves them into the embedded-image
-    directory (`<hex[:2]>/<hex>`); `discard` drops the staged ones (a first pass that
-    turned out to hold more rows than the subsample keeps). A killed load's staging
-    directory is removed by the next load."""
+    """Takes the images out of each row the selection keeps. Every image the load
+    references is staged in this load's own directory, a new one as a file, a stored one
+    as a hard link (so `prune_embedded_images` sees it referenced, and a removal that
+    raced the check leaves the link), until `commit` moves them into the store;
+    `discard` drops them. The next load removes a killed load's staging directory."""
 
     def __init__(self, directory: Path, image_keys: frozenset[str] = IMAGE_KEYS) -> None:
         self.directory, self.image_keys = directory, image_keys
@@ -157,8 +145,7 @@ class EmbeddedImageWriter:
         self._staged.clear()
 
     def commit(self) -> None:
-        """The staged images into the store, each by one rename (a linked one renames
-        onto itself, or puts back a file removed meanwhile), each given a fresh mtime:
+        """The staged images into the store, each by one rename, each given a fresh mtime:
         young, it outlives a prune until the table naming it is written."""
         with store_lock(self.directory, exclusive=False):
             for digest in sorted(self._staged):
@@ -175,7 +162,7 @@ class EmbeddedImageWriter:
 
 def _link_stored(stored: Path, staged: Path) -> bool:
     """Whether a plain stored file could be hard-linked as `staged` (else the caller
-    writes the bytes: a file removed meanwhile, a link, a filesystem without links)."""
+    writes the bytes)."""
     try:
         if not stat.S_ISREG(stored.lstat().st_mode):
             return False
@@ -186,9 +173,8 @@ def _link_stored(stored: Path, staged: Path) -> bool:
 
 
 def source_reader(spec: DatasetSpec) -> Callable[[], Iterator[RawRow]]:
-    """A function reading the entry's rows from the start each time it is called
-    (subsampling reads the source twice rather than holding it), each row as a table can
-    hold it (`checked`)."""
+    """A function reading the entry's rows from the start at each call (subsampling reads
+    the source twice rather than holding it), each row `checked`."""
     if spec.hub:
         read = hub_source(spec.hub, spec.subset, spec.split, spec.data_files)
     else:
@@ -212,8 +198,8 @@ def load_rows(spec: DatasetSpec, sink: RowSink) -> Selection:
 
 
 class RawTableSink:
-    """Each kept row, its images taken out (`EmbeddedImageWriter`), into the table's
-    writer as it comes (`RowSink`), counted for the report; `discard` starts both over."""
+    """Each kept row, its images taken out, into the table's writer (`RowSink`), counted;
+    `discard` starts both over."""
 
     def __init__(self, out: BatchWriter, images: EmbeddedImageWriter) -> None:
         self.out, self.images = out, images
@@ -253,9 +239,8 @@ class RawDatasetReport:
 
 
 def load_raw_dataset(spec: DatasetSpec, tables: TableStore, embedded_dir: Path) -> RawDatasetReport:
-    """The dataset's rows as loaded, filtered and subsampled, with their source index and
-    file, written as they are kept; images inside the rows are written to `embedded_dir`
-    and referenced by hash (committed before the table replaces the old one)."""
+    """The dataset's kept rows, with their source index and file; images inside them
+    written to `embedded_dir` and referenced by hash (committed before the table)."""
     configured = {spec.columns.image} if spec.columns.image else set()
     images = EmbeddedImageWriter(embedded_dir, IMAGE_KEYS | configured)
     with tables.writer("raw_dataset", spec.name, schemas.RAW_DATASET) as out:
@@ -300,11 +285,9 @@ class ImageAvailabilityReport:
 
 
 def pixel_cap(setting: int | None, target: TargetModel) -> tuple[int, str]:
-    """The probe's pixel cap, and where it came from: the user's setting, else
-    `pixel_cap_for` the target processor's `max_pixels`. Only the image processor's
-    config is read (ingest runs before anything else needs the target, and must not
-    download a model for it); a target whose image processor does not load here (a
-    text-only one, a hub out of reach) gets Pillow's bomb threshold, and says why."""
+    """The probe's pixel cap and where it came from: the setting, else `pixel_cap_for`
+    the target processor's `max_pixels` (only its config is read: ingest must not
+    download a model); a processor that does not load gets Pillow's bomb threshold."""
     if setting is not None:
         return setting, "max_image_pixels (set)"
     try:
@@ -323,8 +306,8 @@ def probe_dataset_images(
     embedded_dir: Path,
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> ImageAvailabilityReport:
-    """One probe per distinct image the partition's rows reference: a file under the image
-    root, or an embedded image (`sha256:<hex>`) in `embedded_dir`."""
+    """One probe per distinct image the rows reference (a file under the image root, or
+    `sha256:<hex>` in `embedded_dir`)."""
     referenced_by: Counter[str] = Counter()
     for row in tables.iter_rows("raw_dataset", spec.name, columns=["record", "parse_error"]):
         try:

@@ -1,10 +1,8 @@
 """Rows of a local dataset: a json (list), jsonl or parquet file, or a directory of them.
 
-Read a record at a time, so memory stays flat in the source's size (BENCHMARKS.md, "Raw
-dataset memory"). Only files under the entry's `path` are read: `data_files` entries and
-a directory's links that lead out of it are refused. A line or record that cannot be
-read is a row with a parse error (quarantined by normalization), never an exception,
-wherever the layout lets the reader go on past it.
+Read a record at a time (memory flat in the source's size). Only files under the entry's
+`path` are read. A line or record that cannot be read is a row with a parse error
+(quarantined by normalization), never an exception, wherever the reader can go on.
 """
 
 from __future__ import annotations
@@ -28,18 +26,13 @@ LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 
 def read_local(path: Path, data_files: list[str] | None = None) -> Iterator[RawRow]:
-    """Rows of a json (list), jsonl or parquet file, or of every such file in a directory
-    (sorted by name, so the row order — and the source index — is stable), or of the
-    directory's `data_files` only, in their listed order. Each row names its file."""
+    """Rows of a file, or of every such file in a directory (sorted by name, so the
+    source index is stable), or of its `data_files` only, in order; each names its file."""
     if path.is_dir():
         files = _listed_files(path, data_files) if data_files else _all_files(path)
-        rows = (
-            RawRow(0, row.record, row.parse_error, file.relative_to(path).as_posix())
-            for file in files
-            for row in _read_file(file)
-        )
-        for index, row in enumerate(rows):
-            yield RawRow(index, row.record, row.parse_error, row.source_file)
+        rows = ((file, row) for file in files for row in _read_file(file))
+        for index, (file, row) in enumerate(rows):
+            yield RawRow(index, row.record, row.parse_error, file.relative_to(path).as_posix())
         return
     if data_files:
         raise ValueError(
@@ -66,8 +59,7 @@ def _all_files(directory: Path) -> list[Path]:
 
 
 def _listed_files(directory: Path, data_files: list[str]) -> list[Path]:
-    """The entry's `data_files` under `directory`, in their order (a glob pattern gives
-    its matches sorted by name); each must exist, or the load stops naming it."""
+    """The entry's `data_files` under `directory`, in order (a glob's matches sorted)."""
     files: list[Path] = []
     for entry in data_files:
         if Path(entry).is_absolute():
@@ -113,19 +105,13 @@ def _read_file(path: Path) -> Iterator[RawRow]:
         raise ValueError(f"{path}: unsupported file type; use one of {LOCAL_SUFFIXES}")
 
 
-BATCH_BYTES = 4 << 20
-"""What a batch of Parquet rows may hold decoded: rows carrying images of a few MiB or
-more are read one at a time (at 32 MiB, four 8 MiB images a batch cost ~50 MiB more
-peak RSS)."""
+BATCH_BYTES = 4 << 20  # a Parquet batch decoded: rows of images of MiBs come one at a time
 
 
 def _read_parquet(path: Path) -> Iterator[RawRow]:
-    """Rows in batches of about `BATCH_BYTES` decoded (sized from the row groups' own
-    byte counts, 1 to 64 rows), read through a buffered stream, one row turned into
-    Python at a time. Arrow still decodes a page whole: a file whose images share one
-    page (pyarrow's defaults put a row group's images in one dictionary page) costs about
-    twice that page (BENCHMARKS.md, "Images inside rows"); `datasets`' own layout (a
-    plain, uncompressed page per ~100 MB row group) costs a fraction of it."""
+    """Rows in batches of about `BATCH_BYTES` decoded (1 to 64 rows, sized from the row
+    groups' byte counts), one row turned into Python at a time. Arrow still decodes a
+    page whole (BENCHMARKS.md, "Images inside rows")."""
     file = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
     meta = file.metadata
     groups = (meta.row_group(i) for i in range(meta.num_row_groups))
@@ -139,9 +125,8 @@ def _read_parquet(path: Path) -> Iterator[RawRow]:
 
 
 def _read_jsonl(path: Path) -> Iterator[RawRow]:
-    """One row per non-blank line; a line that is not UTF-8 or not JSON is a row with a
-    parse error naming its line, kept (as text, undecodable bytes escaped) so that
-    normalization quarantines it."""
+    """One row per non-blank line; a line that is not UTF-8 or not JSON is kept as text
+    with a parse error naming its line, for normalization to quarantine."""
     with open(path, "rb") as fh:
         index = 0
         for number, raw in enumerate(fh, 1):
@@ -161,19 +146,13 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
 
 
 def _read_json_list(path: Path) -> Iterator[RawRow]:
-    r"""Records of a `.json` file holding one list, decoded one at a time.
+    r"""Records of a `.json` file holding one list, streamed by ijson's C backend (a few
+    MB where `json.loads` holds every record: BENCHMARKS.md, "Raw dataset memory");
+    `use_float=True` gives int or float as `json.loads` does, never Decimal.
 
-    ShareGPT4V ships as one such file: ijson's C backend streams it in a few MB where
-    `json.loads` holds every record, faster than DuckDB's `read_json_objects` too
-    (BENCHMARKS.md, "Raw dataset memory").
-    `use_float=True` makes numbers int or float as with `json.loads` (never Decimal), so
-    `RawRow.record_json` is unchanged. The C parser refuses things valid JSON may hold:
-    integers beyond 64 bits, and a lone low surrogate escape (`\uDC00`; a lone high one
-    it reads as `?`). At such a record the file is read on with ijson's Python backend
-    (slower, as exact as `json.loads`), from the record where the C parser stopped, so
-    no row is lost. A file neither reads
-    (bytes that are not UTF-8, broken syntax) fails with a message naming the record and
-    the way out (.jsonl, where each line stands alone).
+    The C parser refuses some valid JSON (integers beyond 64 bits, a lone low surrogate
+    escape `\uDC00`): from such a record on, the exact Python backend reads the rest, so
+    no row is lost. A file neither reads fails naming the record and the way out.
     """
     read = 0
     backends = [ijson, ijson_python]
@@ -205,8 +184,7 @@ def _read_json_list(path: Path) -> Iterator[RawRow]:
 
 
 def _expect_list(path: Path, fh: BinaryIO) -> None:
-    """Refuses a `.json` file that is not a list before streaming it: the streaming
-    parser would otherwise find no list items in an object and read zero rows."""
+    """Refuses a `.json` file that is not a list (streaming would read zero rows)."""
     first = b""
     while not first and (chunk := fh.read(65536)):
         first = chunk.lstrip()[:1]

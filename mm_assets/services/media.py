@@ -1,13 +1,9 @@
-"""The one directory vLLM opens a step's image files under.
+"""The one directory vLLM opens a step's image files under (`--allowed-local-media-path`).
 
-vLLM opens `file://` images only under `--allowed-local-media-path`, one directory. A
-partition's usable images lie under its image root (referenced files), in the
-embedded-image directory under the storage root (images that were inside the rows,
-`sha256:<hex>`), or in both. The directory is never widened to hold several of these: it
-is the image root when the partition references files, else the embedded-image
-directory, and the client sends any image outside it inline (`clients/media_urls.py`).
-The availability table says which kinds a partition has, so a text-only partition opens
-no directory at all.
+It is never widened to hold both a partition's image root and the embedded-image
+directory: it is the image root when the partition references files, else the
+embedded-image directory, and the client sends any image outside it inline
+(`clients/media_urls.py`). A text-only partition opens no directory at all.
 """
 
 from __future__ import annotations
@@ -21,10 +17,8 @@ from mm_assets.storage import TableStore
 
 
 def media_root(spec: DatasetSpec, tables: TableStore, storage_root: Path | str) -> Path | None:
-    """The image root when the partition's usable images include referenced files, the
-    embedded-image directory when they were all inside the rows, None when it has no
-    usable image. Before its images are probed (no availability table in this store),
-    the entry's image root, as for any dataset."""
+    """The partition's directory (see the module's docstring), from its probes; None when
+    it has no usable image. Before its images are probed, the entry's image root."""
     if not tables.exists("coco_image_availability", spec.name):
         return spec.resolved_image_root()
     embedded = False

@@ -1,19 +1,14 @@
-"""The `BatchSource` that fetches hidden states from vLLM while the draft trains
-(`hidden_states: online`; what it fetches: `services/online_states.py`).
+"""Hidden states fetched from vLLM while the draft trains (`hidden_states: online`): what
+a training run fetches (`OnlineStates`), the `BatchSource` that fetches them
+(`OnlineBatches`) and what fetching took (`FetchReport`).
 
-The trainer asks its `BatchSource` for each pass's batches in order (`domain.model.trainer`).
-`OnlineBatches` answers from the blob store where a row's states are stored, and requests
-the others through the same client, verification and storing as offline extraction
-(`services.extraction.store_outcome`), with the next `prefetch_batches` batches in flight
-while the current one trains. `online_cache: keep` stores what it fetched in the blob
-store, so later epochs, reruns and offline runs find it; `discard` stores it in a scratch
-directory and deletes each batch's files once the batch is built, so at most
-prefetch_batches + 1 batches are on disk, and every pass requests its rows again.
-
-Threads: the trainer's (it builds batches and deletes their files), one event-loop thread
-that runs every pass's requests, and the storer threads that verify and store answers.
-A pass's counts change on the loop only; the disk tally, which both sides change, under a
-lock.
+Stored rows come from the blob store; the others are requested as offline extraction
+requests them (`HiddenStatesJob`), the next `prefetch_batches` batches in flight while
+the current one trains. `online_cache: keep` stores what it fetched in the blob store
+(later epochs, reruns and offline runs find it); `discard` deletes each batch's files
+once it is built. Threads: the trainer's (it builds batches and deletes their files), the
+event loop that runs every pass's requests, and the storers. A pass's counts change on
+the loop only; the disk tally, which both sides change, under a lock.
 """
 
 from __future__ import annotations
@@ -21,37 +16,124 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import shutil
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from mm_assets.clients.connector_files import ConnectorDir
 from mm_assets.clients.vllm_client import CircuitOpen, ExtractionRequest, HiddenStatesClient
 from mm_assets.clients.vllm_server import ManagedVllmServer, unavailable
+from mm_assets.domain.model.hidden_state_plan import plan_extraction
+from mm_assets.domain.model.hidden_states import ExtractionSettings, HiddenStatesLayout
+from mm_assets.domain.model.settings import OnlineSettings
 from mm_assets.domain.model.training_data import Batch, SampleRef, load_batch
 from mm_assets.domain.rejection import StateRejections
-from mm_assets.services.extraction import FILE_RETRIES, StatesDestination, store_outcome
-from mm_assets.services.online_states import FetchReport, OnlineStates, PassReport
-from mm_assets.services.request_stage import (
-    Outcome,
-    Stored,
-    Unusable,
-    make_client,
-    request_all,
+from mm_assets.services.engine import Serving
+from mm_assets.services.extraction import (
+    HiddenStatesJob,
+    StatesFetch,
+    check_disk_budget,
+    extraction_request,
+    hidden_states_layout,
+    remove_if_empty,
 )
+from mm_assets.services.request_stage import RequestReport, Stored, Unusable, request_all
+from mm_assets.services.target import TargetModel
 from mm_assets.storage.blobs import BlobStore
 
 logger = logging.getLogger(__name__)
+KEPT = "The training state of the last finished epoch is kept"
 
 
 class TooManyRejections(RuntimeError):
     """More of the partition's rows failed than `max_rejection_ratio` allows."""
+
+
+@dataclass
+class PassReport:
+    """One pass over batches (an epoch, a held-out evaluation) as the fetch side saw it."""
+
+    label: str
+    rows: int = 0
+    cache_hits: int = 0  # rows whose states were stored already (nothing requested)
+    fetched: int = 0
+    fetched_tokens: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    trainer_wait_s: float = 0.0  # the trainer waiting for states
+    request_wait_s: float = 0.0  # requests waiting for the trainer (the window full)
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        rejected = ", ".join(f"{n} {reason}" for reason, n in self.rejected.items()) or "none"
+        return (
+            f"{self.label}: {self.rows} rows, {self.fetched} fetched ({self.fetched_tokens} "
+            f"tokens), {self.cache_hits} stored already, rejected: {rejected}; the trainer "
+            f"waited {self.trainer_wait_s:.1f}s for states, requests waited "
+            f"{self.request_wait_s:.1f}s for the trainer ({self.seconds:.1f}s)"
+        )
+
+
+@dataclass
+class FetchReport:
+    """Every pass of a training run, the requests behind them, and the disk they took."""
+
+    cache: str
+    passes: list[PassReport] = field(default_factory=list)
+    requests: RequestReport = field(default_factory=RequestReport)
+    disk_peak_bytes: int = 0  # `discard`: the most bytes the scratch directory held at once
+    largest_batch_bytes: int = 0  # the most bytes fetched for one batch
+
+
+@dataclass(frozen=True)
+class OnlineStates:
+    """How a training run gets a partition's states online: what they are, where they
+    come from, how requests are sent (its `hidden_states` settings), where they go."""
+
+    layout: HiddenStatesLayout
+    extraction: ExtractionSettings
+    online: OnlineSettings
+    serving: Serving
+    image_token_id: int | None
+    blobs: BlobStore
+
+    @classmethod
+    def for_target(
+        cls,
+        target: TargetModel,
+        serving: Serving,
+        extraction: ExtractionSettings,
+        online: OnlineSettings,
+        blobs: BlobStore,
+    ) -> OnlineStates:
+        """The states `extraction` describes (layer ids checked against the target)."""
+        layout = hidden_states_layout(target, serving.engine, extraction)
+        return cls(layout, extraction, online, serving, target.facts.image_token_id, blobs)
+
+    def training_rows(
+        self, rows: Sequence[dict]
+    ) -> tuple[list[SampleRef], dict[str, str], dict[str, ExtractionRequest]]:
+        """The tokenized `rows` as training refs (at their blob's path, stored or not),
+        with each row's blob key and extraction request."""
+        plan = plan_extraction(rows, self.layout, self.blobs.has)
+        if self.online.online_cache == "keep":  # what is missing ends up on this disk
+            check_disk_budget(plan, self.layout, self.blobs)
+        keys = plan.keys()
+        requests = {
+            r["row_id"]: extraction_request(r, self.image_token_id)
+            for r in rows
+            if r["row_id"] in keys
+        }
+        path = {row: str(self.blobs.path(key)) for row, key in keys.items()}
+        refs = [
+            SampleRef(r["row_id"], path[r["row_id"]], r["input_ids"], r["loss_mask"]) for r in rows
+        ]
+        return refs, keys, requests
 
 
 @dataclass(eq=False)
@@ -73,14 +155,10 @@ class _Group:
             self.ready.set_result(None)
 
 
-@dataclass(eq=False)
-class _Fetch:
+@dataclass(eq=False, frozen=True)
+class _Fetch(StatesFetch):
     """One request, and the rows of the groups that wait for it (identical rows share)."""
 
-    request: ExtractionRequest
-    key: str
-    dest: BlobStore
-    mask: list[int] | None
     pending_as: tuple[int, str]  # its entry in `_Pass.pending` while it is asked
     rows: dict[_Group, list[str]] = field(default_factory=dict)
 
@@ -93,32 +171,10 @@ class _Pass:
     window: asyncio.Semaphore | None = None
 
 
-@dataclass
-class _FetchJob:
-    """The request stage's job: ask for one row's states, store them where it says."""
-
-    states: OnlineStates
-    connector: ConnectorDir | None = None  # set when the servers start
-    what = "hidden states (online)"
-    kept = "The training state of the last finished epoch is kept"
-    ask_again = FILE_RETRIES
-    workers_per_slot = 1
-
-    async def ask(self, client: HiddenStatesClient, item: _Fetch) -> Any:
-        return await client.extract(item.request)
-
-    def write(self, item: _Fetch, answer: Any, final: bool) -> Outcome:
-        assert self.connector is not None
-        dest = StatesDestination(self.states.layout, item.dest, self.connector)
-        return store_outcome(item.request, answer, final, item.key, dest, item.mask)
-
-
 class OnlineBatches:
     """A `BatchSource` that fetches states while the trainer trains; a context manager
-    that holds the servers (started here when managed) and the request loop.
-
-    `keys` and `requests`: each row's blob key and extraction request
-    (`OnlineStates.training_rows`)."""
+    that holds the servers and the request loop. `keys` and `requests`: each row's, as
+    `OnlineStates.training_rows` gives them."""
 
     def __init__(
         self, states: OnlineStates, keys: dict[str, str], requests: dict[str, ExtractionRequest]
@@ -126,7 +182,7 @@ class OnlineBatches:
         self.states, self.keys, self.requests = states, keys, requests
         self.report = FetchReport(states.online.online_cache)
         self._discard = states.online.online_cache == "discard"
-        self._serials = 0
+        self._serials = itertools.count(1)
         self._rejected_rows: set[str] = set()
         self._disk_now = 0
         self._disk_lock = threading.Lock()
@@ -140,7 +196,7 @@ class OnlineBatches:
         self.scratch = states.blobs.scratch() if self._discard else None
         if self.scratch is not None:
             stack.callback(shutil.rmtree, self.scratch.dir, True)
-        self.job = _FetchJob(states)
+        self.job = HiddenStatesJob(states.layout, None, "hidden states (online)", KEPT)
         self.loop = asyncio.new_event_loop()
         thread = threading.Thread(target=self.loop.run_forever, name="online-states", daemon=True)
         thread.start()
@@ -164,7 +220,7 @@ class OnlineBatches:
     def _start_servers(self) -> None:
         states, servers = self.states, self._servers
         incoming = states.blobs.incoming_dir()
-        servers.callback(_remove_if_empty, incoming)
+        servers.callback(remove_if_empty, incoming)
         self.job.connector = states.serving.engine.connector_files(incoming)
         session = servers.enter_context(
             states.serving.extraction_session(states.layout.layer_ids, incoming)
@@ -175,7 +231,7 @@ class OnlineBatches:
             servers.callback(
                 lambda: setattr(self.report.requests, "server_rss_bytes", managed.rss_bytes())
             )
-        self.client = make_client(HiddenStatesClient, session, states.extraction)
+        self.client = HiddenStatesClient(session.base_urls, states.extraction, session.access)
         # the storers go with the servers: idle threads that ran torch slowed training by
         # half (BENCHMARKS.md, online hidden states)
         self.storers = concurrent.futures.ThreadPoolExecutor(self.client.concurrency)
@@ -201,7 +257,7 @@ class OnlineBatches:
         """Each group's batch in order, its states requested up to `prefetch_batches`
         groups ahead; rows that failed this pass are left out (None: all of them)."""
         self._servers_for(groups)
-        run = _Pass([self._group(g) for g in groups], PassReport(label))
+        run = _Pass([_Group(next(self._serials), g) for g in groups], PassReport(label))
         run.report.rows = sum(len(g) for g in groups)
         started = time.perf_counter()
         task = asyncio.run_coroutine_threadsafe(self._fetch(run), self.loop)
@@ -221,8 +277,8 @@ class OnlineBatches:
             task.result()
         except CircuitOpen as exc:
             what = (
-                f"vLLM stopped answering during online training ({label}): {exc}. The "
-                "training state of the last finished epoch is kept; rerun to resume."
+                f"vLLM stopped answering during online training ({label}): {exc}. {KEPT}; "
+                "rerun to resume."
             )
             raise unavailable(what, self.managed) from exc
         finally:
@@ -231,10 +287,6 @@ class OnlineBatches:
         self.report.passes.append(run.report)
         logger.info("%s", run.report.line())
         self._check(run.report)
-
-    def _group(self, refs: Sequence[SampleRef]) -> _Group:
-        self._serials += 1
-        return _Group(self._serials, refs)
 
     async def _fetch(self, run: _Pass) -> None:
         run.window = asyncio.Semaphore(self.states.online.prefetch_batches + 1)
@@ -266,9 +318,8 @@ class OnlineBatches:
             group.settle()
 
     def _plan(self, run: _Pass, group: _Group) -> Iterator[_Fetch]:
-        """The requests `group` needs: none for rows stored already; one per distinct
-        key (identical rows share it, within the group, and with `keep` across groups)."""
-        blobs = self.states.blobs
+        """One request per distinct key not stored (`keep`: shared across groups too)."""
+        blobs, native = self.states.blobs, self.states.layout.storage.is_native
         for ref in group.refs:
             key = self.keys[ref.row_id]
             if blobs.has(key):
@@ -278,8 +329,12 @@ class OnlineBatches:
             scope = group.serial if self._discard else 0
             fetch = run.pending.get((scope, key))
             new = fetch is None
-            if fetch is None:
-                fetch = self._new_fetch(ref, key, group, (scope, key))
+            if fetch is None:  # `discard`: under a name of the group's own, deleted with it
+                dest, name = (
+                    (self.scratch, f"{key}-{group.serial}") if self.scratch else (blobs, key)
+                )
+                mask = None if native else ref.loss_mask
+                fetch = _Fetch(self.requests[ref.row_id], name, dest, mask, (scope, key))
                 run.pending[fetch.pending_as] = fetch
             if group not in fetch.rows:
                 group.waiting += 1
@@ -287,21 +342,10 @@ class OnlineBatches:
             if new:
                 yield fetch
 
-    def _new_fetch(
-        self, ref: SampleRef, key: str, group: _Group, pending_as: tuple[int, str]
-    ) -> _Fetch:
-        """`keep`: into the blob store under its key; `discard`: into the scratch store,
-        under a name of this group's own (it is deleted with the group)."""
-        mask = None if self.states.layout.storage.is_native else ref.loss_mask
-        request = self.requests[ref.row_id]
-        if self.scratch is not None:
-            return _Fetch(request, f"{key}-{group.serial}", self.scratch, mask, pending_as)
-        return _Fetch(request, key, self.states.blobs, mask, pending_as)
-
     def _done(self, run: _Pass, fetch: _Fetch, outcome: Stored | Unusable) -> None:
         """On the loop: where the states of `fetch`'s rows are, or why they are not."""
         del run.pending[fetch.pending_as]
-        path = fetch.dest.path(fetch.key)
+        path = fetch.blobs.path(fetch.key)
         if isinstance(outcome, Stored):
             run.report.fetched += 1
             run.report.fetched_tokens += outcome.tokens
@@ -341,8 +385,7 @@ class OnlineBatches:
                 self._tally(-group.bytes)
 
     def _check(self, report: PassReport) -> None:
-        """Fail like the offline check when more of the partition's rows than
-        `max_rejection_ratio` allows have failed (in any pass so far)."""
+        """Fail as the offline check does when too many rows have failed (in any pass)."""
         judged = StateRejections(
             len(self._rejected_rows),
             len(self.keys),
@@ -355,8 +398,3 @@ class OnlineBatches:
                 f"{report.label}: hidden states (max_rejection_ratio): {judged.describe()} "
                 f"By reason: {dict(report.rejected)}."
             )
-
-
-def _remove_if_empty(directory: Path) -> None:
-    if directory.is_dir() and not any(directory.iterdir()):
-        directory.rmdir()

@@ -1,5 +1,6 @@
 """Prep: raw rows into normalized conversations (with a quarantine), then into the
-target's token ids and loss masks (with a quarantine and supervised-token counts)."""
+target's token ids and loss masks (with a quarantine and supervised-token counts). A
+stage's quarantine (`StageReport`) serves regeneration too."""
 
 from __future__ import annotations
 
@@ -27,14 +28,41 @@ from mm_assets.domain.prep.supervision import (
     render_supervision,
 )
 from mm_assets.domain.prep.tokenization import ChatTokenizer
-from mm_assets.domain.rejection import RowFailureWatch, failed_on
+from mm_assets.domain.rejection import RowFailureWatch, RowRejected, failed_on
 from mm_assets.domain.row_ids import make_row_id
 from mm_assets.registry import DatasetSpec
-from mm_assets.services.quarantine import StageReport, quarantine_row
-from mm_assets.storage import TableStore, schemas
+from mm_assets.storage import TableStore, WrittenTable, schemas
+from mm_assets.storage.tables import BatchWriter
 
 logger = logging.getLogger(__name__)
 CONVERSATIONS = "target_responses"  # what tokenization reads (see `services/regeneration.py`)
+
+
+@dataclass
+class StageReport:
+    kept: WrittenTable | None = None
+    quarantine: WrittenTable | None = None
+    reasons: Counter[str] = field(default_factory=Counter)
+
+    def reject(
+        self,
+        out: BatchWriter,
+        source_index: int,
+        sample_id: str | None,
+        record: str,
+        exc: RowRejected,
+    ) -> None:
+        """A dropped row into the quarantine `out`, counted by its reason."""
+        self.reasons[exc.reason.value] += 1
+        out.write(
+            {
+                "source_index": source_index,
+                "sample_id": sample_id,
+                "reason": exc.reason.value,
+                "detail": exc.detail,
+                "record": record,
+            }
+        )
 
 
 def load_probes(tables: TableStore, partition: str) -> dict[str, ImageProbe]:
@@ -54,8 +82,7 @@ class NormalizeReport(StageReport):
 
 def normalize_partition(spec: DatasetSpec, tables: TableStore) -> NormalizeReport:
     """One row per usable, distinct sample; every dropped row quarantined with its reason.
-    A benchmark's rows carry their category (`DatasetSpec.category_of`, from the row's
-    `source_file` when the raw table has one)."""
+    A benchmark's rows carry their category (`DatasetSpec.category_of`)."""
     partition = spec.name
     probes = load_probes(tables, partition)
     seen: set[str] = set()
@@ -79,9 +106,7 @@ def normalize_partition(spec: DatasetSpec, tables: TableStore) -> NormalizeRepor
                 if sample_id in seen:
                     raise Rejected(DropReason.DUPLICATE_SAMPLE, "same conversation seen earlier")
             except Rejected as exc:
-                quarantine_row(
-                    quarantine, report, row["source_index"], sample_id, row["record"], exc
-                )
+                report.reject(quarantine, row["source_index"], sample_id, row["record"], exc)
                 continue
             except Exception as exc:
                 raise failed_on(f"normalizing source row {row['source_index']}", exc) from exc
@@ -117,9 +142,7 @@ class TokenizeReport(StageReport):
     conversations: int = 0
     exact_replies: int = 0
     """Regenerated replies whose supervised tokens are exactly what the target generated."""
-    spliced_replies: int = 0
-    """Regenerated replies of conversations rebuilt reply by reply from the generated
-    ids (their template re-tokenizes some reply differently)."""
+    spliced_replies: int = 0  # of conversations rebuilt reply by reply (`_on_policy_rows`)
     example: str | None = None
     """One row rendered with its supervised tokens marked (a multimodal one if any)."""
 
@@ -184,9 +207,8 @@ def tokenize_partition(
 ) -> TokenizeReport:
     """Training rows for every normalized conversation, their supervised-token counts
     (`token_frequencies`), and a quarantine of conversations that give no usable row.
-    A rejection that dominates the first rows (`watch`), or an exception that is not a
-    known rejection, stops the step instead (see `RowFailureWatch`; without one, the
-    watch `TokenizationSettings` describes by default)."""
+    A rejection that dominates the first rows (`watch`: by default, as the default
+    `TokenizationSettings` say), or an unknown exception, stops the step instead."""
     if watch is None:
         default = TokenizationSettings()
         watch = RowFailureWatch(
@@ -210,8 +232,8 @@ def tokenize_partition(
                 rows = _on_policy_rows(sample, rows, chat, report)
             except TokenizeRejected as exc:
                 watch.observe(exc, where)
-                quarantine_row(
-                    bad, report, sample["source_index"], sample["sample_id"], sample["turns"], exc
+                report.reject(
+                    bad, sample["source_index"], sample["sample_id"], sample["turns"], exc
                 )
                 continue
             except Exception as exc:

@@ -1,12 +1,9 @@
 """Target responses for a partition: every assistant turn rewritten by the target through
 vLLM (`responses: target`), or the normalized conversations passed through (`dataset`).
 
-Replies are stored per conversation under a content key (`response_key`: target, sampling
-settings, the prompt side of the conversation) as soon as the conversation is done, so a
-rerun, a reordering or an edit of other rows sends nothing for unchanged conversations,
-and an interrupted run resumes where it stopped. Generation errors that may be passing
-(a refused request other than a too-long prompt) are not stored: the next run asks again.
-The `target_responses` table is then assembled from the stored replies.
+Replies are stored per conversation under a content key (`response_key`) once it is
+done, so a rerun sends nothing for unchanged conversations and an interrupted run
+resumes. Generation errors that may be passing are not stored: the next run asks again.
 """
 
 from __future__ import annotations
@@ -37,8 +34,8 @@ from mm_assets.domain.model.responses import (
 from mm_assets.domain.prep.conversations import reply_indices, to_vllm_messages
 from mm_assets.domain.prep.tokenization import count_images
 from mm_assets.services.engine import VllmEngine
-from mm_assets.services.quarantine import StageReport, quarantine_row
-from mm_assets.services.request_stage import Outcome, RequestReport, RequestStage, Stored, Unusable
+from mm_assets.services.prep import StageReport
+from mm_assets.services.request_stage import Outcome, RequestReport, Stored, Unusable, run_stage
 from mm_assets.services.target import TargetModel
 from mm_assets.storage import TableStore, schemas
 from mm_assets.storage.blobs import BlobStore
@@ -51,18 +48,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RegenerationReport(StageReport):
-    """What a `target_responses` run did, for the asset to render."""
-
     mode: str = "dataset"
     conversations: int = 0
     cache_hits: int = 0
     requests: RequestReport = field(default_factory=RequestReport)
-    """`tokens`: the tokens generated now, in every reply (stored or not)."""
     server: str = ""
     reply_lengths: list[int] = field(default_factory=list)
     length_capped: int = 0
-    cut_short: int = 0
-    """Conversations kept up to the turn before a failed or empty reply."""
+    cut_short: int = 0  # conversations kept up to the turn before a failed or empty reply
 
 
 def _passthrough(row: dict[str, Any]) -> dict[str, Any]:
@@ -111,8 +104,7 @@ class TargetRegeneration:
             rows = (r for r in self._rows() if r["sample_id"] in missing)
             model, engine = str(self.target.local_dir), self._engine
             session = engine.session(model, [], self.image_root, self.log_path)
-            stage = RequestStage(session, self.settings)
-            report.requests = stage.run(ChatClient, job, rows, len(missing))
+            report.requests = run_stage(session, self.settings, ChatClient, job, rows, len(missing))
         self._write_table(keys, unstored, report)
         return report
 
@@ -154,9 +146,7 @@ class TargetRegeneration:
                 try:
                     out.write(self._regenerated_row(row, key, regeneration, report))
                 except ResponseRejected as exc:
-                    quarantine_row(
-                        bad, report, row["source_index"], row["sample_id"], row["turns"], exc
-                    )
+                    report.reject(bad, row["source_index"], row["sample_id"], row["turns"], exc)
         report.kept, report.quarantine = out.result, bad.result
 
     def _regenerated_row(

@@ -1,9 +1,6 @@
 """One request stage for every job that asks vLLM one result per row and stores it
-(target responses, hidden states, next the trainer fetching hidden states). The caller
-plans first: rows stored under their content key are never passed in, and with none left
-no server starts. The stage reaches the servers, sends every item through one
-`VllmClient` (rotation, breaker, retries), hands each answer to the job's writer in a
-storer thread, and returns one `RequestReport` (counts, per-server stats, rejections).
+(target responses, hidden states, online or not): every item through one `VllmClient`,
+each answer to the job's writer in a storer thread, one `RequestReport` back.
 
 Writers run in many threads at once (storing waits on the disk or on vLLM's connector,
 and must not hold back the next requests), so they only return what they did: the
@@ -21,7 +18,7 @@ from collections.abc import AsyncIterable, Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from mm_assets.clients.vllm_client import CircuitOpen, RequestRefused, VllmClient
 from mm_assets.clients.vllm_server import unavailable
@@ -30,7 +27,6 @@ from mm_assets.common.request_settings import RequestSettings
 from mm_assets.services.engine import ServerSession
 
 logger = logging.getLogger(__name__)
-Client = TypeVar("Client", bound=VllmClient)
 
 
 @dataclass(frozen=True)
@@ -75,8 +71,7 @@ class RequestReport:
     tokens: int = 0
     rejections: list[dict[str, str]] = field(default_factory=list)
     requests_sent: int = 0
-    servers: list[dict[str, Any]] = field(default_factory=list)
-    """Each server's answers, failed tries and tokens (`VllmClient.server_stats`)."""
+    servers: list[dict[str, Any]] = field(default_factory=list)  # `VllmClient.server_stats`
     seconds: float = 0.0
     startup_s: float | None = None
     server_rss_bytes: int | None = None
@@ -108,10 +103,9 @@ async def request_all(
     total: int | None = None,
 ) -> None:
     """On the running loop: ask for every item and store each answer with `storers`,
-    counting into `report` and telling `on_done` (on the loop) what became of each item;
-    servers that stop answering raise `CircuitOpen`. `items` may be asynchronous: a
-    producer that waits for room (the online trainer's prefetch window) without holding
-    the loop."""
+    counting into `report` and telling `on_done` what became of each item; servers that
+    stop answering raise `CircuitOpen`. Asynchronous `items` may wait for room (the
+    online trainer's prefetch window) without holding the loop."""
     started = time.perf_counter()
     progress = Progress(logger.info, job.what, total, every_s=10.0)
     ask = functools.partial(job.ask, client)
@@ -142,8 +136,7 @@ async def request_all(
 def run_requests(
     client: VllmClient, items: Iterable[Any], job: RequestJob, total: int | None = None
 ) -> RequestReport:
-    """Ask for every item and store each answer (`request_all`); per-item problems come
-    back as rejections, servers that stop answering raise `CircuitOpen`."""
+    """`request_all` on a loop of its own, with its own storers."""
     report, started = RequestReport(), time.perf_counter()
 
     async def main() -> None:
@@ -163,38 +156,29 @@ def run_requests(
     return report
 
 
-def make_client(
-    client_type: type[Client], served: ServerSession, settings: RequestSettings
-) -> Client:
-    """A client for a session's servers with a stage's request settings."""
-    return client_type(served.base_urls, settings, served.access)
-
-
-@dataclass(frozen=True)
-class RequestStage:
-    """A step's requests; `session` is `VllmEngine.session(...)` (or its extraction
-    twin), entered here and left when the requests are done."""
-
-    session: AbstractContextManager[ServerSession]
-    settings: RequestSettings
-
-    def run(
-        self, client_type: type[Client], job: RequestJob, items: Iterable[Any], total: int
-    ) -> RequestReport:
-        """Every item through the servers; one that stops answering stops the step with
-        `ServerUnavailable` (what is stored stays for the rerun)."""
-        with self.session as served:
-            if served.managed:
-                server = served.managed
-                how = "kept warm" if server.reused else f"started in {server.startup_seconds:.1f}s"
-                logger.info("vLLM %s, log %s", how, server.log_path)
-            client = make_client(client_type, served, self.settings)
-            try:
-                report = run_requests(client, items, job, total)
-            except CircuitOpen as exc:
-                what = f"vLLM stopped answering: {exc}. {job.kept}; rerun to resume."
-                raise unavailable(what, served.managed) from exc
-            if served.managed:
-                report.startup_s = served.managed.startup_seconds
-                report.server_rss_bytes = served.managed.rss_bytes()
-        return report
+def run_stage(
+    session: AbstractContextManager[ServerSession],
+    settings: RequestSettings,
+    client_type: type[VllmClient],
+    job: RequestJob,
+    items: Iterable[Any],
+    total: int,
+) -> RequestReport:
+    """A step's requests: every item through the servers of `session` (entered here and
+    left when they are done) with a `client_type` client; a server that stops
+    answering stops the step with `ServerUnavailable` (what is stored stays)."""
+    with session as served:
+        if served.managed:
+            server = served.managed
+            how = "kept warm" if server.reused else f"started in {server.startup_seconds:.1f}s"
+            logger.info("vLLM %s, log %s", how, server.log_path)
+        try:
+            client = client_type(served.base_urls, settings, served.access)
+            report = run_requests(client, items, job, total)
+        except CircuitOpen as exc:
+            what = f"vLLM stopped answering: {exc}. {job.kept}; rerun to resume."
+            raise unavailable(what, served.managed) from exc
+        if served.managed:
+            report.startup_s = served.managed.startup_seconds
+            report.server_rss_bytes = served.managed.rss_bytes()
+    return report

@@ -1,7 +1,5 @@
-"""The tables of a draft's results: `speculator_benchmarks` (benchmarks per category,
-against no speculation and n-gram) and `draft_measurements` (its held-out prompts in
-vLLM). Each keeps every measurement a draft has had, so drafts and retrainings compare
-in DuckDB; measuring the same weights with the same settings again replaces its rows.
+"""The tables of a draft's results (`speculator_benchmarks`, `draft_measurements`): each
+keeps every measurement a draft has had, so drafts and retrainings compare in DuckDB.
 """
 
 from __future__ import annotations

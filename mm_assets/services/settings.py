@@ -1,8 +1,7 @@
 """A stage's settings for a dataset or a draft, resolved one way for every caller (the
-assets, `python -m mm_assets.train`): the settings model's defaults, then the registry
-entry's (`settings: {stage: {...}}`, a draft entry's top-level keys), then the keys
-launched with (the run's config, the CLI's options) — last wins. The registry is read
-here too, against the stages' models, so a misspelt setting fails at load."""
+assets, `python -m mm_assets.train`): the model's defaults < the registry entry's < the
+keys launched with. The registry is read here against the stages' models, so a misspelt
+setting fails at load."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The target model: where its files are, its processor, and the facts the stages need
-(layers, width, dtype, a content fingerprint)."""
+"""The target model: where its files are, its processor, the facts the stages need
+(layers, width, dtype, a content fingerprint), and the three tensors a draft takes from
+its safetensors (`load_target_head`: token embeddings, final norm, lm_head; never the
+whole model, and torch only then)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mm_assets.domain.ingest.images import processor_max_pixels
 from mm_assets.domain.model.hidden_states import (
@@ -17,6 +19,9 @@ from mm_assets.domain.model.hidden_states import (
     text_config_facts,
     validate_layer_ids,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 _SAMPLE_CHUNK = 1 << 16
 _SMALL_FILE = 64 << 20
@@ -98,3 +103,51 @@ def target_fingerprint(model_dir: Path) -> str:
                 fh.seek((size - _SAMPLE_CHUNK) * i // 15)
                 digest.update(fh.read(_SAMPLE_CHUNK))
     return digest.hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class TargetHead:
+    embed_tokens: torch.Tensor  # [V, H]
+    lm_head: torch.Tensor  # [V, H]
+    final_norm: torch.Tensor  # [H]
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        mapping = json.loads(index.read_text())["weight_map"]
+        return {key: model_dir / name for key, name in mapping.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {model_dir}")
+    from safetensors import safe_open
+
+    keys: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), "pt") as fh:
+            keys.update({key: file for key in fh.keys()})  # noqa: SIM118 - safe_open API
+    return keys
+
+
+def _read(files: dict[str, Path], key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(files[key]), "pt") as fh:
+        return fh.get_tensor(key).float()
+
+
+def load_target_head(model_dir: Path) -> TargetHead:
+    """The final norm is the sibling of the language model's `embed_tokens`, so a VLM's
+    vision-tower norms are never mistaken for it; no `lm_head` means tied embeddings."""
+    files = _weight_files(model_dir)
+    embeds = [k for k in files if k.endswith("embed_tokens.weight")]
+    embeds = sorted((k for k in embeds if "vision" not in k and "visual" not in k), key=len)
+    if not embeds:
+        raise KeyError(f"{model_dir}: no token embedding (…embed_tokens.weight) in the weights")
+    prefix = embeds[0].removesuffix("embed_tokens.weight")
+    norm_key = f"{prefix}norm.weight"
+    if norm_key not in files:
+        raise KeyError(f"{model_dir}: expected the final norm at {norm_key}")
+    embed = _read(files, embeds[0])
+    lm_head = _read(files, "lm_head.weight") if "lm_head.weight" in files else embed
+    return TargetHead(embed, lm_head, _read(files, norm_key))

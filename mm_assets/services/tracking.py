@@ -1,10 +1,7 @@
 """Experiment tracking: a training's curves where ML engineers compare runs.
 
-`tracking: tensorboard` writes TensorBoard event files (torch's `SummaryWriter`);
-`tracking: mlflow` logs to an MLflow tracking server, or to a local SQLite store (MLflow's
-own client; MLflow 3 refuses its old file store unless told otherwise). Per optimizer
-step the training loss and learning rate; after each epoch the held-out loss and
-acceptance estimate; once, the settings and what launched the run (the Dagster run id).
+`tracking: tensorboard` writes TensorBoard event files; `tracking: mlflow` logs to an
+MLflow tracking server, or a local SQLite store (MLflow 3 refuses its old file store).
 Off by default: the packages are the `tracking` extra.
 """
 
@@ -14,7 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from mm_assets.domain.model.settings import TrackingSettings
 
@@ -29,12 +26,9 @@ class Tracking:
     launched_by: str
 
 
-class Tracker(Protocol):
-    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
-    def close(self) -> None: ...
+class Tracker:
+    """No tracking (`tracking: none`); the trackers below do it."""
 
-
-class NoTracker:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         return None
 
@@ -42,7 +36,7 @@ class NoTracker:
         return None
 
 
-class TensorBoardTracker:
+class TensorBoardTracker(Tracker):
     def __init__(self, log_dir: Path, params: Mapping[str, Any]) -> None:
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
@@ -58,7 +52,7 @@ class TensorBoardTracker:
         self.writer.close()
 
 
-class MlflowTracker:
+class MlflowTracker(Tracker):
     def __init__(self, uri: str, experiment: str, run: str, params: Mapping[str, Any]) -> None:
         from mlflow.tracking import MlflowClient
 
@@ -85,7 +79,7 @@ def open_tracker(
     MLflow's mlflow.db) unless `tracking_uri` (for MLflow, else `$MLFLOW_TRACKING_URI`,
     read now) says where."""
     if tracking is None or tracking.settings.tracking == "none" or rank != 0:
-        return NoTracker()
+        return Tracker()
     settings, run = tracking.settings, tracking.launched_by
     every = {**params, "draft": draft, "launched_by": run}
     if settings.tracking == "tensorboard":

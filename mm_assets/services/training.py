@@ -34,7 +34,6 @@ from mm_assets.domain.model.settings import TRAINING_VERSION, SpeculatorSettings
 from mm_assets.domain.model.trainer import (
     BatchSource,
     Ranks,
-    StateStore,
     StoredBatches,
     TrainingRun,
     TrainResult,
@@ -51,10 +50,8 @@ from mm_assets.services.draft_sources import (
     row_keys,
     sample_refs,
 )
-from mm_assets.services.online_batches import OnlineBatches
-from mm_assets.services.online_states import FetchReport, OnlineStates
-from mm_assets.services.target import TargetModel
-from mm_assets.services.target_weights import load_target_head
+from mm_assets.services.online_batches import FetchReport, OnlineBatches, OnlineStates
+from mm_assets.services.target import TargetModel, load_target_head
 from mm_assets.services.tracking import Tracking, open_tracker
 from mm_assets.services.warm_start import InitSource, locate, warm_draft
 from mm_assets.storage import TableStore
@@ -63,13 +60,21 @@ from mm_assets.storage.layout import StorageLayout, weights
 from mm_assets.storage.records import load_record, save_record
 
 OUTCOME_RECORD = "mm_assets_outcome.json"
+# what the record keeps of an outcome, besides its `TrainResult`
+RECORDED = (
+    "untrained_sha256",
+    "weights_sha256",
+    "untrained_acceptance",
+    "untrained_replies",
+    "train_rows",
+)
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SpeculatorJob:
-    """One training: a draft (`partition`: its name, a dataset's or a `drafts:` entry's),
-    the target, the layer ids its sources' states are made with, and the settings."""
+    """One training: a draft (`partition`: its name), the target, the layer ids its
+    sources' states are made with, and the settings."""
 
     partition: str
     storage_root: Path
@@ -78,10 +83,8 @@ class SpeculatorJob:
     target_fingerprint: str
     layer_ids: list[int]
     settings: SpeculatorSettings
-    online: OnlineStates | None = None
-    """How states are fetched while training; None: train on the stored ones."""
-    init: InitSource | None = None
-    """The draft training starts from (`init_from`); None: random weights."""
+    online: OnlineStates | None = None  # None: train on the stored states
+    init: InitSource | None = None  # `init_from`; None: random weights
 
     @classmethod
     def for_draft(
@@ -93,12 +96,10 @@ class SpeculatorJob:
         tables: TableStore,
         online: OnlineStates | None = None,
     ) -> SpeculatorJob:
-        """The job for the layer ids the sources' states are made with: those
-        `hidden_states` stored them with, or online, those its settings name (checked
-        against the target); decided there, once, and never chosen again here."""
+        """The job for the layer ids the sources' states were stored with, or online,
+        those its settings name (decided there, once, never chosen again here)."""
         layer_ids = online.layout.layer_ids if online else draft_layer_ids(tables, draft)
-        layout = StorageLayout(storage_root)
-        given = settings.init_from
+        given, layout = settings.init_from, StorageLayout(storage_root)
         init = locate(given, layout, settings.init_revision) if given else None
         return cls(
             draft.name,
@@ -126,10 +127,6 @@ class SpeculatorJob:
         measured against on the same prompts (a draft that learned nothing stays there)."""
         return self.layout.untrained_draft(self.partition)
 
-    @property
-    def state_dir(self) -> Path:
-        return self.layout.train_state(self.partition)
-
 
 @dataclass
 class SpeculatorOutcome:
@@ -139,37 +136,28 @@ class SpeculatorOutcome:
     untrained_acceptance: float | None
     train_rows: int
     held_out: list[SampleRef]
-    untrained_replies: dict[str, list[list[int]]]
-    """The untrained draft's replay of the held-out replies (`TrainResult.held_out_replies`)."""
-    reused: bool = False
-    """True when an identical earlier training was found and nothing was trained."""
-    weights_sha256: str | None = None
-    """Hash of the saved `model.safetensors` (None on ranks that do not save)."""
+    untrained_replies: dict[str, list[list[int]]]  # as `TrainResult.held_out_replies`
+    reused: bool = False  # an identical earlier training was found: nothing trained
+    weights_sha256: str | None = None  # None on ranks that do not save
     untrained_sha256: str | None = None
-    """Hash of the untrained draft's `model.safetensors` (`SpeculatorJob.untrained_dir`)."""
-    fetch: FetchReport | None = None
-    """Online: what fetching the states took, pass by pass."""
-    sources: dict[str, SourceFigures] = field(default_factory=dict)
-    """Each source's rows: trained, held out, capped, duplicates (`draft_set`)."""
+    fetch: FetchReport | None = None  # online: what fetching the states took
+    sources: dict[str, SourceFigures] = field(default_factory=dict)  # `draft_set`'s
     duplicates: dict[str, int] = field(default_factory=dict)
     """`kept_by/dropped_from` -> rows of conversations both sources hold, trained once."""
 
 
 @dataclass(frozen=True)
 class TrainingSet:
-    """What one training reads: the draft's rows (`draft_set`: trained, held out, the
-    supervised-token counts the draft vocabulary is chosen from, figures per source)."""
+    """What one training reads: the draft's rows (`draft_set`), and online each row's
+    blob key and extraction request (`OnlineStates.training_rows`)."""
 
     rows: DraftSet
     keys: dict[str, str] = field(default_factory=dict)
-    """Online: each row's blob key (`OnlineStates.training_rows`)."""
     requests: dict[str, ExtractionRequest] = field(default_factory=dict)
-    """Online: each row's extraction request."""
 
 
 def training_set(job: SpeculatorJob, draft: DraftSpec, tables: TableStore) -> TrainingSet:
-    """Each source's rows with stored states, or online every tokenized row (with its
-    blob key and extraction request), as the draft's one training set."""
+    """Each source's rows with stored states (online, every tokenized row), as one set."""
     several = len(draft.sources) > 1
     sources, keys, requests = [], {}, {}
     for name, cap in draft.sources.items():
@@ -224,8 +212,7 @@ def _reused_outcome(job: SpeculatorJob, key: str, data: TrainingSet) -> Speculat
     stored = weights(job.checkpoint_dir)
     if record is None or not stored.is_file():
         return None
-    weights_sha256 = file_sha256(stored)
-    if weights_sha256 != record.get("weights_sha256"):  # replaced since: train again
+    if file_sha256(stored) != record.get("weights_sha256"):  # replaced since: train again
         return None
     untrained = weights(job.untrained_dir)
     if not untrained.is_file() or file_sha256(untrained) != record.get("untrained_sha256"):
@@ -234,15 +221,11 @@ def _reused_outcome(job: SpeculatorJob, key: str, data: TrainingSet) -> Speculat
         job.checkpoint_dir,
         draft_shape(json.loads((job.checkpoint_dir / "config.json").read_text())),
         TrainResult(**record["result"]),
-        record["untrained_acceptance"],
-        record["train_rows"],
-        data.rows.held_out,
-        record["untrained_replies"],
+        held_out=data.rows.held_out,
         reused=True,
-        weights_sha256=weights_sha256,
-        untrained_sha256=record["untrained_sha256"],
         sources=data.rows.figures,
         duplicates=data.rows.duplicates,
+        **{name: record[name] for name in RECORDED},
     )
 
 
@@ -254,10 +237,9 @@ def train_speculator(
     device: str = "auto",
     tracking: Tracking | None = None,
 ) -> SpeculatorOutcome:
-    """Train and save the draft on its sources' rows (`training_set`), or, with `reuse`,
-    return the checkpoint an identical earlier job left (its weights verified by hash)
-    without training. Without `reuse`, training starts from the first epoch, not from a
-    saved training state."""
+    """Train and save the draft, or with `reuse` return the checkpoint an identical
+    earlier job left (its weights verified by hash). Without `reuse`, training starts
+    from the first epoch, not from a saved training state."""
     data = training_set(job, draft, tables)
     for name, figures in data.rows.figures.items():
         logger.info("%s: %s", name, figures)
@@ -309,9 +291,8 @@ def _train(
         config = _checkpoint_config(job, cfg, {"untrained": True})
         save_checkpoint(model.cpu(), config, job.untrained_dir)
         untrained_sha256 = file_sha256(weights(job.untrained_dir))
-    states: StateStore = TrainStateFile(job.state_dir / "train_state.pt")
-    if not resume:
-        states = _FromScratch(states)
+    state_file = job.layout.train_state(job.partition) / "train_state.pt"
+    states = TrainStateFile(state_file) if resume else _FromScratch(state_file)
     params = settings.model_dump() | {"layer_ids": job.layer_ids, "target": job.target_dir}
     tracker = open_tracker(tracking, job.partition, params, job.storage_root, ranks.rank)
     try:
@@ -334,22 +315,15 @@ def _train(
     return outcome, model
 
 
-@dataclass(frozen=True)
-class _FromScratch:
-    """A state store with nothing to resume from (`retrain`), saving as usual."""
-
-    store: StateStore
+class _FromScratch(TrainStateFile):
+    """A state file nothing is resumed from (`retrain`), saved as usual."""
 
     def load(self, device: torch.device) -> None:
         return None
 
-    def save(self, state: dict[str, Any]) -> None:
-        self.store.save(state)
-
 
 def _ranks() -> Ranks:
-    """The torchrun process group when one is initialised (rank 0 writes checkpoints),
-    else this process alone."""
+    """The torchrun process group when one is initialised, else this process alone."""
     if not (dist.is_available() and dist.is_initialized()):
         return Ranks()
     ddp = torch.nn.parallel.DistributedDataParallel
@@ -382,19 +356,12 @@ def _checkpoint_config(job: SpeculatorJob, cfg: Eagle3Config, extra: dict[str, A
 
 
 def _save(job: SpeculatorJob, model: Eagle3Draft, outcome: SpeculatorOutcome, key: str) -> None:
-    """The checkpoint in the speculators format, and the record that lets an identical
-    job reuse it."""
+    """The checkpoint, and the record that lets an identical job reuse it."""
     estimate = {"held_out_acceptance_estimate": outcome.result.held_out_acceptance}
     save_checkpoint(
         model.cpu(), _checkpoint_config(job, outcome.config, estimate), job.checkpoint_dir
     )
     outcome.weights_sha256 = file_sha256(weights(job.checkpoint_dir))
-    record = {
-        "untrained_sha256": outcome.untrained_sha256,
-        "weights_sha256": outcome.weights_sha256,
-        "result": asdict(outcome.result),
-        "untrained_acceptance": outcome.untrained_acceptance,
-        "untrained_replies": outcome.untrained_replies,
-        "train_rows": outcome.train_rows,
-    }
+    record = {name: getattr(outcome, name) for name in RECORDED}
+    record["result"] = asdict(outcome.result)
     save_record(job.checkpoint_dir / OUTCOME_RECORD, key, record)

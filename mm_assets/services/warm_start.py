@@ -1,10 +1,8 @@
 """Training from a published EAGLE-3 draft instead of random weights (`init_from`).
 
-Adapting a draft someone trained for the same target (RedHatAI and others publish them in
-the speculators format) to a domain costs a fraction of training one from scratch. The
-draft keeps its own vocabulary (`d2t`/`t2d`: the setting `draft_vocab_size` does not
-apply) and its trained weights; the frozen parts (embeddings, the teacher's norm and
-head) are the target's, and the optimizer starts fresh.
+Adapting a published draft for the same target to a domain costs a fraction of training
+one from scratch. The draft keeps its own vocabulary (`draft_vocab_size` does not apply)
+and its weights; the frozen parts are the target's, and the optimizer starts fresh.
 """
 
 from __future__ import annotations
@@ -23,16 +21,14 @@ from mm_assets.storage.checkpoints import read_checkpoint_config, read_weights
 from mm_assets.storage.layout import WEIGHTS, StorageLayout, has_weights, weights
 
 logger = logging.getLogger(__name__)
-# What a draft is read from here: not the rest of its repository (other weights, such as
-# optimizer states or a second format, or whole subfolders of them).
+# what a draft is read from (not the rest of its repository: optimizer states, other formats)
 HUB_FILES = ["config.json", WEIGHTS]
 
 
 @dataclass(frozen=True)
 class InitSource:
-    """The draft a training starts from: what the setting said, where it is on disk, its
-    weights' hash (part of the reuse key and recorded in the checkpoint) and, from the
-    hub, the commit it was downloaded at."""
+    """The draft a training starts from: the setting, its directory, its weights' hash
+    (part of the reuse key) and, from the hub, the commit it was downloaded at."""
 
     given: str
     path: Path
@@ -107,9 +103,6 @@ def warm_draft(
     state = read_weights(source.path)
     state.setdefault("embed_tokens.weight", embed)
     model = draft_from(config, state, str(source.path))
-    d2t = state.get("d2t")
-    if d2t is None:
-        vocab = DraftVocab(torch.arange(target.vocab_size), target.vocab_size)
-    else:
-        vocab = draft_vocab_from_mapping(d2t, target.vocab_size)
-    return model, vocab
+    if (d2t := state.get("d2t")) is None:
+        return model, DraftVocab(torch.arange(target.vocab_size), target.vocab_size)
+    return model, draft_vocab_from_mapping(d2t, target.vocab_size)
