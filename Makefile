@@ -22,11 +22,17 @@ instance:
 	@cmp -s dagster.yaml "$(DAGSTER_HOME)/dagster.yaml" || echo "note: $(DAGSTER_HOME)/dagster.yaml \
 	differs from ./dagster.yaml (pool limit, run monitoring): diff them, or copy it over"
 
+# `make demo DEMO_ARGS=--verbose` prints Dagster's per-step events too.
 demo: setup instance
-	$(PY) -m mm_assets.demo run
+	$(PY) -m mm_assets.demo run $(DEMO_ARGS)
+
+# The server-free tests run in TEST_WORKERS processes (pytest-xdist, each with its own
+# session home); the others in one, where they share the session's servers.
+TEST_WORKERS ?= 2
 
 test: setup lint
-	$(PY) -m pytest -q -m "not long" --durations=15
+	$(PY) -m pytest -q -m "not slow and not long" -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -m "slow and not long" --durations=15
 
 # Whole-chain runs (~10 min; .ci/run runs it after `make test`): the text demo chain on two
 # Celery workers with Redis and an S3 server, and killed three times then resumed.
@@ -35,7 +41,7 @@ test-long: setup
 
 # What needs no vLLM server, no Dagster subprocess and no browser (a few minutes at most).
 test-fast: setup lint
-	$(PY) -m pytest -q -m "not slow and not long"
+	$(PY) -m pytest -q -m "not slow and not long" -n $(TEST_WORKERS) --dist loadfile
 
 # The Dagster UI on 127.0.0.1:3000 with run history in $(DAGSTER_HOME).
 dev: setup instance

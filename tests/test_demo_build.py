@@ -346,3 +346,29 @@ def test_llava_processor_expands_each_image_to_fixed_tokens(
     with torch.no_grad():
         logits = model(**inputs).logits
     assert logits.shape[:2] == inputs["input_ids"].shape and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_the_demo_console_shows_dagsters_step_events_only_when_verbose(
+    demo_dir: Path, verbose: bool, monkeypatch: pytest.MonkeyPatch, capfd
+) -> None:
+    """`make demo` leaves Dagster's per-step events to the run's history; `--verbose`
+    prints them too (the run config the demo gives each job)."""
+    import dagster as dg
+
+    from mm_assets.definitions import defs
+    from mm_assets.demo import __main__ as demo
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(demo, "run", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr("sys.argv", ["demo", "run", *(["--verbose"] if verbose else [])])
+    demo.main()
+    assert seen == {"verbose": verbose}
+    logs = demo.VERBOSE if verbose else demo.QUIET
+    result = defs.resolve_job_def("prepare").execute_in_process(
+        partition_key=demo.DEMO_BENCHMARK, instance=dg.DagsterInstance.get(), run_config=logs
+    )
+    assert result.success
+    printed = capfd.readouterr().err
+    assert ("- DEBUG - prepare -" in printed) == verbose
+    assert ('STEP_SUCCESS - Finished execution of step "raw_dataset"' in printed) == verbose

@@ -12,11 +12,14 @@ run:   build, then materialize the whole pipeline through Dagster for both demo
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +29,10 @@ BUILD_VERSION = "3"  # 2: the demo benchmark; 3: a trained target
 DEMO_PARTITIONS = ("demo_sharegpt4v_coco", "demo_sharegpt")
 DEMO_DRAFTS = ("demo_mix",)  # trained on both, after them
 DEMO_BENCHMARK = "demo_benchmark"  # prepared first; each dataset's draft is measured on it
-# The console shows the steps' own progress (INFO), not Dagster's per-step DEBUG events;
-# every event is still in the run's history (`make dev`).
+# The console shows the steps' own progress (INFO), not Dagster's per-step DEBUG events
+# (`--verbose` shows them too); every event is still in the run's history (`make dev`).
 QUIET = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
+VERBOSE = {"loggers": {"console": {"config": {"log_level": "DEBUG"}}}}
 # The demo is its machine's only vLLM user, and its steps serve the same target and drafts
 # again and again (a measurement, then the benchmark): kept warm, a server starts once.
 # Two kept, so no more servers run at once than the benchmark's three.
@@ -49,11 +53,25 @@ def build(demo_dir: Path | None = None, force: bool = False) -> Path:
         shutil.rmtree(demo_dir)
     build_demo_datasets(demo_dir)
     build_demo_benchmark(demo_dir)
-    report = build_trained_target(demo_dir / "target", demo_dir, cache=paths.demo_cache(), say=_say)
+    cache = paths.demo_cache()
+    with _one_builder(cache):
+        report = build_trained_target(demo_dir / "target", demo_dir, cache=cache, say=_say)
     print("demo: the target's greedy answers to held-out questions")
     print(format_report(report), flush=True)
     stamp.write_text(BUILD_VERSION)
     return demo_dir
+
+
+@contextmanager
+def _one_builder(cache: Path | None) -> Iterator[None]:
+    """One build at a time per target cache: test workers (`pytest -n`) or two demos
+    started together train the target once, and the others copy it when it lands."""
+    if cache is None:
+        yield
+        return
+    with open(cache / ".build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _say(line: str) -> None:
@@ -61,7 +79,9 @@ def _say(line: str) -> None:
 
 
 def run(
-    partitions: tuple[str, ...] = DEMO_PARTITIONS, drafts: tuple[str, ...] = DEMO_DRAFTS
+    partitions: tuple[str, ...] = DEMO_PARTITIONS,
+    drafts: tuple[str, ...] = DEMO_DRAFTS,
+    verbose: bool = False,
 ) -> None:
     import dagster as dg
 
@@ -75,10 +95,11 @@ def run(
     instance = dg.DagsterInstance.get()
     speculators = {}
     # no op config: the demo's settings are its registry entries', as for the UI and CLI
-    _materialize(defs, instance, "prepare", DEMO_BENCHMARK)
+    logs = VERBOSE if verbose else QUIET
+    _materialize(defs, instance, "prepare", DEMO_BENCHMARK, logs)
     for partition in partitions:
-        speculators[partition] = _materialize(defs, instance, "dataset_chain", partition)
-    mixes = {draft: _materialize(defs, instance, "drafts", draft) for draft in drafts}
+        speculators[partition] = _materialize(defs, instance, "dataset_chain", partition, logs)
+    mixes = {draft: _materialize(defs, instance, "drafts", draft, logs) for draft in drafts}
     _print_summary(partitions)
     for partition, meta in speculators.items():
         print(f"demo: {partition}: EAGLE-3 draft at {meta['checkpoint']}")
@@ -89,11 +110,14 @@ def run(
     print(_benchmark_table(partitions + drafts, DEMO_BENCHMARK))
 
 
-def _materialize(defs: Any, instance: Any, job: str, partition: str) -> dict[str, Any]:
-    """One partition of a job; the metadata of its draft."""
+def _materialize(
+    defs: Any, instance: Any, job: str, partition: str, logs: dict[str, Any]
+) -> dict[str, Any]:
+    """One partition of a job (`logs`: the console logger's config); the metadata of its
+    draft."""
     started = time.perf_counter()
     result = defs.resolve_job_def(job).execute_in_process(
-        partition_key=partition, instance=instance, run_config=QUIET
+        partition_key=partition, instance=instance, run_config=logs
     )
     if not result.success:
         sys.exit(f"demo: materializing {partition} failed; see the run in `make dev`")
@@ -243,13 +267,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m mm_assets.demo")
     parser.add_argument("command", choices=["build", "run"])
     parser.add_argument("--force", action="store_true", help="rebuild the demo from scratch")
+    parser.add_argument(
+        "--verbose", action="store_true", help="print Dagster's per-step events (DEBUG) too"
+    )
     args = parser.parse_args()
     if args.command == "build":
         print(f"demo: built under {build(force=args.force)}")
     else:
         if args.force:
             build(force=True)
-        run()
+        run(verbose=args.verbose)
 
 
 if __name__ == "__main__":
