@@ -26,13 +26,12 @@ instance:
 demo: setup instance
 	$(PY) -m mm_assets.demo run $(DEMO_ARGS)
 
-# The server-free tests run in TEST_WORKERS processes (pytest-xdist, each with its own
-# session home); the others in one, where they share the session's servers.
+# test-fast runs in TEST_WORKERS processes (pytest-xdist, a session home each); `make test`
+# in one, where the server tests share the session's servers (BENCHMARKS.md, test suite).
 TEST_WORKERS ?= 2
 
 test: setup lint
-	$(PY) -m pytest -q -m "not slow and not long" -n $(TEST_WORKERS) --dist loadfile
-	$(PY) -m pytest -q -m "slow and not long" --durations=15
+	$(PY) -m pytest -q -m "not long" --durations=15
 
 # Whole-chain runs (~10 min; .ci/run runs it after `make test`): the text demo chain on two
 # Celery workers with Redis and an S3 server, and killed three times then resumed.
