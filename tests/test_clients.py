@@ -1037,6 +1037,25 @@ def test_a_server_kept_warm_serves_the_next_step_that_serves_the_same(tmp_path: 
     assert len(warm_servers.parked()) == 0
 
 
+def test_on_a_gpu_parked_servers_stop_before_another_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One server holds a GPU: a start that takes no parked server stops them first."""
+    monkeypatch.setattr(vllm_server, "cuda_available", lambda: True)
+    (tmp_path / "target").mkdir()
+    try:
+        first = _warm(tmp_path / "a.log")
+        with first:
+            pid = first.process.pid
+        assert len(warm_servers.parked()) == 1 and not _gone(pid, 0.5)
+        other = _warm(tmp_path / "b.log", None, "--speculative-config", "{}")
+        other.keep_warm = 2  # room for both: only the GPU rule stops the first
+        with other:
+            assert _gone(pid) and warm_servers.parked() == []
+    finally:
+        warm_servers.stop_all()
+
+
 def test_parked_servers_beyond_the_limit_stop_oldest_first() -> None:
     stopped: list[str] = []
 

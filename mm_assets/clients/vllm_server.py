@@ -128,7 +128,7 @@ def _exited(pid: int) -> bool:
 @dataclass(eq=False)
 class ManagedVllmServer:
     """A vLLM server for one step: `with ManagedVllmServer(...) as base_url: ...`.
-    `serve_args` say what it is for (`serve_args`)."""
+    `serve_args` say what it is for (`clients.serve_args`)."""
 
     model: str
     serve_args: Sequence[str]
@@ -206,6 +206,8 @@ class ManagedVllmServer:
     def start(self) -> str:
         if self.keep_warm and self._take_warm():
             return self.base_url
+        if cuda_available():  # a GPU holds one server: the parked ones give it back first
+            warm_servers.stop_all()
         self.port = free_port()
         self.access_key = self.api_key or secrets.token_urlsafe(32)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

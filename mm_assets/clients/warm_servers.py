@@ -11,7 +11,7 @@ the process dies without that).
 
 A parked server still holds its memory, so keep servers warm only where this process is
 the accelerator's only user (the demo, a run on a workstation): another run's step would
-find the device taken.
+find the device taken. On a GPU the parked servers stop before another server starts.
 """
 
 from __future__ import annotations
