@@ -1037,6 +1037,24 @@ def test_a_server_kept_warm_serves_the_next_step_that_serves_the_same(tmp_path: 
     assert len(warm_servers.parked()) == 0
 
 
+def test_weights_rewritten_while_a_server_serves_never_reach_a_later_step(tmp_path: Path) -> None:
+    """The server loaded the files as they were when it started: parked after the draft
+    was retrained under it, it must not serve the next step, which asks for the new ones."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "model.safetensors").write_bytes(b"weights")
+    try:
+        serving = _warm(tmp_path / "a.log")
+        with serving:
+            pid = serving.process.pid
+            (tmp_path / "target" / "model.safetensors").write_bytes(b"retrained weights")
+        assert len(warm_servers.parked()) == 1
+        after = _warm(tmp_path / "b.log")
+        with after:
+            assert not after.reused and after.process.pid != pid
+    finally:
+        warm_servers.stop_all()
+
+
 def test_on_a_gpu_parked_servers_stop_before_another_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

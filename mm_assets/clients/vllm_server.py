@@ -147,6 +147,9 @@ class ManagedVllmServer:
     keep_warm: int = 0
     """How many idle servers this process keeps for a later step (`warm_servers`)."""
     reused: bool = field(default=False, init=False)
+    warm_key: str = field(default="", init=False, repr=False)
+    """What it serves, taken before it loaded its files: it is parked under this key, so a
+    file rewritten while it served never matches it (`warm_servers.key`)."""
 
     @property
     def base_url(self) -> str:
@@ -204,8 +207,10 @@ class ManagedVllmServer:
         return env
 
     def start(self) -> str:
-        if self.keep_warm and self._take_warm():
-            return self.base_url
+        if self.keep_warm:
+            self.warm_key = self._warm_key()
+            if self._take_warm():
+                return self.base_url
         if cuda_available():  # a GPU holds one server: the parked ones give it back first
             warm_servers.stop_all()
         self.port = free_port()
@@ -238,7 +243,7 @@ class ManagedVllmServer:
     def _take_warm(self) -> bool:
         """Take over a parked server of the same kind that still answers (one that does
         not is stopped); its log and image directory are then this server's."""
-        idle = warm_servers.take(self._warm_key())
+        idle = warm_servers.take(self.warm_key)
         if not isinstance(idle, ManagedVllmServer):
             return False
         assert idle.process is not None
@@ -257,12 +262,17 @@ class ManagedVllmServer:
     def release(self) -> None:
         """The step is done with the server: parked for a later one (`keep_warm`), or
         stopped."""
-        if not self.keep_warm or self.process is None or self.process.poll() is not None:
+        if (
+            not self.keep_warm
+            or not self.warm_key
+            or self.process is None
+            or self.process.poll() is not None
+        ):
             self.stop()
             return
         idle = copy.copy(self)
         self.process = None  # the step's handle no longer stops it
-        warm_servers.park(self._warm_key(), idle, self.keep_warm)
+        warm_servers.park(self.warm_key, idle, self.keep_warm)
 
     def _healthy(self, timeout: float = 2) -> bool:
         """Whether it answers `/health` and only its own processes listen on the port;
