@@ -9,13 +9,16 @@ from mm_assets.domain.model.acceptance import OVERALL, Acceptance
 from mm_assets.domain.model.benchmark import (
     BenchmarkFigures,
     Generation,
+    PromptFigures,
     benchmark_conversation,
     capped,
     combined,
+    comparison,
+    figures_of,
+    intervals,
     lossless_count,
     round_prompt,
     speedup,
-    with_lossless,
     with_overall,
 )
 
@@ -119,10 +122,52 @@ def test_lossless_counts_identical_greedy_outputs_at_the_same_max_tokens() -> No
     pairs = [([1, 2], [1, 2]), ([3], [3, 9]), ([4, 5], [4, 5]), ([6, 7], [6, 8])]
     limited = [(Generation.limited(a, 2), Generation.limited(b, 2)) for a, b in pairs]
     assert lossless_count(limited) == 2  # an answer that ended early is not a cut one
-    f = with_lossless(_figures("a", "eagle3"), [[1], [2]], [[1], [3]], max_tokens=1)
-    assert (f.lossless, f.compared) == (1, 2)
-    assert speedup(f, [f]) is None  # no `none` row to compare with
-    assert f.acceptance_length is None and f.tokens_per_s == 50.0
+
+
+def _record(method: str, conversation: int, round_: int = 0, **figures) -> PromptFigures:
+    fields = {"output_tokens": 20, "latency_s": 1.0, "decode_s": 0.95, "lossless": None}
+    return PromptFigures("cat", method, conversation, round_, **{**fields, **figures})
+
+
+def test_a_rows_figures_are_the_sums_of_its_requests() -> None:
+    records = [
+        _record("eagle3", 0, 0, acceptance=Acceptance(5, 6, (4, 2)), lossless=True),
+        _record("eagle3", 0, 1, acceptance=Acceptance(5, 4, (3, 1)), lossless=False),
+        _record("eagle3", 1, 0, output_tokens=11, decode_s=None, lossless=True,
+                acceptance=Acceptance(4, 4, (3, 1))),
+    ]  # fmt: skip
+    row = figures_of("cat", "eagle3", records)
+    assert (row.prompts, row.requests, row.output_tokens) == (2, 3, 51)
+    assert row.acceptance == Acceptance(14, 14, (10, 4))
+    assert row.tokens_per_s == pytest.approx(51 / 3.0)
+    assert row.mean_time_per_output_token_ms == pytest.approx(1000 * 1.9 / 38)  # decoded only
+    assert (row.lossless, row.compared) == (2, 3)
+    assert figures_of("cat", "none", [_record("none", 0)]).lossless is None
+
+
+def test_a_rows_intervals_resample_conversations_and_the_speedup_is_paired() -> None:
+    """Twelve conversations of two rounds; the draft is 1.5x faster on each, which the
+    paired speed-up interval sees however much the conversations differ in speed."""
+    records = []
+    for i in range(12):
+        for k in range(2):
+            seconds = 0.5 + i * 0.3 + k * 0.1
+            accepted = i % 4 + k
+            records.append(_record("none", i, k, latency_s=seconds))
+            draft = Acceptance(10, accepted, (accepted,))
+            records.append(_record("eagle3", i, k, latency_s=seconds / 1.5, acceptance=draft))
+    found = intervals(records, "eagle3", "cat")
+    assert found.acceptance_length is not None and found.acceptance_length.n == 12
+    assert found.acceptance_length.value == pytest.approx(1 + 48 / 240)
+    assert found.acceptance_length.low < found.acceptance_length.value
+    assert found.speedup is not None and found.speedup.value == pytest.approx(1.5)
+    assert found.speedup.low == pytest.approx(1.5) and found.speedup.high == pytest.approx(1.5)
+    none = intervals(records, "none", "cat")
+    assert none.acceptance_length is None and none.speedup is None
+    assert none.tokens_per_s is not None and none.tokens_per_s.low < none.tokens_per_s.high
+    versus = comparison(records, ("eagle3", "none"), OVERALL, "tokens_per_s")
+    assert versus == found.speedup
+    assert comparison(records, ("eagle3", "ngram"), "cat", "tokens_per_s") is None
 
 
 def test_benchmarking_refuses_external_servers_it_cannot_reconfigure(tmp_path) -> None:

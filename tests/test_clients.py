@@ -1287,3 +1287,50 @@ def test_a_variable_holding_a_url_with_a_password_stays_with_the_caller(
     env = _managed(monkeypatch, True).environment()
     assert "VLLM_PLUGIN_INDEX" not in env
     assert env["VLLM_LOGGING_CONFIG_PATH"] == "/etc/vllm/logging.json"
+
+
+def test_a_replys_own_metrics_become_its_acceptance_counts() -> None:
+    from mm_assets.clients.vllm_generation import ReplyMetrics, reply_metrics
+
+    spec = {
+        "acceptance_histogram": [2, 1, 0, 3],  # verifications accepting exactly j tokens
+        "num_accepted_draft_tokens": 10,
+        "num_spec_steps": 6,
+        "num_draft_tokens": 18,
+    }
+    found = reply_metrics({"generation_time_ms": 250.0, "speculative_decoding": spec}, 0.3)
+    assert found == ReplyMetrics(0.3, 0.25, (4, 3, 3), 6, 10)
+    assert reply_metrics(None, 0.3) == ReplyMetrics(0.3)
+    assert reply_metrics({"generation_time_ms": None}, 0.3) == ReplyMetrics(0.3)
+
+
+@pytest.mark.parametrize(
+    "reported",
+    [
+        "fast",
+        {"generation_time_ms": -1},
+        {"generation_time_ms": float("inf")},
+        {"speculative_decoding": {"acceptance_histogram": [1, -2], "num_accepted_draft_tokens": 0}},
+        {"speculative_decoding": {"acceptance_histogram": [1, 2], "num_accepted_draft_tokens": 9}},
+        {
+            "speculative_decoding": {
+                "acceptance_histogram": [0.5, 1],
+                "num_accepted_draft_tokens": 1,
+            }
+        },
+        {
+            "speculative_decoding": {
+                "acceptance_histogram": [1] * 70,
+                "num_accepted_draft_tokens": sum(range(70)),
+            }
+        },
+        {"speculative_decoding": {"acceptance_histogram": []}},
+        {"speculative_decoding": "all accepted"},
+    ],
+)
+def test_a_reply_whose_metrics_are_not_counts_is_refused(reported: object) -> None:
+    """A server's figures enter means: one that is not a count refuses its request."""
+    from mm_assets.clients.vllm_generation import reply_metrics
+
+    with pytest.raises(RequestRefused):
+        reply_metrics(reported, 0.3)

@@ -11,6 +11,9 @@ from mm_assets.clients.vllm_server import cuda_available
 
 CPU_CONNECTOR = ("CpuHiddenStatesConnector", "mm_assets.clients.cpu_hidden_states_connector")
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+# Each reply carries its own drafts and accepted tokens, so a benchmark's figures are
+# per prompt (`vllm_generation.reply_metrics`); vLLM refuses it without speculation.
+PER_REQUEST_ACCEPTANCE = ["--per-request-spec-decode-metrics", "summary"]
 
 
 def extraction_args(layer_ids: Sequence[int], hidden_states_dir: Path, connector: str) -> list[str]:
@@ -31,7 +34,18 @@ def speculative_decoding_args(draft_dir: Path, num_speculative_tokens: int) -> l
         "method": "eagle3",
         "num_speculative_tokens": num_speculative_tokens,
     }
-    return ["--speculative-config", json.dumps(config)]
+    return ["--speculative-config", json.dumps(config), *PER_REQUEST_ACCEPTANCE]
+
+
+def ngram_args(speculative_tokens: int, lookup_min: int, lookup_max: int) -> list[str]:
+    """Server arguments that serve the target with vLLM's n-gram prompt lookup."""
+    config = {
+        "method": "ngram",
+        "num_speculative_tokens": speculative_tokens,
+        "prompt_lookup_max": lookup_max,
+        "prompt_lookup_min": lookup_min,
+    }
+    return ["--speculative-config", json.dumps(config), *PER_REQUEST_ACCEPTANCE]
 
 
 def extraction_configs(

@@ -148,8 +148,7 @@ class ManagedVllmServer:
     """How many idle servers this process keeps for a later step (`warm_servers`)."""
     reused: bool = field(default=False, init=False)
     warm_key: str = field(default="", init=False, repr=False)
-    """What it serves, taken before it loaded its files: it is parked under this key, so a
-    file rewritten while it served never matches it (`warm_servers.key`)."""
+    """`warm_servers.key` before it loaded its files: a file rewritten since never matches."""
 
     @property
     def base_url(self) -> str:
@@ -172,6 +171,7 @@ class ManagedVllmServer:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--dtype", opts.dtype]
         cmd += ["--disable-uvicorn-access-log", "--middleware", MIDDLEWARE, *self.serve_args]
+        cmd.append("--enable-per-request-metrics")  # each reply says its own decode time
         if (media_dir := self.media_dir()) is not None:
             cmd += ["--allowed-local-media-path", str(media_dir)]
         if opts.max_model_len:
@@ -262,12 +262,7 @@ class ManagedVllmServer:
     def release(self) -> None:
         """The step is done with the server: parked for a later one (`keep_warm`), or
         stopped."""
-        if (
-            not self.keep_warm
-            or not self.warm_key
-            or self.process is None
-            or self.process.poll() is not None
-        ):
+        if not self.warm_key or self.process is None or self.process.poll() is not None:
             self.stop()
             return
         idle = copy.copy(self)
@@ -328,9 +323,8 @@ class ManagedVllmServer:
         return "\n".join((errors or text)[-lines:])
 
     def exit_report(self, wait_s: float = 5.0) -> str | None:
-        """None while the server runs (after up to `wait_s` for one that is dying);
-        once it has exited, its exit status, log path and last error lines: what a step
-        that lost its server needs, since the log's path was printed only at start-up."""
+        """None while it runs (after up to `wait_s` for one that is dying); once it has
+        exited, its exit status, log path and last error lines."""
         if self.process is None:
             return None
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -361,8 +355,7 @@ class ManagedVllmServer:
         self.process.wait()
 
     def rss_bytes(self) -> int:
-        """Resident memory of the server and its workers (its process tree); a process
-        that exits while being counted is left out."""
+        """Resident memory of its process tree (a process that exits meanwhile: left out)."""
         if self.process is None:
             return 0
         try:
@@ -380,8 +373,7 @@ class ManagedVllmServer:
         return self.start()
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        """A step that failed stops its server (it may be why); one that ended well
-        releases it."""
+        """A failed step stops its server (it may be why); one that ended well releases it."""
         if exc_type is None:
             self.release()
         else:

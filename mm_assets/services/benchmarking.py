@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mm_assets.clients.vllm_generation import generate_greedy_replies
+from mm_assets.clients.serve_args import ngram_args
+from mm_assets.clients.vllm_generation import ChatReply, generate_greedy_replies
 from mm_assets.clients.vllm_metrics import ServerCounters, counters_after, server_counters
 from mm_assets.clients.vllm_server import ManagedVllmServer, ServerStartupError, death_explained
 from mm_assets.common.hashing import json_sha256
@@ -38,12 +39,14 @@ from mm_assets.domain.model.benchmark import (
     BenchmarkConversation,
     BenchmarkFigures,
     BenchmarkSettings,
+    Generation,
+    PromptFigures,
     Turn,
     benchmark_conversation,
     capped,
-    combined,
+    figures_of,
     round_prompt,
-    with_lossless,
+    same_generation,
     with_overall,
 )
 from mm_assets.domain.prep.conversations import to_vllm_messages
@@ -67,7 +70,10 @@ class MethodRun:
     method: str
     figures: list[BenchmarkFigures] = field(default_factory=list)
     answers: dict[str, list[list[Answer]]] = field(default_factory=dict)
+    records: list[PromptFigures] = field(default_factory=list)
+    """One per request, every figure is summed from (`figures_of`)."""
     whole_run: BenchmarkFigures | None = None
+    """vLLM's counters over the whole run: what the records must add up to."""
     not_run: str | None = None  # vLLM's refusal to start it
     reused: bool = False
 
@@ -87,15 +93,10 @@ class BenchmarkReport:
     def reused(self) -> dict[str, bool]:
         return {m: r.reused for m, r in self.runs.items()}
 
-
-def ngram_args(settings: BenchmarkSettings, speculative_tokens: int) -> list[str]:
-    config = {
-        "method": "ngram",
-        "num_speculative_tokens": speculative_tokens,
-        "prompt_lookup_max": settings.prompt_lookup_max,
-        "prompt_lookup_min": settings.prompt_lookup_min,
-    }
-    return ["--speculative-config", json.dumps(config)]
+    @property
+    def records(self) -> list[PromptFigures]:
+        """Every request of every method, the prompt-level figures intervals come from."""
+        return [r for run in self.runs.values() for r in run.records]
 
 
 def all_prompts(
@@ -125,28 +126,50 @@ def _figures(
     )
 
 
-def _category_answers(
+def _category_replies(
     server: ManagedVllmServer,
     conversations: list[BenchmarkConversation],
     reference: list[list[Answer]] | None,
     settings: BenchmarkSettings,
-) -> list[list[Answer]]:
+) -> list[list[ChatReply]]:
     """A category's conversations, round k of each before round k+1: a later round
     quotes the reference answers, or without one (`none` itself) those just generated."""
-    answers: list[list[Answer]] = [[] for _ in conversations]
+    replies: list[list[ChatReply]] = [[] for _ in conversations]
     for k in range(max((c.rounds for c in conversations), default=0)):
         asked = [i for i, c in enumerate(conversations) if c.rounds > k]
-        quoted = reference if reference is not None else answers
+        quoted = reference or [[Answer(r.text, r.token_ids) for r in conv] for conv in replies]
         prompts = [
             to_vllm_messages(round_prompt(conversations[i], [a.text for a in quoted[i]], k))
             for i in asked
         ]
-        replies = generate_greedy_replies(
+        answered = generate_greedy_replies(
             server.base_url, server.access, prompts, settings.max_tokens, settings.concurrency
         )
-        for i, reply in zip(asked, replies, strict=True):
-            answers[i].append(Answer(reply.text, reply.token_ids))
-    return answers
+        for i, reply in zip(asked, answered, strict=True):
+            replies[i].append(reply)
+    return replies
+
+
+def _records(category: str, method: str, replies: list[list[ChatReply]]) -> list[PromptFigures]:
+    """One record per request, from what the client timed and vLLM's reply reported."""
+    return [
+        PromptFigures(
+            category,
+            method,
+            conversation=i,
+            round=k,
+            output_tokens=len(reply.token_ids),
+            latency_s=reply.metrics.seconds,
+            decode_s=reply.metrics.decode_s,
+            acceptance=Acceptance(
+                reply.metrics.verifications,
+                reply.metrics.accepted,
+                reply.metrics.accepted_per_position or (),
+            ),
+        )
+        for i, conv in enumerate(replies)
+        for k, reply in enumerate(conv)
+    ]
 
 
 def run_method(
@@ -173,38 +196,43 @@ def run_method(
                 url, server.access, [WARMUP_PROMPT], settings.warmup_max_tokens, 1
             )
             start = counters_after(url, zero, 1)
-            figures, answers = [], {}
+            records, answers = [], {}
             for name, conversations in categories.items():
-                before = server_counters(url)
                 mine = reference and reference[name]
-                own = _category_answers(server, conversations, mine, settings)
-                requests = sum(len(a) for a in own)
-                delta = counters_after(url, before, requests).minus(before)
-                figures.append(_figures(name, method, len(conversations), requests, delta))
-                answers[name] = own
-            whole = server_counters(url).minus(start)
+                replies = _category_replies(server, conversations, mine, settings)
+                records += _records(name, method, replies)
+                answers[name] = [[Answer(r.text, r.token_ids) for r in conv] for conv in replies]
+            whole = counters_after(url, start, len(records)).minus(start)
     finally:
         servers.done(method)
-    total = _figures(
-        OVERALL, method, sum(f.prompts for f in figures), sum(f.requests for f in figures), whole
-    )
-    return MethodRun(method, figures, answers, total)
+    figures = [
+        figures_of(name, method, [r for r in records if r.category == name]) for name in categories
+    ]
+    total = _figures(OVERALL, method, sum(f.prompts for f in figures), len(records), whole)
+    return MethodRun(method, figures, answers, records, total)
 
 
 def _checked(run: MethodRun, reference: MethodRun, max_tokens: int) -> MethodRun:
-    """The run's figures with their lossless counts against the reference's token ids."""
+    """The run's records marked lossless or not against the reference's token ids, and
+    its figures summed again from them."""
     if run.not_run is not None:
         return run
-    figures = []
-    for f in run.figures:
-        ours = [a.token_ids for conv in run.answers[f.category] for a in conv]
-        theirs = [a.token_ids for conv in reference.answers[f.category] for a in conv]
-        figures.append(with_lossless(f, ours, theirs, max_tokens))
-    total = combined(figures)
+
+    def same(r: PromptFigures) -> bool:
+        ours, ref = (x.answers[r.category][r.conversation][r.round] for x in (run, reference))
+        limited = (Generation.limited(a.token_ids, max_tokens) for a in (ours, ref))
+        return same_generation(*limited)
+
+    records = [replace(r, lossless=same(r)) for r in run.records]
+    figures = [
+        figures_of(f.category, f.method, [r for r in records if r.category == f.category])
+        for f in run.figures
+    ]
+    total = figures_of(OVERALL, run.method, records)
     whole = run.whole_run and replace(
         run.whole_run, lossless=total.lossless, compared=total.compared
     )
-    return replace(run, figures=figures, whole_run=whole)
+    return replace(run, figures=figures, records=records, whole_run=whole)
 
 
 def _figures_from_record(fields: dict[str, Any]) -> BenchmarkFigures:
@@ -218,6 +246,10 @@ def _from_record(fields: dict[str, Any]) -> MethodRun:
         fields["method"],
         [_figures_from_record(f) for f in fields["figures"]],
         {k: [[Answer(**a) for a in conv] for conv in v] for k, v in fields["answers"].items()},
+        [
+            PromptFigures(**{**r, "acceptance": Acceptance.from_record(r["acceptance"])})
+            for r in fields["records"]
+        ],
         _figures_from_record(whole) if whole else None,
         fields["not_run"],
         reused=True,
@@ -253,7 +285,8 @@ def benchmark(
         [BENCHMARK_VERSION, fingerprint, categories, settings.model_dump(), options, ngram_tokens]
     )
     keys = {"none": base_key, "ngram": base_key}
-    serve_args = {"none": [], "ngram": ngram_args(settings, ngram_tokens)}
+    lookup = (settings.prompt_lookup_min, settings.prompt_lookup_max)
+    serve_args = {"none": [], "ngram": ngram_args(ngram_tokens, *lookup)}
     if draft is not None:
         keys["eagle3"] = json_sha256([base_key, draft.weights_sha256, draft.speculative_tokens])
         serve_args["eagle3"] = draft.serve_args()

@@ -10,18 +10,19 @@ exactly as one counter difference over all of them would.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from mm_assets.common.request_settings import MAX_CONCURRENCY
 from mm_assets.domain.model.acceptance import OVERALL, Acceptance, WithAcceptance, combine
+from mm_assets.domain.model.intervals import Interval, paired_ratio_interval, ratio_interval
 
 Turn = dict[str, Any]
 # Bump when a change makes a benchmark produce other figures from the same inputs (the
-# reuse key of recorded figures holds it).
-BENCHMARK_VERSION = "2"
+# reuse key of recorded figures holds it). 3: figures from per-prompt records.
+BENCHMARK_VERSION = "3"
 
 
 class BenchmarkSettings(BaseModel):
@@ -136,6 +137,132 @@ class BenchmarkFigures(WithAcceptance):
         return 1000.0 * self.time_per_output_token_sum_s / count if count else 0.0
 
 
+@dataclass(frozen=True)
+class PromptFigures(WithAcceptance):
+    """One request of a benchmark (round `round` of conversation `conversation` of a
+    category) on one method: what it generated, how long it took, its own acceptance
+    counts as vLLM's reply gave them, and whether it equals no speculation's output."""
+
+    category: str
+    method: str
+    conversation: int
+    round: int
+    output_tokens: int
+    latency_s: float
+    """Sent to answered, as the client waited."""
+    decode_s: float | None
+    """vLLM's first output token to its last (None: the server did not say)."""
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    lossless: bool | None = None
+
+    @property
+    def prompt(self) -> tuple[str, int]:
+        """The unit intervals resample: a conversation (its rounds share their image and
+        their subject, so they are not independent prompts)."""
+        return (self.category, self.conversation)
+
+
+def figures_of(category: str, method: str, records: Sequence[PromptFigures]) -> BenchmarkFigures:
+    """One row from the records of its requests: every count summed."""
+    lossless = [r.lossless for r in records]
+    decoded = [r for r in records if r.decode_s is not None]
+    return BenchmarkFigures(
+        category,
+        method,
+        prompts=len({r.prompt for r in records}),
+        requests=len(records),
+        output_tokens=sum(r.output_tokens for r in records),
+        latency_s=sum(r.latency_s for r in records),
+        time_per_output_token_sum_s=sum(r.decode_s or 0.0 for r in decoded),
+        time_per_output_token_count=sum(max(r.output_tokens - 1, 0) for r in decoded),
+        acceptance=combine(r.acceptance for r in records),
+        lossless=None if None in lossless or not records else sum(map(bool, lossless)),
+        compared=0 if None in lossless else len(records),
+    )
+
+
+@dataclass(frozen=True)
+class FigureIntervals:
+    """A row's figures with their 95% intervals over its prompts (`intervals`)."""
+
+    acceptance_length: Interval | None
+    tokens_per_s: Interval | None
+    speedup: Interval | None
+    """tokens/s ÷ no speculation's on the same prompts, paired; None for `none`."""
+
+
+@dataclass(frozen=True)
+class _PromptTotals:
+    output_tokens: float = 0.0
+    latency_s: float = 0.0
+    drafts: float = 0.0
+    accepted: float = 0.0
+
+
+def prompt_totals(
+    records: Sequence[PromptFigures], method: str, category: str = OVERALL
+) -> dict[tuple[str, int], _PromptTotals]:
+    """Per prompt (conversation) of `category` (every category: `OVERALL`), the sums of
+    its rounds on `method`."""
+    totals: dict[tuple[str, int], _PromptTotals] = {}
+    for r in records:
+        if r.method != method or (category != OVERALL and r.category != category):
+            continue
+        t = totals.get(r.prompt, _PromptTotals())
+        totals[r.prompt] = _PromptTotals(
+            t.output_tokens + r.output_tokens,
+            t.latency_s + r.latency_s,
+            t.drafts + r.acceptance.drafts,
+            t.accepted + r.acceptance.accepted,
+        )
+    return totals
+
+
+# A figure as a ratio of a prompt's sums: (numerator, denominator), added to the ratio.
+RATIOS = {
+    "acceptance_length": ("accepted", "drafts", 1.0),
+    "tokens_per_s": ("output_tokens", "latency_s", 0.0),
+}
+
+
+def _columns(totals: Sequence[_PromptTotals], figure: str) -> tuple[list[float], list[float]]:
+    num, den, _ = RATIOS[figure]
+    return [getattr(t, num) for t in totals], [getattr(t, den) for t in totals]
+
+
+def intervals(records: Sequence[PromptFigures], method: str, category: str) -> FigureIntervals:
+    """The intervals of one row (method × category) from its prompts' records."""
+    mine = prompt_totals(records, method, category)
+    if not mine:
+        return FigureIntervals(None, None, None)
+    rows = list(mine.values())
+    acceptance = ratio_interval(*_columns(rows, "acceptance_length"), offset=1.0)
+    speed = ratio_interval(*_columns(rows, "tokens_per_s"))
+    ratio = None
+    if method != "none":
+        ratio = comparison(records, (method, "none"), category, "tokens_per_s")
+    return FigureIntervals(acceptance, speed, ratio)
+
+
+def comparison(
+    records: Sequence[PromptFigures],
+    methods: tuple[str, str],
+    category: str,
+    figure: str,
+) -> Interval | None:
+    """How `methods[0]` compares with `methods[1]` on the prompts both ran: the ratio of
+    their `figure` (`acceptance_length` or `tokens_per_s`), with a paired interval."""
+    a, b = (prompt_totals(records, m, category) for m in methods)
+    shared = [p for p in a if p in b]
+    if not shared:
+        return None
+    return paired_ratio_interval(
+        _columns([a[p] for p in shared], figure),
+        _columns([b[p] for p in shared], figure),
+        offset=RATIOS[figure][2],
+    )
+
+
 def combined(figures: Sequence[BenchmarkFigures], category: str = OVERALL) -> BenchmarkFigures:
     """Several categories of one method as one row: every count summed, so acceptance is
     weighted by drafts and tokens/s is Σ tokens ÷ Σ latency."""
@@ -178,19 +305,6 @@ def same_generation(a: Generation, b: Generation) -> bool:
 def lossless_count(pairs: Iterable[tuple[Generation, Generation]]) -> int:
     """Pairs that are the same generation (`same_generation`)."""
     return sum(same_generation(a, b) for a, b in pairs)
-
-
-def with_lossless(
-    figures: BenchmarkFigures,
-    outputs: Sequence[Sequence[int]],
-    reference: Sequence[Sequence[int]],
-    max_tokens: int,
-) -> BenchmarkFigures:
-    pairs = [
-        (Generation.limited(a, max_tokens), Generation.limited(b, max_tokens))
-        for a, b in zip(outputs, reference, strict=True)
-    ]
-    return replace(figures, lossless=lossless_count(pairs), compared=len(reference))
 
 
 def speedup(figures: BenchmarkFigures, rows: Sequence[BenchmarkFigures]) -> float | None:
