@@ -876,7 +876,8 @@ def test_extraction_args(
 
 
 def test_speculative_decoding_args() -> None:
-    flag, config = speculative_decoding_args(Path("/drafts/d1"), 3)
+    flag, config, *metrics = speculative_decoding_args(Path("/drafts/d1"), 3)
+    assert metrics == ["--per-request-spec-decode-metrics", "summary"]  # each reply its counts
     assert flag == "--speculative-config"
     assert json.loads(config) == {
         "model": "/drafts/d1",

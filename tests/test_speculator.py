@@ -122,6 +122,11 @@ def test_the_measurement_is_a_table_row_per_draft_served_and_source(trained: dic
         )
         assert row["acceptance_length"] == pytest.approx(1 + row["accepted"] / row["drafts"])
         assert row["prompts"] == trained["vllm_prompts"] and row["speculative_tokens"] == 3
+        # each reply's own counts (the interval's prompts) add up to the server's counters
+        interval = trained[f"vllm_{prefix}acceptance_length_95ci"]
+        assert interval.startswith(f"{row['acceptance_length']:.3f} [")
+        assert interval.endswith(f"n={row['prompts']}")
+        assert row["acceptance_low"] <= row["acceptance_length"] <= row["acceptance_high"]
         overall = rows[(served, "overall")]
         assert (overall["drafts"], overall["accepted"]) == (row["drafts"], row["accepted"])
     assert rows[("trained", PARTITION)]["lossless"] == trained["vllm_generations_same_as_target"]

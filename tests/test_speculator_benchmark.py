@@ -79,13 +79,12 @@ def _prepare(partition: str, job: str = "prepare"):
     return result, [m for m in caught.messages if "Blocking asset check" in m]
 
 
-def _rows(draft: str = PARTITION) -> list[dict]:
+def _rows(draft: str = PARTITION, table: str = "speculator_benchmarks") -> list[dict]:
     from mm_assets.assets.resources import StorageResource
 
     with StorageResource().tables().connect() as con:
         cursor = con.execute(
-            "SELECT * FROM speculator_benchmarks WHERE dataset = ? ORDER BY category, method",
-            [draft],
+            f"SELECT * FROM {table} WHERE dataset = ? ORDER BY category, method", [draft]
         )
         names = [d[0] for d in cursor.description]
         return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
@@ -112,6 +111,19 @@ def test_every_category_and_method_is_measured_from_vllms_counters(benchmarked: 
             assert (row["acceptance_length"] is None) == (row["drafts"] == 0)
             assert row["drafts"] > 0 or row["method"] == "ngram"
             assert row["drafts"] == 0 or row["acceptance_length"] >= 1.0
+        assert row["output_tokens_per_s_low"] <= row["output_tokens_per_s"]
+        assert row["output_tokens_per_s"] <= row["output_tokens_per_s_high"], row
+        if row["method"] != "none":  # paired with no speculation on the same prompts
+            assert row["speedup_low"] <= row["speedup"] <= row["speedup_high"], row
+        if row["drafts"]:
+            assert row["acceptance_low"] <= row["acceptance_length"] <= row["acceptance_high"]
+    requests = _rows(table="speculator_benchmark_prompts")  # what the figures sum
+    for row in rows:
+        mine = [r for r in requests if r["method"] == row["method"]]
+        mine = [r for r in mine if row["category"] in ("overall", r["category"])]
+        assert len(mine) == row["requests"] and row["measurement"] == mine[0]["measurement"]
+        assert sum(r["output_tokens"] for r in mine) == row["output_tokens"]
+        assert sum(r["drafts"] for r in mine) == row["drafts"]
     follow_up = {r["method"]: r for r in rows if r["category"] == "image_follow_up"}
     assert follow_up["none"]["requests"] == 2 * follow_up["none"]["prompts"]  # two turns
     overall = {r["method"]: r for r in rows if r["category"] == "overall"}
@@ -126,6 +138,15 @@ def test_every_category_and_method_is_measured_from_vllms_counters(benchmarked: 
     table = benchmarked[BENCHMARK]  # Dagster's own table metadata
     shown = {(r.data["category"], r.data["method"]) for r in table.records}
     assert ("overall", "draft (EAGLE-3)") in shown and len(shown) == len(rows)
+    draft_overall = next(
+        r.data
+        for r in table.records
+        if r.data["method"] == "draft (EAGLE-3)" and r.data["category"] == "overall"
+    )
+    assert draft_overall["prompts"] == overall["eagle3"]["prompts"]
+    assert draft_overall["acceptance 95% CI"].startswith("[")
+    versus = benchmarked[f"{BENCHMARK} draft vs n-gram"].records  # paired, per category
+    assert {r.data["category"] for r in versus} == categories
     assert benchmarked[f"{BENCHMARK} plot"].startswith("![")
     assert max(len(key) for key in benchmarked) <= 40  # the UI's key column
 

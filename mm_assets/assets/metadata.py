@@ -146,6 +146,8 @@ def measurement_metadata(
                 "drafts": f.measured.drafts,
                 "measurement_reused": f.measured.reused,
             }
+            if (interval := f.measured.interval) is not None:
+                mine["acceptance_length_95ci"] = interval.text()
             if f.estimate is not None:
                 mine["acceptance_length_estimate"] = f.estimate.acceptance_length
                 rates = [round(r, 4) for r in f.estimate.per_position]

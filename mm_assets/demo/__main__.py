@@ -174,7 +174,8 @@ def _draft_table(draft: str, sources: tuple[str, ...]) -> str:
 
 
 def _benchmark_table(drafts: tuple[str, ...], bench: str) -> str:
-    """Each draft on the benchmark, per category, from the `speculator_benchmarks` table."""
+    """Each draft on the benchmark, per category, from the `speculator_benchmarks` table,
+    and the draft against n-gram on the same prompts from the requests behind it."""
     with _tables().connect() as con:
         rows = con.execute(
             """
@@ -182,9 +183,10 @@ def _benchmark_table(drafts: tuple[str, ...], bench: str) -> str:
                 SELECT * FROM speculator_benchmarks WHERE benchmark = ? AND status = 'ok'
                 QUALIFY measured_at = max(measured_at) OVER (PARTITION BY draft)
             )
-            SELECT d.draft, d.category, d.acceptance_length, g.acceptance_length,
-                   n.output_tokens_per_s, g.output_tokens_per_s, d.output_tokens_per_s,
-                   g.speedup, d.speedup, d.lossless + g.lossless, d.compared + g.compared
+            SELECT d.draft, d.category, d.prompts, d.acceptance_length, d.acceptance_low,
+                   d.acceptance_high, g.acceptance_length, n.output_tokens_per_s, g.speedup,
+                   d.speedup, d.speedup_low, d.speedup_high, d.lossless + g.lossless,
+                   d.compared + g.compared, d.measurement
             FROM latest d
             JOIN latest g USING (draft, category)
             JOIN latest n USING (draft, category)
@@ -194,43 +196,79 @@ def _benchmark_table(drafts: tuple[str, ...], bench: str) -> str:
             [bench],
         ).fetchall()
     head = (
-        f"      {'draft':<22}{'category':<18}{'accept':>7}{'ngram':>7}{'tok/s none':>11}"
-        f"{'ngram':>8}{'draft':>8}{'x ngram':>8}{'x draft':>8}{'lossless':>10}"
+        f"      {'draft':<22}{'category':<18}{'n':>4}{'accept':>8}{'95% CI':>17}{'ngram':>7}"
+        f"{'tok/s none':>11}{'x ngram':>8}{'x draft':>8}{'95% CI':>15}{'lossless':>10}"
     )
     lines = [f"demo: {bench}: each draft per category in vLLM (greedy)", head]
-    for draft, category, *figures, same, compared in rows:
+    measurements = {}
+    for draft, category, n, *figures, same, compared, measurement in rows:
         if draft not in drafts:
             continue
-        accept, ngram_accept, none_tps, ngram_tps, draft_tps, x_ngram, x_draft = figures
+        measurements[draft] = measurement
+        accept, low, high, ngram_accept, none_tps, x_ngram, x_draft, x_low, x_high = figures
         lines.append(
-            f"      {draft:<22}{category:<18}{accept:>7.3f}{ngram_accept or 1.0:>7.3f}"
-            f"{none_tps:>11.1f}{ngram_tps:>8.1f}{draft_tps:>8.1f}{x_ngram:>7.2f}x"
-            f"{x_draft:>7.2f}x{f'{same}/{compared}':>10}"
+            f"      {draft:<22}{category:<18}{n:>4}{accept:>8.3f}{f'[{low:.3f}, {high:.3f}]':>17}"
+            f"{ngram_accept or 1.0:>7.3f}{none_tps:>11.1f}{x_ngram:>7.2f}x{x_draft:>7.2f}x"
+            f"{f'[{x_low:.2f}, {x_high:.2f}]':>15}{f'{same}/{compared}':>10}"
         )
+    for draft, measurement in measurements.items():
+        lines.append(f"      {draft}: {_draft_against_ngram(draft, bench, measurement)}")
     lines.append(
-        "      (accept: acceptance length, the draft's and n-gram's; tok/s: output tokens "
-        "per second per request; x: speedup over no speculation; lossless: outputs of the "
-        "draft and n-gram equal to no speculation's)"
+        "      (n: prompts; accept: acceptance length, the draft's and n-gram's; tok/s: "
+        "output tokens per second per request; x: speedup over no speculation; 95% CI: "
+        "bootstrap over the prompts, the speedup paired with no speculation's; lossless: "
+        "outputs of the draft and n-gram equal to no speculation's)"
     )
     return "\n".join(lines)
+
+
+def _draft_against_ngram(draft: str, bench: str, measurement: str) -> str:
+    """The draft against n-gram over every category, prompt by prompt (paired 95% CI)."""
+    from mm_assets.domain.model.acceptance import OVERALL, Acceptance
+    from mm_assets.domain.model.benchmark import PromptFigures, comparison
+
+    with _tables().connect() as con:
+        found = con.execute(
+            """
+            SELECT category, method, conversation, round, output_tokens, latency_s, decode_s,
+                   drafts, accepted
+            FROM speculator_benchmark_prompts
+            WHERE draft = ? AND benchmark = ? AND measurement = ?
+            """,
+            [draft, bench, measurement],
+        ).fetchall()
+    records = [PromptFigures(*row[:7], acceptance=Acceptance(row[7], row[8])) for row in found]
+    said = []
+    for figure, label in (("acceptance_length", "acceptance"), ("tokens_per_s", "tokens/s")):
+        ratio = comparison(records, ("eagle3", "ngram"), OVERALL, figure)
+        if ratio is not None:
+            said.append(f"{label} {ratio.value:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}]")
+    n = len({r.prompt for r in records})
+    return f"against n-gram on the same {n} prompts: " + ("; ".join(said) or "-")
 
 
 def _acceptance_table(partition: str, meta: dict) -> str:
     """Trained next to untrained: vLLM's measurement on held-out prompts, and the offline
     estimate replayed over the same replies from their stored hidden states."""
     measured = _measured(partition)
-    lines = [f"      {'':<10}{'vLLM measured':>15}  {'per position':<26}{'estimate':>9}"]
+    lines = [
+        f"      {'':<10}{'vLLM measured':>15}{'95% CI':>18}  {'per position':<26}{'estimate':>9}"
+    ]
     for served in ("trained", "untrained"):
         row = measured.get((served, partition))
         if row is None:  # not served: the estimate over all held-out replies
             estimate = meta.get(
                 f"{'' if served == 'trained' else 'untrained_'}acceptance_length_estimate"
             )
-            lines.append(f"      {served:<10}{'(not served)':>15}  {'':<26}{estimate:>9.3f}")
+            lines.append(
+                f"      {served:<10}{'(not served)':>15}{'':>18}  {'':<26}{estimate:>9.3f}"
+            )
             continue
         positions = "[" + ", ".join(f"{r:.2f}" for r in row["per_position_acceptance"]) + "]"
+        low, high = row["acceptance_low"], row["acceptance_high"]
+        ci = f"[{low:.3f}, {high:.3f}]" if low is not None else "-"
         lines.append(
-            f"      {served:<10}{row['acceptance_length']:>15.3f}  {positions:<26}"
+            f"      {served:<10}{row['acceptance_length']:>15.3f}{ci:>18}  {positions:<26}"
             f"{row['acceptance_length_estimate']:>9.3f}"
         )
     trained = measured.get(("trained", partition)) or {}

@@ -3,9 +3,10 @@
 Each method runs on a server of its own (`services/method_servers.py`), one after the
 other: `none` first, since its answers are the target's (every method's later rounds
 quote them, and losslessness is checked against its token ids), then `ngram`, then
-`eagle3`. A warm-up request goes first (compilation is not the draft's cost); each
-category's requests run between two scrapes of `/metrics`, and one more pair spans every
-category, which the combined rows must agree with.
+`eagle3`. A warm-up request goes first (compilation is not the draft's cost). Every
+request is a record with its own counts (vLLM's reply gives them) and the rows are their
+sums; one pair of `/metrics` scrapes spans every category, which the records must add up
+to (`whole_run`).
 
 Servers cost minutes, so figures are recorded under the cache directory: `none` and
 `ngram` keyed by the target's content, the conversations, the settings and the engine

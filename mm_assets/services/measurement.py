@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from mm_assets.clients.vllm_generation import generate_greedy
+from mm_assets.clients.vllm_generation import generate_greedy_replies
 from mm_assets.clients.vllm_metrics import counters_after, server_counters
 from mm_assets.clients.vllm_server import death_explained
 from mm_assets.common.crashpoints import crash_point
@@ -34,6 +34,7 @@ from mm_assets.domain.model.acceptance import (
 )
 from mm_assets.domain.model.benchmark import Generation, lossless_count
 from mm_assets.domain.model.draft_set import SEPARATOR, source_of
+from mm_assets.domain.model.intervals import Interval, ratio_interval
 from mm_assets.domain.model.settings import MeasurementSettings
 from mm_assets.domain.prep.conversations import reply_prompts, to_vllm_messages
 from mm_assets.domain.row_ids import sample_id_of, turn_index_of
@@ -45,7 +46,7 @@ from mm_assets.storage.layout import StorageLayout
 from mm_assets.storage.layout import weights as weights_file
 from mm_assets.storage.records import load_record, save_record
 
-MEASUREMENT_VERSION = "2"  # 2: grouped by source, under measurements/, counts recorded
+MEASUREMENT_VERSION = "3"  # 3: each prompt's own counts recorded
 TABLE = "draft_measurements"
 
 
@@ -56,23 +57,37 @@ class Measurement(WithAcceptance):
     """The chat prompts generated from (held-out, images as `file://` URLs)."""
     generations: list[list[int]] = field(default_factory=list)
     """Token ids vLLM generated with the draft, one list per prompt."""
+    per_prompt: list[tuple[int, int]] = field(default_factory=list)
+    """(drafts, accepted) of each prompt, as vLLM's reply gave them; empty from a server
+    that does not say (an external fleet), whose figure is its counters' only."""
     reused: bool = False
+
+    @property
+    def interval(self) -> Interval | None:
+        """The acceptance length with its 95% bootstrap interval over the prompts."""
+        if not self.per_prompt:
+            return None
+        drafts, accepted = zip(*self.per_prompt, strict=True)
+        return ratio_interval(accepted, drafts, offset=1.0)
 
     @classmethod
     def combined(cls, parts: list[Measurement]) -> Measurement:
         """Several sources' measurements as one: counts summed, prompts and generations
         in source order."""
+        per_prompt = [c for m in parts for c in m.per_prompt]
         return cls(
             combine(m.acceptance for m in parts),
             [p for m in parts for p in m.prompts],
             [g for m in parts for g in m.generations],
+            per_prompt if all(m.per_prompt for m in parts) else [],
             reused=all(m.reused for m in parts),
         )
 
     @classmethod
     def from_record(cls, fields: dict[str, Any]) -> Measurement:
         acceptance = Acceptance.from_record(fields["acceptance"])
-        return cls(acceptance, fields["prompts"], fields["generations"], reused=True)
+        per_prompt = [(d, a) for d, a in fields["per_prompt"]]
+        return cls(acceptance, fields["prompts"], fields["generations"], per_prompt, True)
 
 
 @dataclass(frozen=True)
@@ -177,12 +192,16 @@ def measured_groups(
         crash_point("measurement")
         for name, prompts in groups.items():
             before = server_counters(url)
-            generations = generate_greedy(url, server.access, prompts, max_tokens)
+            replies = generate_greedy_replies(url, server.access, prompts, max_tokens)
             counters = counters_after(url, before, len(prompts)).minus(before).spec_decode
             acceptance = Acceptance.from_counts(
                 counters.drafts, counters.accepted, counters.accepted_per_position
             )
-            measured[name] = Measurement(acceptance, prompts, generations)
+            generations = [r.token_ids for r in replies]
+            per_prompt = [(r.metrics.verifications, r.metrics.accepted) for r in replies]
+            if any(r.metrics.accepted_per_position is None for r in replies):
+                per_prompt = []  # the server does not give each reply's counts
+            measured[name] = Measurement(acceptance, prompts, generations, per_prompt)
     fields = {
         name: {k: v for k, v in asdict(m).items() if k != "reused"} for name, m in measured.items()
     }
@@ -310,6 +329,8 @@ def table_rows(
                     "drafts": m.acceptance.drafts,
                     "accepted": m.acceptance.accepted,
                     "acceptance_length": m.acceptance_length,
+                    "acceptance_low": (interval := m.interval) and interval.low,
+                    "acceptance_high": interval and interval.high,
                     "per_position_acceptance": m.per_position,
                     "acceptance_length_estimate": estimate and estimate.acceptance_length,
                     "lossless": f.same_as_target,

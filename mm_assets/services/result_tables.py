@@ -1,5 +1,6 @@
-"""The tables of a draft's results (`speculator_benchmarks`, `draft_measurements`): each
-keeps every measurement a draft has had, so drafts and retrainings compare in DuckDB.
+"""The tables of a draft's results (`speculator_benchmarks` and the requests behind it,
+`draft_measurements`): each keeps every measurement a draft has had, so drafts and
+retrainings compare in DuckDB.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from mm_assets.storage import TableStore, schemas
 
 SCHEMAS = {
     "speculator_benchmarks": schemas.SPECULATOR_BENCHMARKS,
+    "speculator_benchmark_prompts": schemas.SPECULATOR_BENCHMARK_PROMPTS,
     "draft_measurements": schemas.DRAFT_MEASUREMENTS,
 }
 

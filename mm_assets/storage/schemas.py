@@ -105,7 +105,7 @@ MANIFEST = pa.schema(
 REJECTIONS = pa.schema([("row_id", pa.string()), ("reason", pa.string()), ("detail", pa.string())])
 
 # One row per draft x benchmark x category (and "overall") x method (eagle3, ngram, none):
-# vLLM's counters over that category's requests. Kept across measurements (`measurement`).
+# the sums of its requests (`SPECULATOR_BENCHMARK_PROMPTS`). Kept across measurements.
 SPECULATOR_BENCHMARKS = pa.schema(
     [
         ("draft", pa.string()),
@@ -122,6 +122,14 @@ SPECULATOR_BENCHMARKS = pa.schema(
         ("output_tokens_per_s", pa.float64()),  # per request: tokens / its e2e latency
         ("time_per_output_token_ms", pa.float64()),
         ("speedup", pa.float64()),  # output_tokens_per_s / no speculation's, same category
+        # 95% bootstrap intervals over the row's prompts (`prompts` of them): resampled
+        # conversations; the speed-up paired with no speculation's on the same ones
+        ("acceptance_low", pa.float64()),
+        ("acceptance_high", pa.float64()),
+        ("output_tokens_per_s_low", pa.float64()),
+        ("output_tokens_per_s_high", pa.float64()),
+        ("speedup_low", pa.float64()),
+        ("speedup_high", pa.float64()),
         ("lossless", pa.int32()),  # requests whose greedy output equals no speculation's
         ("compared", pa.int32()),
         ("max_tokens", pa.int32()),
@@ -130,6 +138,29 @@ SPECULATOR_BENCHMARKS = pa.schema(
         ("draft_sha256", pa.string()),
         ("measured_at", pa.timestamp("s", tz="UTC")),
         ("measurement", pa.string()),  # same draft, benchmark and settings: same key
+    ]
+)
+
+# The requests behind `speculator_benchmarks`, one row each: what every figure and
+# interval there is computed from (docs/benchmarking.md says how they combine).
+SPECULATOR_BENCHMARK_PROMPTS = pa.schema(
+    [
+        ("draft", pa.string()),
+        ("benchmark", pa.string()),
+        ("category", pa.string()),
+        ("method", pa.string()),
+        ("conversation", pa.int32()),  # its index in the category: the resampled unit
+        ("round", pa.int32()),  # the user turn it answers
+        ("output_tokens", pa.int32()),
+        ("latency_s", pa.float64()),  # sent to answered, as the client waited
+        ("decode_s", pa.float64()),  # vLLM: first output token to last
+        ("drafts", pa.int32()),  # verifications of a proposal
+        ("accepted", pa.int32()),
+        ("accepted_per_position", pa.list_(pa.int32())),
+        ("lossless", pa.bool_()),  # equal to no speculation's output (null for none)
+        ("speculative_tokens", pa.int32()),  # the depth it ran at (null for none)
+        ("measured_at", pa.timestamp("s", tz="UTC")),
+        ("measurement", pa.string()),
     ]
 )
 
@@ -144,6 +175,9 @@ DRAFT_MEASUREMENTS = pa.schema(
         ("drafts", pa.int64()),
         ("accepted", pa.int64()),
         ("acceptance_length", pa.float64()),
+        # its 95% bootstrap interval over the prompts (each reply's own counts)
+        ("acceptance_low", pa.float64()),
+        ("acceptance_high", pa.float64()),
         ("per_position_acceptance", pa.list_(pa.float64())),
         ("acceptance_length_estimate", pa.float64()),  # offline replay, same replies
         ("lossless", pa.int32()),  # generations equal to the target's own reply

@@ -1,0 +1,203 @@
+"""What a benchmark report becomes: rows of `speculator_benchmarks` (figures and their
+95% intervals), the requests behind them (`speculator_benchmark_prompts`), and the UI's
+tables and plot (the draft against n-gram paired on the same prompts)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import dagster as dg
+
+from mm_assets.assets.metadata import benchmark_plot
+from mm_assets.domain.model.acceptance import OVERALL
+from mm_assets.domain.model.benchmark import BenchmarkSettings, comparison, intervals, speedup
+
+if TYPE_CHECKING:
+    from mm_assets.domain.model.benchmark import BenchmarkFigures
+    from mm_assets.domain.model.intervals import Interval
+    from mm_assets.services.benchmarking import BenchmarkReport
+    from mm_assets.services.engine import DraftUnderTest
+
+TABLE = "speculator_benchmarks"
+PROMPTS_TABLE = "speculator_benchmark_prompts"
+METHOD_NAMES = {"eagle3": "draft (EAGLE-3)", "ngram": "n-gram", "none": "no speculation"}
+
+
+def table_rows(
+    name: str,
+    bench: str,
+    report: BenchmarkReport,
+    settings: BenchmarkSettings,
+    target_fingerprint: str,
+    draft: DraftUnderTest,
+) -> list[dict[str, Any]]:
+    """The report as rows of `speculator_benchmarks`; a method vLLM did not run gets one
+    row saying why (its columns stay, empty)."""
+    common = {
+        "draft": name,
+        "benchmark": bench,
+        "max_tokens": settings.max_tokens,
+        "concurrency": settings.concurrency,
+        "target_fingerprint": target_fingerprint,
+        "draft_sha256": draft.weights_sha256,
+        "measured_at": datetime.now(UTC),
+    }
+    rows = [{**common, **_figures(f, report)} for f in report.rows]
+    for method, why in report.not_run.items():
+        rows.append({**common, "category": OVERALL, "method": method, "status": why[:500]})
+    return rows
+
+
+def _figures(f: BenchmarkFigures, report: BenchmarkReport) -> dict[str, Any]:
+    """One row's figures and their intervals' bounds."""
+    found = intervals(report.records, f.method, f.category)
+    bounds = {
+        "acceptance": found.acceptance_length,
+        "output_tokens_per_s": found.tokens_per_s,
+        "speedup": found.speedup,
+    }
+    figures = {
+        "category": f.category,
+        "method": f.method,
+        "status": "ok",
+        "prompts": f.prompts,
+        "requests": f.requests,
+        "output_tokens": f.output_tokens,
+        "acceptance_length": f.acceptance_length,
+        "per_position_acceptance": f.per_position,
+        "drafts": f.drafts,
+        "output_tokens_per_s": f.tokens_per_s,
+        "time_per_output_token_ms": f.mean_time_per_output_token_ms,
+        "speedup": speedup(f, report.rows),
+        "lossless": f.lossless,
+        "compared": f.compared,
+    }
+    for name, interval in bounds.items():
+        figures[f"{name}_low"] = interval.low if interval else None
+        figures[f"{name}_high"] = interval.high if interval else None
+    return figures
+
+
+def prompt_rows(name: str, bench: str, report: BenchmarkReport) -> list[dict[str, Any]]:
+    """The requests behind the report's rows (`speculator_benchmark_prompts`)."""
+    measured_at = datetime.now(UTC)
+    return [
+        {
+            "draft": name,
+            "benchmark": bench,
+            "category": r.category,
+            "method": r.method,
+            "conversation": r.conversation,
+            "round": r.round,
+            "output_tokens": r.output_tokens,
+            "latency_s": r.latency_s,
+            "decode_s": r.decode_s,
+            "drafts": r.acceptance.drafts,
+            "accepted": r.acceptance.accepted,
+            "accepted_per_position": list(r.acceptance.accepted_per_position),
+            "lossless": r.lossless,
+            "speculative_tokens": len(r.acceptance.accepted_per_position) or None,
+            "measured_at": measured_at,
+        }
+        for r in report.records
+    ]
+
+
+RESULT_COLUMNS = [
+    dg.TableColumn("category", "string"),
+    dg.TableColumn("method", "string"),
+    dg.TableColumn("prompts", "int"),
+    dg.TableColumn("acceptance length", "float"),
+    dg.TableColumn("acceptance 95% CI", "string"),
+    dg.TableColumn("per position", "string"),
+    dg.TableColumn("tokens/s", "float"),
+    dg.TableColumn("ms/token", "float"),
+    dg.TableColumn("speedup", "float"),
+    dg.TableColumn("speedup 95% CI", "string"),
+    dg.TableColumn("lossless", "string"),
+    dg.TableColumn("note", "string"),
+]
+VERSUS_COLUMNS = [
+    dg.TableColumn("category", "string"),
+    dg.TableColumn("prompts", "int"),
+    dg.TableColumn("acceptance ratio", "float"),
+    dg.TableColumn("acceptance 95% CI", "string"),
+    dg.TableColumn("tokens/s ratio", "float"),
+    dg.TableColumn("tokens/s 95% CI", "string"),
+]
+
+
+def _ci(interval: Interval | None, digits: int = 3) -> str:
+    return f"[{interval.low:.{digits}f}, {interval.high:.{digits}f}]" if interval else "-"
+
+
+def versus_table(report: BenchmarkReport, methods: tuple[str, str]) -> dg.MetadataValue | None:
+    """`methods[0]` against `methods[1]` per category on the same prompts: the ratio of
+    their acceptance lengths and of their tokens/s, each with a paired 95% interval."""
+    categories = list(dict.fromkeys(f.category for f in report.rows))
+    records = []
+    for category in categories:
+        accept = comparison(report.records, methods, category, "acceptance_length")
+        speed = comparison(report.records, methods, category, "tokens_per_s")
+        if speed is None:
+            continue
+        cells = {
+            "category": category,
+            "prompts": speed.n,
+            "acceptance ratio": _round(accept and accept.value),
+            "acceptance 95% CI": _ci(accept),
+            "tokens/s ratio": _round(speed.value),
+            "tokens/s 95% CI": _ci(speed),
+        }
+        records.append(dg.TableRecord(cells))
+    if not records:
+        return None
+    return dg.MetadataValue.table(records, schema=dg.TableSchema(columns=VERSUS_COLUMNS))
+
+
+def benchmark_metadata(bench: str, report: BenchmarkReport) -> dict[str, Any]:
+    """Per benchmark: a table category × method (Dagster's own table), a bar plot, and the
+    overall figures as numbers (the Plots tab follows them across materializations).
+    Keys stay short: the UI's key column is narrow."""
+    empty = dict.fromkeys(c.name for c in RESULT_COLUMNS)  # Dagster wants every field
+    records = []
+    for f in report.rows:
+        ratio = speedup(f, report.rows)
+        found = intervals(report.records, f.method, f.category)
+        cells = {
+            "category": f.category,
+            "method": METHOD_NAMES.get(f.method, f.method),
+            "prompts": f.prompts,
+            "acceptance length": _round(f.acceptance_length),
+            "acceptance 95% CI": _ci(found.acceptance_length),
+            "per position": ", ".join(f"{p:.2f}" for p in f.per_position) or "-",
+            "tokens/s": _round(f.tokens_per_s, 1),
+            "ms/token": _round(f.mean_time_per_output_token_ms, 1),
+            "speedup": _round(ratio, 2),
+            "speedup 95% CI": _ci(found.speedup, 2),
+            "lossless": f"{f.lossless}/{f.compared}" if f.lossless is not None else "reference",
+        }
+        records.append(dg.TableRecord({**empty, **cells}))
+    for method, why in report.not_run.items():
+        cells = {"category": "all", "method": METHOD_NAMES.get(method, method), "note": why[:200]}
+        records.append(dg.TableRecord({**empty, **cells}))
+    out: dict[str, Any] = {
+        bench: dg.MetadataValue.table(records, schema=dg.TableSchema(columns=RESULT_COLUMNS)),
+        f"{bench} plot": benchmark_plot(bench, report.rows),
+    }
+    if (versus := versus_table(report, ("eagle3", "ngram"))) is not None:
+        out[f"{bench} draft vs n-gram"] = versus
+    for f in report.rows:
+        if f.category != OVERALL:
+            continue
+        if f.acceptance_length is not None:
+            out[f"{bench} {f.method} acceptance"] = f.acceptance_length
+        if (ratio := speedup(f, report.rows)) is not None and f.method != "none":
+            out[f"{bench} {f.method} speedup"] = ratio
+        out[f"{bench} {f.method} tokens/s"] = f.tokens_per_s
+    return out
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
