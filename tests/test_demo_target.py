@@ -146,16 +146,22 @@ def _weights(target: Path) -> dict[str, torch.Tensor]:
 def test_a_build_is_seeded_and_cached_by_its_code_and_settings(
     demo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two builds with the same settings write the same weights; with a cache, the
-    second build copies the first instead of training, and other settings train anew."""
+    """Two builds with the same settings write the same weights, even where the machine
+    would pick other kernels (the second as on a CPU without AVX-512 or with MKL's
+    portable path: unpinned, these train other weights); with a cache, the second build
+    copies the first instead of training, and other settings train anew."""
     first = build_trained_target(tmp_path / "a", demo_dir, TINY)
-    build_trained_target(tmp_path / "b", demo_dir, TINY)
+    with monkeypatch.context() as elsewhere:
+        elsewhere.setenv("ATEN_CPU_CAPABILITY", "default")
+        elsewhere.setenv("MKL_CBWR", "COMPATIBLE")
+        build_trained_target(tmp_path / "b", demo_dir, TINY)
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     cache = tmp_path / "cache"
     build_trained_target(tmp_path / "c", demo_dir, TINY, cache=cache)
     monkeypatch.setattr(
-        "mm_assets.demo.target_training.teach", lambda *a, **k: pytest.fail("trained again")
+        "mm_assets.demo.target_training.train_pinned",
+        lambda *a, **k: pytest.fail("trained again"),
     )
     reused = build_trained_target(tmp_path / "d", demo_dir, TINY, cache=cache)
     assert reused["scores"] == first["scores"]

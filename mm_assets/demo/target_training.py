@@ -6,6 +6,10 @@ every picture and text task (`lessons.py`), so a few minutes of supervised train
 turn the Qwen2.5-VL-shaped target into one that answers in sentences that depend on the
 picture. The run is seeded and single-process; `report` checks the answers on held-out
 pictures and questions against chance.
+
+It runs in a child process with its kernels pinned (`PINNED_KERNELS`): PyTorch, MKL and
+oneDNN otherwise take the widest instructions the CPU has, each sums in its own order,
+and two machines train two targets. Pinned, every x86-64 CPU with AVX2 trains the same.
 """
 
 from __future__ import annotations
@@ -14,7 +18,10 @@ import io
 import json
 import logging
 import math
+import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -32,6 +39,7 @@ from mm_assets.demo.lessons import Check, Exclusions, Lesson, as_messages
 log = logging.getLogger(__name__)
 
 REPORT_FILE = "answers_report.json"
+PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 @dataclass(frozen=True)
@@ -339,14 +347,42 @@ def build_trained_target(
     before by the same code and settings is copied from there instead of trained."""
     import shutil
 
-    from mm_assets.demo.data import demo_corpus
-    from mm_assets.demo.target import build_demo_target
-
     key = build_code_key(settings)
     if cache is not None and (cache / key / REPORT_FILE).is_file():
         shutil.copytree(cache / key, out_dir, dirs_exist_ok=True)
         say(f"the trained target reused from {cache / key}")
         return json.loads((out_dir / REPORT_FILE).read_text())
+    report = train_pinned(out_dir, demo_dir, settings, say)
+    if cache is not None:
+        staged = cache / f".{key}.{time.time_ns()}"
+        shutil.copytree(out_dir, staged)
+        staged.rename(cache / key)  # whole or not at all
+    return report
+
+
+def train_pinned(
+    out_dir: Path, demo_dir: Path, settings: TeachingSettings, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """`train_and_check` in a child process with `PINNED_KERNELS` set before torch loads
+    (see the module's docstring); its progress lines go to `say`."""
+    args = [str(out_dir), str(demo_dir), json.dumps(asdict(settings))]
+    command = [sys.executable, "-m", "mm_assets.demo.target_training", *args]
+    env = os.environ | PINNED_KERNELS
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+    for line in child.stdout or ():
+        say(line.rstrip())
+    if child.wait() != 0:
+        raise RuntimeError(f"training the demo target failed (exit {child.returncode}); see above")
+    return json.loads((out_dir / REPORT_FILE).read_text())
+
+
+def train_and_check(
+    out_dir: Path, demo_dir: Path, settings: TeachingSettings, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """Build the random target, teach it, check its answers; returns the report."""
+    from mm_assets.demo.data import demo_corpus
+    from mm_assets.demo.target import build_demo_target
+
     plan = curriculum(demo_dir, settings)
     asked, taught = plan.asked, plan.taught
     corpus = [*demo_corpus(demo_dir), *(text for lesson in taught for _, text in lesson.turns)]
@@ -356,9 +392,9 @@ def build_trained_target(
     seconds = time.perf_counter() - started
     answers = greedy_answers(out_dir, asked, settings.max_new_tokens)
     examples = [pair for i, pair in enumerate(zip(asked, answers, strict=True)) if i % 17 == 0]
-    report = write_report(out_dir, score(asked, answers), examples, settings, seconds, losses)
-    if cache is not None:
-        staged = cache / f".{key}.{time.time_ns()}"
-        shutil.copytree(out_dir, staged)
-        staged.rename(cache / key)  # whole or not at all
-    return report
+    return write_report(out_dir, score(asked, answers), examples, settings, seconds, losses)
+
+
+if __name__ == "__main__":  # the child of `train_pinned`
+    settings = TeachingSettings(**json.loads(sys.argv[3]))
+    train_and_check(Path(sys.argv[1]), Path(sys.argv[2]), settings, lambda x: print(x, flush=True))
