@@ -9,7 +9,7 @@ export DAGSTER_HOME ?= $(MM_ASSETS_HOME)/dagster_home
 # Empty: every home trains its own.
 export MM_ASSETS_DEMO_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/mm_assets/demo_targets
 
-.PHONY: setup instance demo test test-fast test-long lint format bench chaos dev clean
+.PHONY: setup instance demo test test-fast test-long lint format bench bench-quality chaos dev clean
 
 setup:
 	@bash scripts/setup_env.sh
@@ -57,6 +57,11 @@ format: setup
 
 bench: demo  # the storage bench reads the demo run (cached after the first)
 	$(PY) -m bench.run_all
+
+# The demo's multimodal draft on the whole demo benchmark (40 prompts per category), with
+# 95% intervals (~15 min): `make demo` measures 3 per category.
+bench-quality: demo
+	$(PY) -m bench.quality
 
 # The text demo chain killed with SIGKILL at 20 seeded points, each rerun checked against a
 # clean run (bench/chaos.py; about an hour on 2 cores). A 3-point version is in `make test`.

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from mm_assets.demo import images, lessons
-from mm_assets.demo.benchmark import BENCHMARK_FILE, benchmark_pictures
+from mm_assets.demo.benchmark import BENCHMARK_FILE, PER_CATEGORY, benchmark_pictures
 from mm_assets.demo.data import SHAREGPT4V_FILE, dataset_pictures
 from mm_assets.demo.lessons import Check, Exclusions, Lesson, last_named, picture_key, prompt_key
 from mm_assets.demo.target_training import (
@@ -48,7 +48,7 @@ def test_the_excluded_pictures_are_the_ones_the_demo_stores(demo_dir: Path) -> N
     drawn = {images.encode(spec) for spec in [*dataset_pictures(), *benchmark_pictures()]}
     assert _stored_pictures(demo_dir) <= drawn
     records = json.loads((demo_dir / SHAREGPT4V_FILE).read_text())
-    assert len(drawn) == len(records) + 2 * 3  # 3 per image category of the benchmark
+    assert len(drawn) == len(records) + 2 * PER_CATEGORY  # per image category of the benchmark
 
 
 def test_lessons_never_show_a_measured_picture_or_ask_a_measured_conversation(

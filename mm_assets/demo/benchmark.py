@@ -1,4 +1,8 @@
-"""The demo's benchmark: prompts in three categories, none seen in training.
+"""The demo's benchmark: 40 prompts in each of four categories, none seen in training.
+
+`make demo` measures the first 3 of each (`max_prompts_per_category` in the registry);
+`make bench-quality` all of them, where a 95% interval is narrow enough to tell drafts
+apart.
 
 Shaped like the vision-language sets on the hub, so `make demo` loads that shape: TRL's
 conversational layout (`messages` whose content parts are `{"type": "text"}` and
@@ -20,6 +24,7 @@ from mm_assets.demo.data import _MIXES, _SIDES, SHAREGPT_FILE, _a, _plural
 from mm_assets.demo.images import ImageSpec
 
 BENCHMARK_FILE = Path("data") / "benchmark.parquet"
+PER_CATEGORY = 40
 
 _DESCRIBE = (
     "Please describe this picture in detail.",
@@ -99,12 +104,12 @@ def benchmark_rows(per_category: int, seed: int, training_prompts: set[str]) -> 
     return rows
 
 
-def benchmark_pictures(per_category: int = 3, seed: int = 7) -> list[ImageSpec]:
+def benchmark_pictures(per_category: int = PER_CATEGORY, seed: int = 7) -> list[ImageSpec]:
     """The pictures `benchmark_rows` shows with the same arguments."""
     return images.image_specs(random.Random(seed), 2 * per_category)
 
 
-def build_demo_benchmark(demo_dir: Path, per_category: int = 3, seed: int = 7) -> Path:
+def build_demo_benchmark(demo_dir: Path, per_category: int = PER_CATEGORY, seed: int = 7) -> Path:
     """Write the benchmark as Parquet with the hub's feature types; returns its path."""
     import datasets  # heavy import, only when building
 
