@@ -173,7 +173,7 @@ def measured_groups(
     serving: Serving,
     draft: DraftUnderTest,
     groups: dict[str, list[list[dict[str, Any]]]],
-    max_tokens: int,
+    limits: tuple[int, int],
     record: Path,
     reuse: bool = True,
 ) -> dict[str, Measurement]:
@@ -183,7 +183,8 @@ def measured_groups(
     starting a server costs about a minute on CPU and holds the accelerator."""
     options = serving.engine.options.model_dump()
     served = [draft.weights_sha256, str(serving.target_dir), draft.speculative_tokens]
-    key = json_sha256([MEASUREMENT_VERSION, *served, groups, options, max_tokens])
+    max_tokens, concurrency = limits  # per reply; requests in flight
+    key = json_sha256([MEASUREMENT_VERSION, *served, groups, options, max_tokens, concurrency])
     if reuse and (cached := load_record(record, key)):
         return {name: Measurement.from_record(fields) for name, fields in cached.items()}
     measured = {}
@@ -192,7 +193,7 @@ def measured_groups(
         crash_point("measurement")
         for name, prompts in groups.items():
             before = server_counters(url)
-            replies = generate_greedy_replies(url, server.access, prompts, max_tokens)
+            replies = generate_greedy_replies(url, server.access, prompts, max_tokens, concurrency)
             counters = counters_after(url, before, len(prompts)).minus(before).spec_decode
             acceptance = Acceptance.from_counts(
                 counters.drafts, counters.accepted, counters.accepted_per_position
@@ -259,6 +260,7 @@ def measure_draft(
     replies = source_replies(tables, replayed, sources, settings.vllm_prompts)
     groups = {source: [r.prompt for r in rs] for source, rs in replies.items()}
     max_tokens, ttt_steps = settings.vllm_max_tokens, job.settings.ttt_steps
+    concurrency = settings.vllm_concurrency
 
     served: dict[str, str] = {}  # the table's name for what was served -> its weights
     labels = {"trained": job.partition, "untrained": f"{job.partition}.untrained"}
@@ -267,7 +269,7 @@ def measure_draft(
         served[name] = weights = weights or file_sha256(weights_file(directory))
         draft = DraftUnderTest(directory, weights, job.settings.speculative_tokens)
         record = measurement_record(job.storage_root, job.partition, labels.get(name, name))
-        return measured_groups(serving, draft, groups, max_tokens, record, reuse)
+        return measured_groups(serving, draft, groups, (max_tokens, concurrency), record, reuse)
 
     def figures(
         measured: dict[str, Measurement], walks: dict[str, list[list[int]]] | None

@@ -18,6 +18,8 @@ from pydantic import (
     model_validator,
 )
 
+from mm_assets.common.request_settings import MAX_CONCURRENCY
+
 LOSSES = ("kl", "rkl", "jsd", "tv", "nla", "lk_hybrid", "ce")  # what each computes: losses.py
 
 
@@ -175,6 +177,14 @@ class MeasurementSettings(BaseModel):
     )
     vllm_prompts: int = Field(default=32, ge=1, description="Held-out prompts vLLM generates from.")
     vllm_max_tokens: int = Field(default=64, ge=1, description="Tokens generated per prompt.")
+    vllm_concurrency: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_CONCURRENCY,
+        description="Held-out requests in flight. 1: the latency regime, and figures that do "
+        "not move with how vLLM batched the requests (each reply has its own counts at any "
+        "concurrency; batching moves greedy tokens where logits are close).",
+    )
     compare_with_sources: bool = Field(
         default=True,
         description="Drafts of several datasets: also serve each source's own draft (its "
