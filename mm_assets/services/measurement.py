@@ -255,8 +255,7 @@ def measure_draft(
     held-out replies' prompts; with `measure_untrained_in_vllm`, of the same draft
     before training (`SpeculatorJob.untrained_dir`); and of `others` (name -> checkpoint
     directory), one server each."""
-    sources = list(outcome.sources)
-    replayed = outcome.result.held_out_replies
+    sources, replayed = list(outcome.sources), outcome.result.held_out_replies
     replies = source_replies(tables, replayed, sources, settings.vllm_prompts)
     groups = {source: [r.prompt for r in rs] for source, rs in replies.items()}
     max_tokens, ttt_steps = settings.vllm_max_tokens, job.settings.ttt_steps
