@@ -1,13 +1,13 @@
-"""The demo's multimodal draft on the whole demo benchmark (40 prompts per category), with
-95% intervals: what `make demo` measures on 3 per category, large enough to tell drafts
-apart.
+"""The demo's multimodal draft on the whole demo benchmark (40 prompts per category), at
+depths 1, 3, 5 and 7, with 95% intervals: what `make demo` measures on 3 per category at
+the draft's depth, large enough to tell drafts apart and to see where speculation pays.
 
 Runs on the demo's home after `make demo` (the draft, the prepared benchmark and the
 target are read from there) through the benchmark service the asset uses, with the
 demo's settings but every prompt: no speculation, n-gram and the draft, one server each,
 one request at a time. Prints each method's figures per category with their intervals,
 and the draft against no speculation and against n-gram, paired on the same prompts, as
-JSON. `make bench-quality` (~15 min here).
+JSON. `make bench-quality` (~10 min here).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 DRAFT = "demo_sharegpt4v_coco"
 BENCHMARK = "demo_benchmark"
+DEPTHS = [1, 3, 5, 7]
 
 
 def _interval(found: Any) -> dict[str, float | int] | None:
@@ -35,7 +36,13 @@ def run(draft: str = DRAFT) -> dict[str, Any]:
     from mm_assets.assets.partitions import REGISTRY
     from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
     from mm_assets.domain.model.acceptance import OVERALL
-    from mm_assets.domain.model.benchmark import BenchmarkSettings, comparison, intervals
+    from mm_assets.domain.model.benchmark import (
+        NONE,
+        BenchmarkSettings,
+        comparison,
+        intervals,
+        method_of,
+    )
     from mm_assets.services.benchmarking import benchmark, load_benchmark
     from mm_assets.services.engine import DraftUnderTest
     from mm_assets.services.media import media_root
@@ -44,7 +51,8 @@ def run(draft: str = DRAFT) -> dict[str, Any]:
     storage = StorageResource()
     tables, root = storage.tables(), storage.root_dir()
     chosen = REGISTRY[draft].settings.get("speculator_benchmark", {})
-    settings = BenchmarkSettings(**{**chosen, "max_prompts_per_category": None})
+    every = {"max_prompts_per_category": None, "speculative_tokens": DEPTHS}
+    settings = BenchmarkSettings(**{**chosen, **every})
     prompts = load_benchmark(tables, BENCHMARK)
     target = TargetModelResource().model()
     serving = VllmResource().serving(
@@ -62,8 +70,8 @@ def run(draft: str = DRAFT) -> dict[str, Any]:
     seconds = time.perf_counter() - started
     rows = {}
     for f in report.rows:
-        found = intervals(report.records, f.method, f.category)
-        rows[f"{f.category} {f.method}"] = {
+        found = intervals(report.records, method_of(f), f.category)
+        rows[f"{f.category} {f.method} {f.depth or ''}".strip()] = {
             "prompts": f.prompts,
             "requests": f.requests,
             "acceptance_length": _interval(found.acceptance_length),
@@ -71,14 +79,16 @@ def run(draft: str = DRAFT) -> dict[str, Any]:
             "speedup": _interval(found.speedup),
             "lossless": f"{f.lossless}/{f.compared}" if f.lossless is not None else None,
         }
+    depths = sorted({f.depth for f in report.rows} - {None})
     paired = {
-        f"{category} eagle3/{other} {figure}": _interval(
-            comparison(report.records, ("eagle3", other), category, figure)
+        f"{category} eagle3/{other[0]} at {depth} {figure}": _interval(
+            comparison(report.records, (("eagle3", depth), other), category, figure)
         )
+        for depth in depths
         for category in [*prompts.categories, OVERALL]
-        for other in ("ngram", "none")
+        for other in (("ngram", depth), NONE)
         for figure in ("acceptance_length", "tokens_per_s")
-        if not (other == "none" and figure == "acceptance_length")
+        if not (other == NONE and figure == "acceptance_length")
     }
     return {
         "draft": draft,

@@ -126,6 +126,7 @@ def test_lossless_counts_identical_greedy_outputs_at_the_same_max_tokens() -> No
 
 def _record(method: str, conversation: int, round_: int = 0, **figures) -> PromptFigures:
     fields = {"output_tokens": 20, "latency_s": 1.0, "decode_s": 0.95, "lossless": None}
+    fields["depth"] = None if method == "none" else 3
     return PromptFigures("cat", method, conversation, round_, **{**fields, **figures})
 
 
@@ -136,13 +137,14 @@ def test_a_rows_figures_are_the_sums_of_its_requests() -> None:
         _record("eagle3", 1, 0, output_tokens=11, decode_s=None, lossless=True,
                 acceptance=Acceptance(4, 4, (3, 1))),
     ]  # fmt: skip
-    row = figures_of("cat", "eagle3", records)
+    row = figures_of("cat", ("eagle3", 3), records)
     assert (row.prompts, row.requests, row.output_tokens) == (2, 3, 51)
     assert row.acceptance == Acceptance(14, 14, (10, 4))
     assert row.tokens_per_s == pytest.approx(51 / 3.0)
     assert row.mean_time_per_output_token_ms == pytest.approx(1000 * 1.9 / 38)  # decoded only
     assert (row.lossless, row.compared) == (2, 3)
-    assert figures_of("cat", "none", [_record("none", 0)]).lossless is None
+    assert row.depth == 3
+    assert figures_of("cat", ("none", None), [_record("none", 0, depth=None)]).lossless is None
 
 
 def test_a_rows_intervals_resample_conversations_and_the_speedup_is_paired() -> None:
@@ -156,18 +158,19 @@ def test_a_rows_intervals_resample_conversations_and_the_speedup_is_paired() -> 
             records.append(_record("none", i, k, latency_s=seconds))
             draft = Acceptance(10, accepted, (accepted,))
             records.append(_record("eagle3", i, k, latency_s=seconds / 1.5, acceptance=draft))
-    found = intervals(records, "eagle3", "cat")
+    found = intervals(records, ("eagle3", 3), "cat")
     assert found.acceptance_length is not None and found.acceptance_length.n == 12
     assert found.acceptance_length.value == pytest.approx(1 + 48 / 240)
     assert found.acceptance_length.low < found.acceptance_length.value
     assert found.speedup is not None and found.speedup.value == pytest.approx(1.5)
     assert found.speedup.low == pytest.approx(1.5) and found.speedup.high == pytest.approx(1.5)
-    none = intervals(records, "none", "cat")
+    none = intervals(records, ("none", None), "cat")
     assert none.acceptance_length is None and none.speedup is None
     assert none.tokens_per_s is not None and none.tokens_per_s.low < none.tokens_per_s.high
-    versus = comparison(records, ("eagle3", "none"), OVERALL, "tokens_per_s")
+    versus = comparison(records, (("eagle3", 3), ("none", None)), OVERALL, "tokens_per_s")
     assert versus == found.speedup
-    assert comparison(records, ("eagle3", "ngram"), "cat", "tokens_per_s") is None
+    assert comparison(records, (("eagle3", 3), ("ngram", 3)), "cat", "tokens_per_s") is None
+    assert comparison(records, (("eagle3", 5), ("none", None)), "cat", "tokens_per_s") is None
 
 
 def test_benchmarking_refuses_external_servers_it_cannot_reconfigure(tmp_path) -> None:

@@ -22,12 +22,12 @@ import torch
 from mm_assets.clients.vllm_server import EngineOptions
 from mm_assets.common.hashing import file_sha256
 from mm_assets.domain.model.acceptance import OVERALL
-from mm_assets.domain.model.benchmark import BenchmarkSettings, combined, speedup
+from mm_assets.domain.model.benchmark import BenchmarkReport, BenchmarkSettings, combined, speedup
 from mm_assets.domain.model.checkpoint import checkpoint_config
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 from mm_assets.domain.model.hidden_states import default_layer_ids, text_config_facts
-from mm_assets.services.benchmarking import BenchmarkReport, benchmark
+from mm_assets.services.benchmarking import benchmark
 from mm_assets.services.engine import DraftUnderTest, Serving, VllmEngine
 from mm_assets.services.target import load_target_head
 from mm_assets.services.training import save_checkpoint
@@ -118,7 +118,7 @@ def test_ngram_acceptance_differs_per_category_and_combines_as_one_difference(
     again, first = _row(report, "asked_again", "ngram"), _row(report, "first_ask", "ngram")
     assert again.acceptance_length > first.acceptance_length + 0.8, (again, first)
     overall = _row(report, OVERALL, "ngram")
-    whole = report.runs["ngram"].whole_run  # one counter difference around every category
+    whole = report.runs["ngram@3"].whole_run  # one counter difference around every category
     assert overall.acceptance == whole.acceptance  # the replies' own counts add up to it
     assert (overall.requests, overall.output_tokens) == (whole.requests, whole.output_tokens)
     # the client waits for what vLLM times (arrival to finish), and a little more
@@ -133,15 +133,15 @@ def test_every_request_is_a_record_and_every_row_carries_its_intervals(
 ) -> None:
     """vLLM's reply gives each request its own counts (`--per-request-spec-decode-metrics`),
     so each row is the sum of its requests' records and has an interval over its prompts."""
-    from mm_assets.domain.model.benchmark import comparison, figures_of, intervals
+    from mm_assets.domain.model.benchmark import comparison, figures_of, intervals, method_of
 
     records = report.records
     assert len(records) == 3 * 11 and len({(r.method, r.prompt, r.round) for r in records}) == 33
     for row in report.rows:
         mine = [r for r in records if r.method == row.method]
         mine = [r for r in mine if row.category in (OVERALL, r.category)]
-        assert figures_of(row.category, row.method, mine) == row
-        found = intervals(records, row.method, row.category)
+        assert figures_of(row.category, method_of(row), mine) == row
+        found = intervals(records, method_of(row), row.category)
         assert found.tokens_per_s.n == row.prompts
         assert found.tokens_per_s.low <= row.tokens_per_s <= found.tokens_per_s.high
         if row.method == "none":
@@ -155,7 +155,7 @@ def test_every_request_is_a_record_and_every_row_carries_its_intervals(
     assert all(r.decode_s is not None and r.decode_s > 0 for r in records if r.output_tokens > 2)
     # every eagle3 reply drafted; n-gram's own counts differ per prompt
     assert all(r.acceptance.drafts > 0 for r in records if r.method == "eagle3")
-    versus = comparison(records, ("ngram", "eagle3"), OVERALL, "acceptance_length")
+    versus = comparison(records, (("ngram", 3), ("eagle3", 3)), OVERALL, "acceptance_length")
     ngram, draft = (_row(report, OVERALL, m).acceptance_length for m in ("ngram", "eagle3"))
     assert versus.value == pytest.approx(ngram / draft) and versus.n == 7
 
@@ -180,8 +180,9 @@ def test_every_method_is_timed_on_the_same_prompts_and_stays_lossless(
     assert second_prompt[2] == {"role": "assistant", "content": first_answer.text}
     assert second_prompt[1]["content"] == CATEGORIES["two_rounds"][0][1]["content"]
     for method in ("ngram", "eagle3"):
-        ids = [[a.token_ids for a in conv] for conv in report.runs[method].answers["two_rounds"]]
-        texts = [a.text for a in report.runs[method].answers["two_rounds"][0]]
+        run = report.runs[f"{method}@3"]
+        ids = [[a.token_ids for a in conv] for conv in run.answers["two_rounds"]]
+        texts = [a.text for a in run.answers["two_rounds"][0]]
         assert ids == [[a.token_ids for a in report.runs["none"].answers["two_rounds"][0]]]
         assert texts[0] == first_answer.text
 
@@ -194,7 +195,7 @@ def test_a_rerun_with_the_same_inputs_starts_no_server(
 
     monkeypatch.setattr(VllmEngine, "server", refuse)
     again = benchmark(*setup["args"])
-    assert again.reused == {"none": True, "ngram": True, "eagle3": True}
+    assert again.reused == {"none": True, "ngram@3": True, "eagle3@3": True}
     assert again.rows == report.rows
     assert again.prompts == report.prompts
 
@@ -221,8 +222,40 @@ def test_another_draft_reuses_the_baselines_and_one_vllm_refuses_is_reported_not
     args[2] = DraftUnderTest(broken, file_sha256(broken / "model.safetensors"), 3)
     again = benchmark(*args)
     assert len(started) == 1 and str(broken) in started[0][1]  # the draft's server only
-    assert again.reused == {"none": True, "ngram": True, "eagle3": False}
-    assert "vLLM exited" in again.not_run["eagle3"]
+    assert again.reused == {"none": True, "ngram@3": True, "eagle3@3": False}
+    assert "vLLM exited" in again.not_run["eagle3@3"]
     assert {r.method for r in again.rows} == {"none", "ngram"}
     cache = setup["args"][-1]  # what failed to start is not recorded: a rerun tries again
-    assert len(list(cache.glob("benchmark_draft_*.json"))) == 1
+    assert len(list(cache.glob("benchmark_draft*.json"))) == 1
+
+
+def test_depths_are_a_list_and_each_depth_is_served_once(
+    setup: dict, report: BenchmarkReport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`speculative_tokens: [1, 3]` measures the draft and n-gram at each depth, one
+    server each. No speculation and depth 3 come from the records the first run left
+    (keyed without the list), so only depth 1's two servers start. At depth 1 a step
+    accepts one token at most, and decoding stays lossless."""
+    started = []
+    real_server = VllmEngine.server
+
+    def counted(engine, model, serve_args, *rest):
+        started.append(" ".join(serve_args))
+        return real_server(engine, model, serve_args, *rest)
+
+    monkeypatch.setattr(VllmEngine, "server", counted)
+    args = list(setup["args"])
+    args[3] = SETTINGS.model_copy(update={"speculative_tokens": [1, 3]})
+    found = benchmark(*args)
+    assert len(started) == 2 and all('"num_speculative_tokens": 1' in a for a in started)
+    assert found.reused == {
+        "none": True, "ngram@1": False, "eagle3@1": False, "ngram@3": True, "eagle3@3": True
+    }  # fmt: skip
+    at_one = [r for r in found.rows if r.depth == 1]
+    assert {r.method for r in at_one} == {"ngram", "eagle3"}
+    for row in at_one:
+        assert row.lossless == row.compared > 0
+        assert len(row.acceptance.accepted_per_position) <= 1
+        assert row.acceptance_length is None or row.acceptance_length <= 2.0
+    assert [r for r in found.rows if r.depth in (None, 3)] == report.rows
+    assert found.depth == 3 and found.shown == report.rows  # the draft's own depth first

@@ -85,3 +85,29 @@ def test_a_prompt_without_a_finite_figure_is_an_error() -> None:
 
 def test_interval_text_names_the_prompts() -> None:
     assert Interval(1.4744, 1.4, 1.55, 30).text() == "1.474 [1.400, 1.550] n=30"
+
+
+def test_over_categories_prompts_are_resampled_within_their_category() -> None:
+    """Two categories a draft finds easy and hard: the benchmark's mix of them is fixed,
+    so the overall interval is the stratified one, narrower than a draw that lets the mix
+    vary, and it still holds the true figure about as often as it says."""
+    true_accepted = 0.0
+    held, narrower = 0, 0
+    for seed in range(60):
+        easy, easy_drafts = _prompts(40, 0.8, seed=300 + seed)
+        hard, hard_drafts = _prompts(40, 0.1, seed=400 + seed)
+        accepted, drafts = easy + hard, easy_drafts + hard_drafts
+        strata = ["easy"] * 40 + ["hard"] * 40
+        stratified = ratio_interval(accepted, drafts, 1.0, strata)
+        pooled = ratio_interval(accepted, drafts, 1.0)
+        assert stratified is not None and pooled is not None
+        assert stratified.value == pooled.value and stratified.n == 80
+        narrower += stratified.high - stratified.low < pooled.high - pooled.low
+        true_accepted = 1 + 3 * (0.8 * sum(easy_drafts) + 0.1 * sum(hard_drafts)) / sum(drafts)
+        held += stratified.low <= true_accepted <= stratified.high
+    assert narrower >= 55 and 50 <= held <= 60
+
+
+def test_a_category_of_one_prompt_is_resampled_with_the_others() -> None:
+    found = ratio_interval([1, 2, 3, 5], [2, 2, 2, 2], 1.0, ["a", "a", "a", "b"])
+    assert found is not None and found.low < found.value < found.high

@@ -101,6 +101,7 @@ def test_every_category_and_method_is_measured_from_vllms_counters(benchmarked: 
     }
     for row in rows:
         assert row["status"] == "ok" and row["benchmark"] == BENCHMARK
+        assert row["speculative_tokens"] == (None if row["method"] == "none" else 3)
         assert row["output_tokens"] > 0 and row["output_tokens_per_s"] > 0
         assert row["time_per_output_token_ms"] > 0
         if row["method"] == "none":

@@ -11,12 +11,19 @@ import dagster as dg
 
 from mm_assets.assets.metadata import benchmark_plot
 from mm_assets.domain.model.acceptance import OVERALL
-from mm_assets.domain.model.benchmark import BenchmarkSettings, comparison, intervals, speedup
+from mm_assets.domain.model.benchmark import (
+    NONE,
+    BenchmarkSettings,
+    Method,
+    comparison,
+    intervals,
+    method_of,
+    speedup,
+)
 
 if TYPE_CHECKING:
-    from mm_assets.domain.model.benchmark import BenchmarkFigures
+    from mm_assets.domain.model.benchmark import BenchmarkFigures, BenchmarkReport
     from mm_assets.domain.model.intervals import Interval
-    from mm_assets.services.benchmarking import BenchmarkReport
     from mm_assets.services.engine import DraftUnderTest
 
 TABLE = "speculator_benchmarks"
@@ -44,14 +51,16 @@ def table_rows(
         "measured_at": datetime.now(UTC),
     }
     rows = [{**common, **_figures(f, report)} for f in report.rows]
-    for method, why in report.not_run.items():
-        rows.append({**common, "category": OVERALL, "method": method, "status": why[:500]})
+    for run in report.runs.values():
+        if run.not_run is not None:
+            method = {"method": run.method, "speculative_tokens": run.depth}
+            rows.append({**common, "category": OVERALL, **method, "status": run.not_run[:500]})
     return rows
 
 
 def _figures(f: BenchmarkFigures, report: BenchmarkReport) -> dict[str, Any]:
     """One row's figures and their intervals' bounds."""
-    found = intervals(report.records, f.method, f.category)
+    found = intervals(report.records, method_of(f), f.category)
     bounds = {
         "acceptance": found.acceptance_length,
         "output_tokens_per_s": found.tokens_per_s,
@@ -60,6 +69,7 @@ def _figures(f: BenchmarkFigures, report: BenchmarkReport) -> dict[str, Any]:
     figures = {
         "category": f.category,
         "method": f.method,
+        "speculative_tokens": f.depth,
         "status": "ok",
         "prompts": f.prompts,
         "requests": f.requests,
@@ -97,7 +107,7 @@ def prompt_rows(name: str, bench: str, report: BenchmarkReport) -> list[dict[str
             "accepted": r.acceptance.accepted,
             "accepted_per_position": list(r.acceptance.accepted_per_position),
             "lossless": r.lossless,
-            "speculative_tokens": len(r.acceptance.accepted_per_position) or None,
+            "speculative_tokens": r.depth,
             "measured_at": measured_at,
         }
         for r in report.records
@@ -132,7 +142,9 @@ def _ci(interval: Interval | None, digits: int = 3) -> str:
     return f"[{interval.low:.{digits}f}, {interval.high:.{digits}f}]" if interval else "-"
 
 
-def versus_table(report: BenchmarkReport, methods: tuple[str, str]) -> dg.MetadataValue | None:
+def versus_table(
+    report: BenchmarkReport, methods: tuple[Method, Method]
+) -> dg.MetadataValue | None:
     """`methods[0]` against `methods[1]` per category on the same prompts: the ratio of
     their acceptance lengths and of their tokens/s, each with a paired 95% interval."""
     categories = list(dict.fromkeys(f.category for f in report.rows))
@@ -157,14 +169,15 @@ def versus_table(report: BenchmarkReport, methods: tuple[str, str]) -> dg.Metada
 
 
 def benchmark_metadata(bench: str, report: BenchmarkReport) -> dict[str, Any]:
-    """Per benchmark: a table category × method (Dagster's own table), a bar plot, and the
-    overall figures as numbers (the Plots tab follows them across materializations).
-    Keys stay short: the UI's key column is narrow."""
+    """Per benchmark: a table category × method at the draft's depth (Dagster's own
+    table), a bar plot, the draft against n-gram, each depth when several, and the
+    overall figures as numbers. Keys stay short: the UI's key column is narrow."""
     empty = dict.fromkeys(c.name for c in RESULT_COLUMNS)  # Dagster wants every field
     records = []
-    for f in report.rows:
-        ratio = speedup(f, report.rows)
-        found = intervals(report.records, f.method, f.category)
+    shown = report.shown  # at the draft's depth; every depth: `by depth`
+    for f in shown:
+        ratio = speedup(f, shown)
+        found = intervals(report.records, method_of(f), f.category)
         cells = {
             "category": f.category,
             "method": METHOD_NAMES.get(f.method, f.method),
@@ -179,24 +192,63 @@ def benchmark_metadata(bench: str, report: BenchmarkReport) -> dict[str, Any]:
             "lossless": f"{f.lossless}/{f.compared}" if f.lossless is not None else "reference",
         }
         records.append(dg.TableRecord({**empty, **cells}))
-    for method, why in report.not_run.items():
-        cells = {"category": "all", "method": METHOD_NAMES.get(method, method), "note": why[:200]}
+    for label, why in report.not_run.items():
+        cells = {"category": "all", "method": label, "note": why[:200]}
         records.append(dg.TableRecord({**empty, **cells}))
     out: dict[str, Any] = {
         bench: dg.MetadataValue.table(records, schema=dg.TableSchema(columns=RESULT_COLUMNS)),
-        f"{bench} plot": benchmark_plot(bench, report.rows),
+        f"{bench} plot": benchmark_plot(bench, shown),
     }
-    if (versus := versus_table(report, ("eagle3", "ngram"))) is not None:
+    versus = versus_table(report, (("eagle3", report.depth), ("ngram", report.depth)))
+    if versus is not None:
         out[f"{bench} draft vs n-gram"] = versus
-    for f in report.rows:
+    if len({f.depth for f in report.rows} - {None}) > 1:
+        out[f"{bench} by depth"] = depth_table(report)
+    return out | overall_numbers(bench, shown)
+
+
+def overall_numbers(bench: str, shown: list[BenchmarkFigures]) -> dict[str, float]:
+    """The overall figures as numbers: the Plots tab follows them across runs."""
+    out = {}
+    for f in shown:
         if f.category != OVERALL:
             continue
         if f.acceptance_length is not None:
             out[f"{bench} {f.method} acceptance"] = f.acceptance_length
-        if (ratio := speedup(f, report.rows)) is not None and f.method != "none":
+        if (ratio := speedup(f, shown)) is not None and f.method != "none":
             out[f"{bench} {f.method} speedup"] = ratio
         out[f"{bench} {f.method} tokens/s"] = f.tokens_per_s
     return out
+
+
+DEPTH_COLUMNS = [
+    dg.TableColumn("method", "string"),
+    dg.TableColumn("tokens", "int"),
+    dg.TableColumn("acceptance length", "float"),
+    dg.TableColumn("acceptance 95% CI", "string"),
+    dg.TableColumn("speedup", "float"),
+    dg.TableColumn("speedup 95% CI", "string"),
+]
+
+
+def depth_table(report: BenchmarkReport) -> dg.MetadataValue:
+    """Over every category, each speculating method at each depth: acceptance length and
+    speedup over no speculation (paired), with 95% intervals: where speculation pays."""
+    records = []
+    for f in report.rows:
+        if f.category != OVERALL or method_of(f) == NONE:
+            continue
+        found = intervals(report.records, method_of(f), OVERALL)
+        cells = {
+            "method": METHOD_NAMES.get(f.method, f.method),
+            "tokens": f.depth,
+            "acceptance length": _round(f.acceptance_length),
+            "acceptance 95% CI": _ci(found.acceptance_length),
+            "speedup": _round(found.speedup and found.speedup.value, 2),
+            "speedup 95% CI": _ci(found.speedup, 2),
+        }
+        records.append(dg.TableRecord(cells))
+    return dg.MetadataValue.table(records, schema=dg.TableSchema(columns=DEPTH_COLUMNS))
 
 
 def _round(value: float | None, digits: int = 3) -> float | None:

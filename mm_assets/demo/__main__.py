@@ -186,11 +186,12 @@ def _benchmark_table(drafts: tuple[str, ...], bench: str) -> str:
             SELECT d.draft, d.category, d.prompts, d.acceptance_length, d.acceptance_low,
                    d.acceptance_high, g.acceptance_length, n.output_tokens_per_s, g.speedup,
                    d.speedup, d.speedup_low, d.speedup_high, d.lossless + g.lossless,
-                   d.compared + g.compared, d.measurement
+                   d.compared + g.compared, d.measurement, d.speculative_tokens
             FROM latest d
             JOIN latest g USING (draft, category)
             JOIN latest n USING (draft, category)
             WHERE d.method = 'eagle3' AND g.method = 'ngram' AND n.method = 'none'
+              AND g.speculative_tokens = d.speculative_tokens
             ORDER BY d.draft, d.category = 'overall', d.category
             """,
             [bench],
@@ -201,18 +202,18 @@ def _benchmark_table(drafts: tuple[str, ...], bench: str) -> str:
     )
     lines = [f"demo: {bench}: each draft per category in vLLM (greedy)", head]
     measurements = {}
-    for draft, category, n, *figures, same, compared, measurement in rows:
+    for draft, category, n, *figures, same, compared, measurement, depth in rows:
         if draft not in drafts:
             continue
-        measurements[draft] = measurement
+        measurements[draft] = (measurement, depth)
         accept, low, high, ngram_accept, none_tps, x_ngram, x_draft, x_low, x_high = figures
         lines.append(
             f"      {draft:<22}{category:<18}{n:>4}{accept:>8.3f}{f'[{low:.3f}, {high:.3f}]':>17}"
             f"{ngram_accept or 1.0:>7.3f}{none_tps:>11.1f}{x_ngram:>7.2f}x{x_draft:>7.2f}x"
             f"{f'[{x_low:.2f}, {x_high:.2f}]':>15}{f'{same}/{compared}':>10}"
         )
-    for draft, measurement in measurements.items():
-        lines.append(f"      {draft}: {_draft_against_ngram(draft, bench, measurement)}")
+    for draft, (measurement, depth) in measurements.items():
+        lines.append(f"      {draft}: {_draft_against_ngram(draft, bench, measurement, depth)}")
     lines.append(
         "      (n: prompts; accept: acceptance length, the draft's and n-gram's; tok/s: "
         "output tokens per second per request; x: speedup over no speculation; 95% CI: "
@@ -222,7 +223,7 @@ def _benchmark_table(drafts: tuple[str, ...], bench: str) -> str:
     return "\n".join(lines)
 
 
-def _draft_against_ngram(draft: str, bench: str, measurement: str) -> str:
+def _draft_against_ngram(draft: str, bench: str, measurement: str, depth: int) -> str:
     """The draft against n-gram over every category, prompt by prompt (paired 95% CI)."""
     from mm_assets.domain.model.acceptance import OVERALL, Acceptance
     from mm_assets.domain.model.benchmark import PromptFigures, comparison
@@ -231,16 +232,19 @@ def _draft_against_ngram(draft: str, bench: str, measurement: str) -> str:
         found = con.execute(
             """
             SELECT category, method, conversation, round, output_tokens, latency_s, decode_s,
-                   drafts, accepted
+                   drafts, accepted, speculative_tokens
             FROM speculator_benchmark_prompts
             WHERE draft = ? AND benchmark = ? AND measurement = ?
             """,
             [draft, bench, measurement],
         ).fetchall()
-    records = [PromptFigures(*row[:7], acceptance=Acceptance(row[7], row[8])) for row in found]
+    records = [
+        PromptFigures(*row[:7], acceptance=Acceptance(row[7], row[8]), depth=row[9])
+        for row in found
+    ]
     said = []
     for figure, label in (("acceptance_length", "acceptance"), ("tokens_per_s", "tokens/s")):
-        ratio = comparison(records, ("eagle3", "ngram"), OVERALL, figure)
+        ratio = comparison(records, (("eagle3", depth), ("ngram", depth)), OVERALL, figure)
         if ratio is not None:
             said.append(f"{label} {ratio.value:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}]")
     n = len({r.prompt for r in records})

@@ -20,10 +20,11 @@ entries are prepared like any dataset), by category (`load_benchmark`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +36,23 @@ from mm_assets.common.hashing import json_sha256
 from mm_assets.domain.model.acceptance import Acceptance
 from mm_assets.domain.model.benchmark import (
     BENCHMARK_VERSION,
+    DEFAULT_DEPTH,
+    NONE,
     OVERALL,
     Answer,
     BenchmarkConversation,
     BenchmarkFigures,
+    BenchmarkReport,
     BenchmarkSettings,
     Generation,
+    Method,
+    MethodRun,
     PromptFigures,
     Turn,
     benchmark_conversation,
     capped,
     figures_of,
+    label,
     round_prompt,
     same_generation,
     with_overall,
@@ -60,44 +67,6 @@ from mm_assets.storage.records import load_record, save_record
 
 logger = logging.getLogger(__name__)
 WARMUP_PROMPT = [{"role": "user", "content": "Hello."}]
-DEFAULT_NGRAM_TOKENS = 3
-
-
-@dataclass(frozen=True)
-class MethodRun:
-    """One method's run: figures and answers (per conversation, per round) per category,
-    and the figures of one counter difference over all categories."""
-
-    method: str
-    figures: list[BenchmarkFigures] = field(default_factory=list)
-    answers: dict[str, list[list[Answer]]] = field(default_factory=dict)
-    records: list[PromptFigures] = field(default_factory=list)
-    """One per request, every figure is summed from (`figures_of`)."""
-    whole_run: BenchmarkFigures | None = None
-    """vLLM's counters over the whole run: what the records must add up to."""
-    not_run: str | None = None  # vLLM's refusal to start it
-    reused: bool = False
-
-
-@dataclass(frozen=True)
-class BenchmarkReport:
-    rows: list[BenchmarkFigures]  # per category per method, then `OVERALL` per method
-    runs: dict[str, MethodRun]
-    prompts: dict[str, list[list[list[Turn]]]]
-    """What every method was sent, per category, conversation and round (from `none`)."""
-
-    @property
-    def not_run(self) -> dict[str, str]:
-        return {m: r.not_run for m, r in self.runs.items() if r.not_run is not None}
-
-    @property
-    def reused(self) -> dict[str, bool]:
-        return {m: r.reused for m, r in self.runs.items()}
-
-    @property
-    def records(self) -> list[PromptFigures]:
-        """Every request of every method, the prompt-level figures intervals come from."""
-        return [r for run in self.runs.values() for r in run.records]
 
 
 def all_prompts(
@@ -151,12 +120,12 @@ def _category_replies(
     return replies
 
 
-def _records(category: str, method: str, replies: list[list[ChatReply]]) -> list[PromptFigures]:
+def _records(category: str, method: Method, replies: list[list[ChatReply]]) -> list[PromptFigures]:
     """One record per request, from what the client timed and vLLM's reply reported."""
     return [
         PromptFigures(
             category,
-            method,
+            method[0],
             conversation=i,
             round=k,
             output_tokens=len(reply.token_ids),
@@ -167,6 +136,7 @@ def _records(category: str, method: str, replies: list[list[ChatReply]]) -> list
                 reply.metrics.accepted,
                 reply.metrics.accepted_per_position or (),
             ),
+            depth=method[1],
         )
         for i, conv in enumerate(replies)
         for k, reply in enumerate(conv)
@@ -174,7 +144,7 @@ def _records(category: str, method: str, replies: list[list[ChatReply]]) -> list
 
 
 def run_method(
-    method: str,
+    method: Method,
     servers: MethodServers,
     categories: dict[str, list[BenchmarkConversation]],
     reference: dict[str, list[list[Answer]]] | None,
@@ -182,35 +152,35 @@ def run_method(
 ) -> MethodRun:
     """One method on its server: a warm-up request, then each category between two
     scrapes of the counters (see the module's docstring)."""
+    name = label(method)
     try:
-        url = servers.url(method)
+        url = servers.url(name)
     except ServerStartupError as exc:
-        if method == "none":
+        if method == NONE:
             raise
-        logger.warning(f"benchmark: vLLM did not start the {method} method: {exc}")
-        return MethodRun(method, not_run=str(exc))
+        logger.warning(f"benchmark: vLLM did not start the {name} method: {exc}")
+        return MethodRun(*method, not_run=str(exc))
     try:
-        server = servers.servers[method]
-        with death_explained(server, f"benchmarking {method}"):
+        server = servers.servers[name]
+        with death_explained(server, f"benchmarking {name}"):
             zero = server_counters(url)
             generate_greedy_replies(
                 url, server.access, [WARMUP_PROMPT], settings.warmup_max_tokens, 1
             )
             start = counters_after(url, zero, 1)
             records, answers = [], {}
-            for name, conversations in categories.items():
-                mine = reference and reference[name]
+            for category, conversations in categories.items():
+                mine = reference and reference[category]
                 replies = _category_replies(server, conversations, mine, settings)
-                records += _records(name, method, replies)
-                answers[name] = [[Answer(r.text, r.token_ids) for r in conv] for conv in replies]
+                records += _records(category, method, replies)
+                answers[category] = [[Answer(r.text, r.token_ids) for r in c] for c in replies]
             whole = counters_after(url, start, len(records)).minus(start)
     finally:
-        servers.done(method)
-    figures = [
-        figures_of(name, method, [r for r in records if r.category == name]) for name in categories
-    ]
-    total = _figures(OVERALL, method, sum(f.prompts for f in figures), len(records), whole)
-    return MethodRun(method, figures, answers, records, total)
+        servers.done(name)
+    figures = [figures_of(c, method, [r for r in records if r.category == c]) for c in categories]
+    prompts = sum(f.prompts for f in figures)
+    total = replace(_figures(OVERALL, method[0], prompts, len(records), whole), depth=method[1])
+    return MethodRun(*method, figures, answers, records, total)
 
 
 def _checked(run: MethodRun, reference: MethodRun, max_tokens: int) -> MethodRun:
@@ -225,11 +195,12 @@ def _checked(run: MethodRun, reference: MethodRun, max_tokens: int) -> MethodRun
         return same_generation(*limited)
 
     records = [replace(r, lossless=same(r)) for r in run.records]
+    method = (run.method, run.depth)
     figures = [
-        figures_of(f.category, f.method, [r for r in records if r.category == f.category])
+        figures_of(f.category, method, [r for r in records if r.category == f.category])
         for f in run.figures
     ]
-    total = figures_of(OVERALL, run.method, records)
+    total = figures_of(OVERALL, method, records)
     whole = run.whole_run and replace(
         run.whole_run, lossless=total.lossless, compared=total.compared
     )
@@ -245,6 +216,7 @@ def _from_record(fields: dict[str, Any]) -> MethodRun:
     whole = fields["whole_run"]
     return MethodRun(
         fields["method"],
+        fields["depth"],
         [_figures_from_record(f) for f in fields["figures"]],
         {k: [[Answer(**a) for a in conv] for conv in v] for k, v in fields["answers"].items()},
         [
@@ -255,6 +227,31 @@ def _from_record(fields: dict[str, Any]) -> MethodRun:
         fields["not_run"],
         reused=True,
     )
+
+
+def _plan(
+    base_key: str,
+    depths: list[int],
+    draft: DraftUnderTest | None,
+    settings: BenchmarkSettings,
+    cache_dir: Path,
+) -> dict[Method, tuple[str, list[str], Path]]:
+    """Each method at each depth: its record's key, its serve arguments, its record. The
+    `none` and n-gram records are keyed by the target, prompts and settings only, so a
+    second draft on the same benchmark starts no baseline server."""
+    lookup = (settings.prompt_lookup_min, settings.prompt_lookup_max)
+    keys: dict[Method, tuple[str, list[str], str]] = {NONE: (base_key, [], "none")}
+    for depth in depths:
+        ngram = ngram_args(depth, *lookup)
+        keys[("ngram", depth)] = (json_sha256([base_key, depth]), ngram, f"ngram{depth}")
+        if draft is not None:
+            key = json_sha256([base_key, draft.weights_sha256, depth])
+            served = dataclasses.replace(draft, speculative_tokens=depth).serve_args()
+            keys[("eagle3", depth)] = (key, served, f"draft{depth}")
+    return {
+        m: (key, args, cache_dir / f"benchmark_{name}_{key[:20]}.json")
+        for m, (key, args, name) in keys.items()
+    }
 
 
 def benchmark(
@@ -277,45 +274,42 @@ def benchmark(
         name: [benchmark_conversation(turns) for turns in convs]
         for name, convs in categories.items()
     }
-    ngram_tokens = settings.ngram_speculative_tokens or (
-        draft.speculative_tokens if draft else DEFAULT_NGRAM_TOKENS
-    )
+    depths = settings.speculative_tokens or [draft.speculative_tokens if draft else DEFAULT_DEPTH]
     fingerprint = target_fingerprint(serving.target_dir)
     options = serving.engine.options.model_dump()
-    base_key = json_sha256(
-        [BENCHMARK_VERSION, fingerprint, categories, settings.model_dump(), options, ngram_tokens]
-    )
-    keys = {"none": base_key, "ngram": base_key}
-    lookup = (settings.prompt_lookup_min, settings.prompt_lookup_max)
-    serve_args = {"none": [], "ngram": ngram_args(ngram_tokens, *lookup)}
-    if draft is not None:
-        keys["eagle3"] = json_sha256([base_key, draft.weights_sha256, draft.speculative_tokens])
-        serve_args["eagle3"] = draft.serve_args()
-    names = {"none": "none", "ngram": "ngram", "eagle3": "draft"}
-    records = {m: cache_dir / f"benchmark_{names[m]}_{k[:20]}.json" for m, k in keys.items()}
-    found = {m: (load_record(records[m], k) if reuse else None) for m, k in keys.items()}
-    if found["none"] is None:  # ngram was checked against the recorded `none`
-        found["ngram"] = None
+    measured = settings.model_dump(exclude={"speculative_tokens"})
+    base_key = json_sha256([BENCHMARK_VERSION, fingerprint, categories, measured, options])
+    plan = _plan(base_key, depths, draft, settings, cache_dir)
+    found = {m: (load_record(path, key) if reuse else None) for m, (key, _, path) in plan.items()}
+    if found[NONE] is None:  # the others were checked against the recorded `none`
+        found = dict.fromkeys(found)
     recorded = {m: _from_record(record) for m, record in found.items() if record}
     runs: dict[str, MethodRun] = {}
-    with MethodServers(serving, settings.start_servers_together) as servers:
-        servers.start({m: args for m, args in serve_args.items() if m not in recorded})
-        for method in keys:  # `none` first: the reference of the others
-            if method in recorded:
-                runs[method] = recorded[method]
-                continue
-            reference = runs.get("none")
-            answers = reference.answers if reference else None
-            run = run_method(method, servers, conversations, answers, settings)
-            runs[method] = _checked(run, reference, settings.max_tokens) if reference else run
-            if run.not_run is None:  # a method vLLM did not start is tried again next time
-                save_record(records[method], keys[method], asdict(runs[method]))
+    # a depth at a time (at most three servers up at once); `none` first, with the first
+    groups = [[m for m in plan if m[1] == d] for d in depths]
+    groups[0].insert(0, NONE)
+    for group in groups:
+        with MethodServers(serving, settings.start_servers_together) as servers:
+            servers.start({label(m): plan[m][1] for m in group if m not in recorded})
+            for method in group:  # `none` first: the reference of the others
+                if method in recorded:
+                    runs[label(method)] = recorded[method]
+                    continue
+                reference = runs.get("none")
+                answers = reference.answers if reference else None
+                run = run_method(method, servers, conversations, answers, settings)
+                run = _checked(run, reference, settings.max_tokens) if reference else run
+                runs[label(method)] = run
+                if run.not_run is None:  # a method vLLM did not start is tried again
+                    key, _, path = plan[method]
+                    save_record(path, key, asdict(run))
     none = runs["none"]
     rows = with_overall([f for r in runs.values() for f in r.figures])
     prompts = {
         name: all_prompts(convs, none.answers[name]) for name, convs in conversations.items()
     }
-    return BenchmarkReport(rows, runs, prompts)
+    own = draft.speculative_tokens if draft and draft.speculative_tokens in depths else None
+    return BenchmarkReport(rows, runs, prompts, own or depths[0])
 
 
 @dataclass(frozen=True)

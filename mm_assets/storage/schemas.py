@@ -112,6 +112,7 @@ SPECULATOR_BENCHMARKS = pa.schema(
         ("benchmark", pa.string()),
         ("category", pa.string()),
         ("method", pa.string()),  # eagle3 (the draft), ngram, none (no speculation)
+        ("speculative_tokens", pa.int32()),  # the depth it ran at (null for none)
         ("status", pa.string()),  # ok, or why the method did not run
         ("prompts", pa.int32()),
         ("requests", pa.int32()),

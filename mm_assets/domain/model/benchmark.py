@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,6 +23,11 @@ Turn = dict[str, Any]
 # Bump when a change makes a benchmark produce other figures from the same inputs (the
 # reuse key of recorded figures holds it). 3: figures from per-prompt records.
 BENCHMARK_VERSION = "3"
+MAX_DEPTH = 16
+Method = tuple[str, int | None]
+"""A method at a depth: ("eagle3", 3), ("ngram", 5); ("none", None) speculates nothing."""
+NONE: Method = ("none", None)
+DEFAULT_DEPTH = 3  # n-gram's, when no draft says its own
 
 
 class BenchmarkSettings(BaseModel):
@@ -38,10 +43,12 @@ class BenchmarkSettings(BaseModel):
         description="Requests in flight. 1: the latency regime speculative decoding is for; "
         "at most 1024, as for the other stages' requests.",
     )
-    ngram_speculative_tokens: int | None = Field(
+    speculative_tokens: list[Annotated[int, Field(ge=1, le=MAX_DEPTH)]] | None = Field(
         default=None,
-        ge=1,
-        description="Tokens vLLM's n-gram method proposes per step; None: the draft's, or 3.",
+        min_length=1,
+        description="Depths (tokens proposed per step) the draft and n-gram are measured at, "
+        "one server each, e.g. [1, 3, 5]: where speculation pays on this hardware. None: "
+        "the draft's own (n-gram: the draft's, or 3).",
     )
     prompt_lookup_min: int = Field(default=2, ge=1, description="n-gram: shortest match.")
     prompt_lookup_max: int = Field(default=4, ge=1, description="n-gram: longest match.")
@@ -125,6 +132,8 @@ class BenchmarkFigures(WithAcceptance):
     which is the reference)."""
     compared: int = 0
     """Requests the lossless count is out of."""
+    depth: int | None = None
+    """Tokens proposed per step (None for `none`)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -154,6 +163,7 @@ class PromptFigures(WithAcceptance):
     """vLLM's first output token to its last (None: the server did not say)."""
     acceptance: Acceptance = field(default_factory=Acceptance)
     lossless: bool | None = None
+    depth: int | None = None
 
     @property
     def prompt(self) -> tuple[str, int]:
@@ -162,13 +172,13 @@ class PromptFigures(WithAcceptance):
         return (self.category, self.conversation)
 
 
-def figures_of(category: str, method: str, records: Sequence[PromptFigures]) -> BenchmarkFigures:
+def figures_of(category: str, method: Method, records: Sequence[PromptFigures]) -> BenchmarkFigures:
     """One row from the records of its requests: every count summed."""
     lossless = [r.lossless for r in records]
     decoded = [r for r in records if r.decode_s is not None]
     return BenchmarkFigures(
         category,
-        method,
+        method[0],
         prompts=len({r.prompt for r in records}),
         requests=len(records),
         output_tokens=sum(r.output_tokens for r in records),
@@ -178,6 +188,7 @@ def figures_of(category: str, method: str, records: Sequence[PromptFigures]) -> 
         acceptance=combine(r.acceptance for r in records),
         lossless=None if None in lossless or not records else sum(map(bool, lossless)),
         compared=0 if None in lossless else len(records),
+        depth=method[1],
     )
 
 
@@ -200,13 +211,13 @@ class _PromptTotals:
 
 
 def prompt_totals(
-    records: Sequence[PromptFigures], method: str, category: str = OVERALL
+    records: Sequence[PromptFigures], method: Method, category: str = OVERALL
 ) -> dict[tuple[str, int], _PromptTotals]:
     """Per prompt (conversation) of `category` (every category: `OVERALL`), the sums of
     its rounds on `method`."""
     totals: dict[tuple[str, int], _PromptTotals] = {}
     for r in records:
-        if r.method != method or (category != OVERALL and r.category != category):
+        if (r.method, r.depth) != method or category not in (OVERALL, r.category):
             continue
         t = totals.get(r.prompt, _PromptTotals())
         totals[r.prompt] = _PromptTotals(
@@ -230,23 +241,23 @@ def _columns(totals: Sequence[_PromptTotals], figure: str) -> tuple[list[float],
     return [getattr(t, num) for t in totals], [getattr(t, den) for t in totals]
 
 
-def intervals(records: Sequence[PromptFigures], method: str, category: str) -> FigureIntervals:
+def intervals(records: Sequence[PromptFigures], method: Method, category: str) -> FigureIntervals:
     """The intervals of one row (method × category) from its prompts' records."""
     mine = prompt_totals(records, method, category)
     if not mine:
         return FigureIntervals(None, None, None)
-    rows = list(mine.values())
-    acceptance = ratio_interval(*_columns(rows, "acceptance_length"), offset=1.0)
-    speed = ratio_interval(*_columns(rows, "tokens_per_s"))
+    rows, strata = list(mine.values()), [category for category, _ in mine]
+    acceptance = ratio_interval(*_columns(rows, "acceptance_length"), 1.0, strata)
+    speed = ratio_interval(*_columns(rows, "tokens_per_s"), strata=strata)
     ratio = None
-    if method != "none":
-        ratio = comparison(records, (method, "none"), category, "tokens_per_s")
+    if method != NONE:
+        ratio = comparison(records, (method, NONE), category, "tokens_per_s")
     return FigureIntervals(acceptance, speed, ratio)
 
 
 def comparison(
     records: Sequence[PromptFigures],
-    methods: tuple[str, str],
+    methods: tuple[Method, Method],
     category: str,
     figure: str,
 ) -> Interval | None:
@@ -260,23 +271,26 @@ def comparison(
         _columns([a[p] for p in shared], figure),
         _columns([b[p] for p in shared], figure),
         offset=RATIOS[figure][2],
+        strata=[category for category, _ in shared],
     )
 
 
 def combined(figures: Sequence[BenchmarkFigures], category: str = OVERALL) -> BenchmarkFigures:
     """Several categories of one method as one row: every count summed, so acceptance is
     weighted by drafts and tokens/s is Σ tokens ÷ Σ latency."""
-    methods = {f.method for f in figures}
+    methods = {method_of(f) for f in figures}
     if len(methods) != 1:
         raise ValueError(f"combine the rows of one method at a time, not {sorted(methods)}")
     lossless = [f.lossless for f in figures]
     counts = [c.name for c in fields(BenchmarkFigures) if c.type in ("int", "float")]
+    method, depth = methods.pop()
     return BenchmarkFigures(
         category,
-        methods.pop(),
+        method,
         **{name: sum(getattr(f, name) for f in figures) for name in counts},
         acceptance=combine(f.acceptance for f in figures),
         lossless=None if None in lossless else sum(x for x in lossless if x is not None),
+        depth=depth,
     )
 
 
@@ -317,7 +331,66 @@ def speedup(figures: BenchmarkFigures, rows: Sequence[BenchmarkFigures]) -> floa
 
 def with_overall(rows: Sequence[BenchmarkFigures]) -> list[BenchmarkFigures]:
     """The per-category rows followed by one `OVERALL` row per method (`combined`)."""
-    methods = list(dict.fromkeys(r.method for r in rows if r.category != OVERALL))
     per_category = [r for r in rows if r.category != OVERALL]
-    overall = [combined([r for r in per_category if r.method == m]) for m in methods]
+    methods = list(dict.fromkeys(method_of(r) for r in per_category))
+    overall = [combined([r for r in per_category if method_of(r) == m]) for m in methods]
     return per_category + overall
+
+
+def method_of(row: BenchmarkFigures | PromptFigures) -> Method:
+    return (row.method, row.depth)
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """One method's run: figures and answers (per conversation, per round) per category,
+    and the figures of one counter difference over all categories."""
+
+    method: str
+    depth: int | None = None
+    figures: list[BenchmarkFigures] = field(default_factory=list)
+    answers: dict[str, list[list[Answer]]] = field(default_factory=dict)
+    records: list[PromptFigures] = field(default_factory=list)
+    """One per request, every figure is summed from (`figures_of`)."""
+    whole_run: BenchmarkFigures | None = None
+    """vLLM's counters over the whole run: what the records must add up to."""
+    not_run: str | None = None  # vLLM's refusal to start it
+    reused: bool = False
+
+    @property
+    def label(self) -> str:
+        return label((self.method, self.depth))
+
+
+def label(method: Method) -> str:
+    """How a method at a depth is named in a report's runs and its servers' logs."""
+    return method[0] if method[1] is None else f"{method[0]}@{method[1]}"
+
+
+@dataclass(frozen=True)
+class BenchmarkReport:
+    rows: list[BenchmarkFigures]  # per category per method, then `OVERALL` per method
+    runs: dict[str, MethodRun]
+    """By `label`: none, then ngram@d and eagle3@d for each depth d."""
+    prompts: dict[str, list[list[list[Turn]]]]
+    """What every method was sent, per category, conversation and round (from `none`)."""
+    depth: int = DEFAULT_DEPTH
+    """The depth shown first: the draft's own when measured, else the first one."""
+
+    @property
+    def shown(self) -> list[BenchmarkFigures]:
+        """The rows at `depth`, and no speculation's."""
+        return [f for f in self.rows if f.depth in (None, self.depth)]
+
+    @property
+    def not_run(self) -> dict[str, str]:
+        return {m: r.not_run for m, r in self.runs.items() if r.not_run is not None}
+
+    @property
+    def reused(self) -> dict[str, bool]:
+        return {m: r.reused for m, r in self.runs.items()}
+
+    @property
+    def records(self) -> list[PromptFigures]:
+        """Every request of every method, the prompt-level figures intervals come from."""
+        return [r for run in self.runs.values() for r in run.records]

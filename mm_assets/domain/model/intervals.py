@@ -3,6 +3,9 @@
 Every figure here is a ratio of sums over prompts (acceptance length = 1 + Σ accepted ÷
 Σ drafts; tokens/s = Σ tokens ÷ Σ latency), so the unit resampled is a prompt: its counts
 stay together, and a prompt with many verifications weighs what it weighs in the figure.
+A benchmark's categories are fixed by its design, not drawn: over several categories
+prompts are resampled within their category (stratified), so the interval holds what the
+prompts vary by, not how many of each category a draw happened to take.
 Two methods measured on the same prompts are compared prompt by prompt (a paired
 bootstrap: one draw of prompts serves both sides), which cancels what the prompts share
 (their length, how predictable they are) and leaves what the methods differ by.
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,24 +48,29 @@ class Interval:
 
 
 def ratio_interval(
-    numerators: Sequence[float], denominators: Sequence[float], offset: float = 0.0
+    numerators: Sequence[float],
+    denominators: Sequence[float],
+    offset: float = 0.0,
+    strata: Sequence[Hashable] | None = None,
 ) -> Interval | None:
     """`offset + Σ numerators ÷ Σ denominators` over prompts (one pair each), with its
-    interval; None when the denominators sum to 0 (no drafts: no acceptance length)."""
+    interval; None when the denominators sum to 0 (no drafts: no acceptance length).
+    With `strata` (a category per prompt), prompts are resampled within their stratum."""
     num, den = _arrays(numerators, denominators)
     if den.sum() <= 0:
         return None
 
-    def statistic(n: np.ndarray, d: np.ndarray, axis: int = -1) -> np.ndarray:
-        return offset + _ratio(n.sum(axis=axis), d.sum(axis=axis))
+    def figure(n: np.ndarray, d: np.ndarray) -> np.ndarray:
+        return offset + _ratio(n, d)
 
-    return _interval((num, den), statistic)
+    return _interval([num, den], figure, strata)
 
 
 def paired_ratio_interval(
     a: tuple[Sequence[float], Sequence[float]],
     b: tuple[Sequence[float], Sequence[float]],
     offset: float = 0.0,
+    strata: Sequence[Hashable] | None = None,
 ) -> Interval | None:
     """How `a` compares with `b` on the same prompts: `(offset + Σa₀ ÷ Σa₁) ÷ (offset +
     Σb₀ ÷ Σb₁)`, resampling prompts for both at once (prompt i of `a` is prompt i of `b`).
@@ -72,18 +80,13 @@ def paired_ratio_interval(
         raise ValueError("a paired comparison needs the same prompts on both sides")
     if arrays[1].sum() <= 0 or arrays[3].sum() <= 0:
         return None
-    base = offset + arrays[2].sum() / arrays[3].sum()
-    if base == 0:
+    if offset + arrays[2].sum() / arrays[3].sum() == 0:
         return None
 
-    def statistic(
-        an: np.ndarray, ad: np.ndarray, bn: np.ndarray, bd: np.ndarray, axis: int = -1
-    ) -> np.ndarray:
-        mine = offset + _ratio(an.sum(axis=axis), ad.sum(axis=axis))
-        theirs = offset + _ratio(bn.sum(axis=axis), bd.sum(axis=axis))
-        return _ratio(mine, theirs)
+    def figure(an: np.ndarray, ad: np.ndarray, bn: np.ndarray, bd: np.ndarray) -> np.ndarray:
+        return _ratio(offset + _ratio(an, ad), offset + _ratio(bn, bd))
 
-    return _interval(tuple(arrays), statistic)
+    return _interval(arrays, figure, strata)
 
 
 def _arrays(*columns: Sequence[float]) -> list[np.ndarray]:
@@ -95,27 +98,44 @@ def _arrays(*columns: Sequence[float]) -> list[np.ndarray]:
     return arrays
 
 
-def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+def _ratio(num: np.ndarray | float, den: np.ndarray | float) -> np.ndarray:
     """num ÷ den, NaN where a resample drew only prompts with nothing to divide by."""
+    num, den = np.asarray(num, dtype=float), np.asarray(den, dtype=float)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(den > 0, num / np.where(den > 0, den, 1), np.nan)
 
 
-def _interval(data: tuple[np.ndarray, ...], statistic) -> Interval:  # type: ignore[no-untyped-def]
+def _interval(
+    columns: list[np.ndarray],
+    figure: Callable[..., np.ndarray],
+    strata: Sequence[Hashable] | None,
+) -> Interval:
+    """`figure` of the columns' sums, and its interval. scipy resamples prompt indices,
+    one sample per stratum (so each stratum keeps its size), and a prompt's columns
+    travel together."""
     from scipy.stats import bootstrap
 
-    value = float(statistic(*data))
-    n = len(data[0])
-    if n < 2 or all(np.all(column == column[0]) for column in data):
+    n = len(columns[0])
+    value = float(figure(*(c.sum() for c in columns)))
+    labels = list(strata) if strata is not None else [0] * n
+    if len(labels) != n:
+        raise ValueError("every prompt needs a stratum")
+    groups = [np.array([i for i, s in enumerate(labels) if s == k]) for k in dict.fromkeys(labels)]
+    if min(map(len, groups)) < 2:  # a stratum of one prompt cannot be resampled within
+        groups = [np.arange(n)]
+
+    def statistic(*picks: np.ndarray, axis: int = -1) -> np.ndarray:
+        return figure(*(sum(c[p].sum(axis=-1) for p in picks) for c in columns))
+
+    if n < 2 or all(np.all(c == c[0]) for c in columns):
         return Interval(value, value, value, n)  # nothing to resample from
     low, high = math.nan, math.nan
     for method in ("BCa", "percentile"):  # BCa is undefined for some degenerate draws
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             found = bootstrap(
-                data,
+                tuple(groups),
                 statistic,
-                paired=True,
                 vectorized=True,
                 confidence_level=CONFIDENCE,
                 n_resamples=RESAMPLES,
@@ -126,17 +146,18 @@ def _interval(data: tuple[np.ndarray, ...], statistic) -> Interval:  # type: ign
         if math.isfinite(low) and math.isfinite(high):
             break
     if not (math.isfinite(low) and math.isfinite(high)):
-        low, high = _percentile_ignoring_nan(data, statistic)
+        low, high = _percentile_ignoring_nan(groups, statistic)
     return Interval(value, low, high, n)
 
 
-def _percentile_ignoring_nan(data: tuple[np.ndarray, ...], statistic) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+def _percentile_ignoring_nan(
+    groups: list[np.ndarray], statistic: Callable[..., np.ndarray]
+) -> tuple[float, float]:
     """The percentile interval over the resamples that have a figure (a resample of only
     prompts without drafts has none)."""
     rng = np.random.default_rng(SEED)
-    n = len(data[0])
-    picks = rng.integers(0, n, size=(RESAMPLES, n))
-    values = statistic(*(column[picks] for column in data), axis=-1)
+    picks = [g[rng.integers(0, len(g), size=(RESAMPLES, len(g)))] for g in groups]
+    values = statistic(*picks)
     values = values[np.isfinite(values)]
     tail = (1 - CONFIDENCE) / 2 * 100
     return float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))
