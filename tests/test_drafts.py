@@ -88,7 +88,7 @@ def test_every_training_dataset_is_its_own_draft_and_the_demo_mix_is_built_in(
     mix = drafts["demo_mix"]
     assert list(mix.sources) == ["demo_sharegpt4v_coco", "demo_sharegpt"] and not mix.is_dataset
     assert mix.benchmarks == ("demo_benchmark",)  # its sources' benchmarks
-    assert mix.settings["speculator_benchmark"] == {"max_tokens": 64}
+    assert mix.settings["speculator_benchmark"] == {"max_tokens": 64, "max_prompts_per_category": 3}
     assert "drafts" not in datasets
 
 

@@ -332,7 +332,7 @@ def test_the_demo_entries_carry_the_demo_settings(
             "measure_untrained_in_vllm": False,
             "vllm_max_tokens": 96,
         }
-        assert settings["speculator_benchmark"] == {"max_tokens": 64}
+        assert settings["speculator_benchmark"] == {"max_tokens": 64, "max_prompts_per_category": 3}
 
 
 def test_a_path_may_not_name_a_secrets_variable() -> None:
