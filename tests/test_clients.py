@@ -1326,6 +1326,12 @@ def test_a_replys_own_metrics_become_its_acceptance_counts() -> None:
             }
         },
         {"speculative_decoding": {"acceptance_histogram": []}},
+        {
+            "speculative_decoding": {
+                "acceptance_histogram": {"1": 2},
+                "num_accepted_draft_tokens": 2,
+            }
+        },
         {"speculative_decoding": "all accepted"},
     ],
 )

@@ -62,9 +62,10 @@ def reply_metrics(reported: Any, seconds: float) -> ReplyMetrics:
         return ReplyMetrics(seconds, decode_s)
     histogram = spec.get("acceptance_histogram") if isinstance(spec, dict) else None
     accepted = spec.get("num_accepted_draft_tokens") if isinstance(spec, dict) else None
-    counts = [*(histogram or []), accepted] if isinstance(histogram, list) else []
+    counts = [*histogram, accepted] if isinstance(histogram, list) else []
     if (
-        not histogram
+        not counts
+        or not histogram
         or len(histogram) > MAX_SPECULATIVE_TOKENS + 1
         or any(type(c) is not int or c < 0 for c in counts)
         or accepted != sum(j * c for j, c in enumerate(histogram))
