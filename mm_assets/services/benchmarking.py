@@ -150,8 +150,8 @@ def run_method(
     reference: dict[str, list[list[Answer]]] | None,
     settings: BenchmarkSettings,
 ) -> MethodRun:
-    """One method on its server: a warm-up request, then each category between two
-    scrapes of the counters (see the module's docstring)."""
+    """One method on its server: a warm-up request, then every category's requests,
+    each a record, inside one pair of counter scrapes (see the module's docstring)."""
     name = label(method)
     try:
         url = servers.url(name)

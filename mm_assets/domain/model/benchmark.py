@@ -357,10 +357,6 @@ class MethodRun:
     not_run: str | None = None  # vLLM's refusal to start it
     reused: bool = False
 
-    @property
-    def label(self) -> str:
-        return label((self.method, self.depth))
-
 
 def label(method: Method) -> str:
     """How a method at a depth is named in a report's runs and its servers' logs."""
