@@ -188,6 +188,25 @@ def test_a_draft_of_several_datasets_is_benchmarked_through_the_same_path(
     assert sorted(map(figures, mine), key=str) == sorted(map(figures, dataset), key=str)
 
 
+def test_the_demo_prints_each_draft_against_n_gram_and_the_drafts_against_each_other(
+    benchmarked: dict,
+) -> None:
+    """`make demo`'s benchmark table, read from the tables: per category with intervals,
+    then each draft against n-gram and each pair of drafts, paired on the same prompts.
+    The two drafts here are one checkpoint on the same recorded prompts, so their ratio
+    is exactly 1 (a pairing that lost the prompts would print nothing)."""
+    from mm_assets.demo.__main__ import _benchmark_table
+
+    printed = _benchmark_table((PARTITION, DRAFT), BENCHMARK).splitlines()
+    overall = [line for line in printed if " overall " in line]
+    assert len(overall) == 2 and all(line.count("[") == 2 for line in overall)
+    against_ngram = [line for line in printed if "against n-gram on the same 8 prompts" in line]
+    assert len(against_ngram) == 2 and all("acceptance" in line for line in against_ngram)
+    (pair,) = [line for line in printed if f"{PARTITION} against {DRAFT}" in line]
+    assert "on the same 8 prompts: acceptance 1.00x [1.00, 1.00]" in pair
+    assert "tokens/s 1.00x [1.00, 1.00]" in pair
+
+
 def test_a_benchmark_partition_is_prepared_but_never_trained(benchmarked: dict) -> None:
     """The training stages materialize nothing on a benchmark's partition (the UI shows
     the partition missing, with an observation saying why) and the steps below them in

@@ -174,8 +174,9 @@ def _draft_table(draft: str, sources: tuple[str, ...]) -> str:
 
 
 def _benchmark_table(drafts: tuple[str, ...], bench: str) -> str:
-    """Each draft on the benchmark, per category, from the `speculator_benchmarks` table,
-    and the draft against n-gram on the same prompts from the requests behind it."""
+    """Each draft on the benchmark, per category, from the `speculator_benchmarks` table;
+    then each draft against n-gram, and the drafts against each other, on the same prompts
+    from the requests behind them."""
     with _tables().connect() as con:
         rows = con.execute(
             """
@@ -212,8 +213,7 @@ def _benchmark_table(drafts: tuple[str, ...], bench: str) -> str:
             f"{ngram_accept or 1.0:>7.3f}{none_tps:>11.1f}{x_ngram:>7.2f}x{x_draft:>7.2f}x"
             f"{f'[{x_low:.2f}, {x_high:.2f}]':>15}{f'{same}/{compared}':>10}"
         )
-    for draft, (measurement, depth) in measurements.items():
-        lines.append(f"      {draft}: {_draft_against_ngram(draft, bench, measurement, depth)}")
+    lines += _comparisons(bench, measurements)
     lines.append(
         "      (n: prompts; accept: acceptance length, the draft's and n-gram's; tok/s: "
         "output tokens per second per request; x: speedup over no speculation; 95% CI: "
@@ -223,10 +223,10 @@ def _benchmark_table(drafts: tuple[str, ...], bench: str) -> str:
     return "\n".join(lines)
 
 
-def _draft_against_ngram(draft: str, bench: str, measurement: str, depth: int) -> str:
-    """The draft against n-gram over every category, prompt by prompt (paired 95% CI)."""
-    from mm_assets.domain.model.acceptance import OVERALL, Acceptance
-    from mm_assets.domain.model.benchmark import PromptFigures, comparison
+def _benchmark_records(draft: str, bench: str, measurement: str) -> list[Any]:
+    """The requests behind a draft's benchmark rows (`speculator_benchmark_prompts`)."""
+    from mm_assets.domain.model.acceptance import Acceptance
+    from mm_assets.domain.model.benchmark import PromptFigures
 
     with _tables().connect() as con:
         found = con.execute(
@@ -238,17 +238,44 @@ def _draft_against_ngram(draft: str, bench: str, measurement: str, depth: int) -
             """,
             [draft, bench, measurement],
         ).fetchall()
-    records = [
+    return [
         PromptFigures(*row[:7], acceptance=Acceptance(row[7], row[8]), depth=row[9])
         for row in found
     ]
+
+
+def _paired(records: list[Any], methods: tuple[Any, Any]) -> str:
+    """`methods[0]` against `methods[1]` over every category, prompt by prompt (95% CI)."""
+    from mm_assets.domain.model.acceptance import OVERALL
+    from mm_assets.domain.model.benchmark import comparison
+
     said = []
     for figure, label in (("acceptance_length", "acceptance"), ("tokens_per_s", "tokens/s")):
-        ratio = comparison(records, (("eagle3", depth), ("ngram", depth)), OVERALL, figure)
+        ratio = comparison(records, methods, OVERALL, figure)
         if ratio is not None:
             said.append(f"{label} {ratio.value:.2f}x [{ratio.low:.2f}, {ratio.high:.2f}]")
-    n = len({r.prompt for r in records})
-    return f"against n-gram on the same {n} prompts: " + ("; ".join(said) or "-")
+    n = len({r.prompt for r in records if (r.method, r.depth) == methods[0]})
+    return f"on the same {n} prompts: " + ("; ".join(said) or "-")
+
+
+def _comparisons(bench: str, measured: dict[str, tuple[str, int]]) -> list[str]:
+    """Each draft against n-gram, then each pair of drafts (their requests, paired)."""
+    from dataclasses import replace
+
+    records = {d: _benchmark_records(d, bench, m) for d, (m, _) in measured.items()}
+    lines = [
+        f"      {d}: against n-gram {_paired(records[d], (('eagle3', k), ('ngram', k)))}"
+        for d, (_, k) in measured.items()
+    ]
+    drafts = list(measured)
+    for i, a in enumerate(drafts):
+        for b in drafts[i + 1 :]:
+            both = [
+                replace(r, method=d) for d in (a, b) for r in records[d] if r.method == "eagle3"
+            ]
+            pair = ((a, measured[a][1]), (b, measured[b][1]))
+            lines.append(f"      {a} against {b} {_paired(both, pair)}")
+    return lines
 
 
 def _acceptance_table(partition: str, meta: dict) -> str:
