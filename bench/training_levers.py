@@ -1,21 +1,26 @@
-"""Each training lever against today's recipe, measured in vLLM, on both demo partitions.
+"""Each training lever against today's recipe, measured in vLLM on both demo partitions,
+over several seeds, with paired 95% intervals.
 
 From a home where `make demo` ran (`--source-home`: its tables and stored hidden states,
 read in place, and its drafts as warm-start points), each lever retrains a partition's
-draft with `dagster asset materialize --select trained_speculator` and the registry's demo
-settings plus the lever's (same rows, seed, epochs), and vLLM measures it on the held-out
-prompts. Per run: vLLM's acceptance length and per-position rates, the offline estimate
-on the same replies, the held-out estimate after every epoch (the warm-start curve), the
-kept epoch, lossless generations and the step's seconds (2 shared cores: ratios of times
-in one run only).
+draft under each seed with `dagster asset materialize --select trained_speculator` and
+the registry's demo settings plus the lever's, and vLLM measures it on the held-out
+prompts. The held-out split is fixed (`split_seed: 0`), so every run is measured on the
+same prompts and a seed changes only the initialisation, batch order and noise.
+
+A lever is judged against today's recipe prompt by prompt: the ratio of acceptance
+lengths over every (seed, prompt) pair, with a paired bootstrap interval resampled
+within each seed, and the ratio under each seed alone. It **helps** when the interval
+lies above 1 and every seed gains, **hurts** when the mirror holds, and is otherwise
+within the noise. The seeds of today's recipe against its first seed give the floor:
+what a seed alone moves.
 
 `speculators' recipe` is the peer comparison: speculators' trainer cannot run on CPU (its
 device falls back to cuda:0), so its defaults run in this loop.
 
-Why: a recipe is judged by what vLLM accepts, on a target whose answers mean something.
 Prints a Markdown block for BENCHMARKS.md, then the results as JSON.
 `.venv/bin/python -m bench.training_levers [--partitions P ...] [--levers NAME ...]
-[--source-home DIR] [--out FILE]`
+[--seeds S ...] [--source-home DIR] [--out FILE]`
 """
 
 from __future__ import annotations
@@ -46,7 +51,6 @@ LEVERS: dict[str, dict[str, Any]] = {
     "EAGLE-3.1 norms": {"fc_norm": True, "norm_output": True},
     "warm start": {},  # init_from: the other partition's demo draft (WARM_FROM)
     "warm start, lr 1e-3": {"learning_rate": 1.0e-3},  # a fine-tune's gentler step
-    "today, seed 1": {"seed": 1},  # the noise floor: another split, init and order
     "muon + kl/tv": {"optimizer": "muon", "loss": "kl=0.5,tv=0.5"},
     # speculators' trainer's defaults (its trainer needs an accelerator: on CPU its recipe
     # runs in this loop, whose model and losses compute what its own do, test_conformance)
@@ -64,7 +68,8 @@ LEVERS: dict[str, dict[str, Any]] = {
         "warmup_ratio": 0.01,
     },
 }
-MEASURED = {"measure_in_vllm": True, "measure_untrained_in_vllm": False}
+MEASURED = {"measure_in_vllm": True, "measure_untrained_in_vllm": False, "split_seed": 0}
+SEEDS = (0, 1, 2)
 KEPT = (
     "vllm_acceptance_length", "vllm_per_position_acceptance", "vllm_acceptance_length_estimate",
     "vllm_generations_same_as_target", "vllm_prompts", "held_out_acceptance_per_epoch",
@@ -85,17 +90,32 @@ def bench_home(source: Path, workdir: Path) -> dict[str, str]:
     return env
 
 
-def lever_config(name: str, partition: str, source: Path) -> dict[str, Any]:
-    settings = dict(LEVERS[name])
+def lever_config(name: str, partition: str, source: Path, seed: int) -> dict[str, Any]:
+    settings = {**MEASURED, **LEVERS[name], "seed": seed}
     if name.startswith("warm start"):
         settings["init_from"] = str(source / "speculators" / WARM_FROM[partition])
-    return {"ops": {"trained_speculator": {"config": {**MEASURED, **settings}}}}
+    return {"ops": {"trained_speculator": {"config": settings}}}
 
 
-def run_lever(env: dict[str, str], name: str, partition: str, source: Path) -> dict[str, Any]:
+def per_prompt(home: Path, partition: str) -> dict[str, tuple[int, int]]:
+    """(drafts, accepted) of each held-out prompt the trained draft was measured on, by
+    the prompt's JSON, from the measurement's record."""
+    from mm_assets.services.measurement import measurement_record
+
+    record = json.loads(measurement_record(home, partition, partition).read_text())
+    return {
+        json.dumps(prompt, sort_keys=True): (drafts, accepted)
+        for group in record["payload"].values()
+        for prompt, (drafts, accepted) in zip(group["prompts"], group["per_prompt"], strict=True)
+    }
+
+
+def run_lever(
+    env: dict[str, str], name: str, partition: str, source: Path, seed: int
+) -> dict[str, Any]:
     import dagster as dg
 
-    config = lever_config(name, partition, source)
+    config = lever_config(name, partition, source, seed)
     dagster = str(Path(sys.executable).parent / "dagster")
     args = [dagster, "asset", "materialize", "-m", "mm_assets.definitions",
             "--select", "trained_speculator", "--partition", partition,
@@ -107,45 +127,99 @@ def run_lever(env: dict[str, str], name: str, partition: str, source: Path) -> d
         metadata = materialization_metadata(instance, "trained_speculator", run.run_id)
         seconds = step_seconds(instance, run.run_id)
     row = {key: metadata.get(key) for key in KEPT}
-    return row | {"lever": name, "partition": partition, "wall_s": round(wall, 1),
-                  "step_s": round(sum(seconds.values()), 1)}  # fmt: skip
+    prompts = per_prompt(Path(env["MM_ASSETS_HOME"]), partition)
+    return row | {"lever": name, "partition": partition, "seed": seed, "per_prompt": prompts,
+                  "wall_s": round(wall, 1), "step_s": round(sum(seconds.values()), 1)}  # fmt: skip
 
 
-def epochs_to_reach(curve: list[float | None], goal: float | None) -> int | None:
-    """The first epoch whose held-out estimate reaches `goal` (None: never)."""
-    if goal is None:
-        return None
-    return next((e for e, a in enumerate(curve, 1) if a is not None and a >= goal), None)
+def _pairs(
+    runs: list[dict[str, Any]], base: list[dict[str, Any]]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int]]:
+    """The (drafts, accepted) of `runs` and of `base` on the prompts both measured, seed by
+    seed (a run pairs with the base run of its seed), and each pair's seed."""
+    ours, theirs, seeds = [], [], []
+    for run in runs:
+        (other,) = [b for b in base if b["seed"] == run["seed"]]
+        for prompt in sorted(run["per_prompt"].keys() & other["per_prompt"].keys()):
+            ours.append(run["per_prompt"][prompt])
+            theirs.append(other["per_prompt"][prompt])
+            seeds.append(run["seed"])
+    return ours, theirs, seeds
+
+
+def against(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
+    """`runs` (a lever, one per seed) against `base` (today's, the same seeds): the paired
+    ratio of acceptance lengths with its interval, each seed's ratio, and the verdict."""
+    from mm_assets.domain.model.intervals import paired_ratio_interval
+
+    ours, theirs, seeds = _pairs(runs, base)
+    counts = [tuple(zip(*side, strict=True)) for side in (ours, theirs)]
+    a, b = ((accepted, drafts) for drafts, accepted in counts)
+    found = paired_ratio_interval(a, b, offset=1.0, strata=seeds)
+    by_seed = {}
+    for seed in dict.fromkeys(seeds):
+        mine = [i for i, s in enumerate(seeds) if s == seed]
+        length = [1 + sum(side[i][1] for i in mine) / sum(side[i][0] for i in mine)
+                  for side in (ours, theirs)]  # fmt: skip
+        by_seed[seed] = round(length[0] / length[1], 4)
+    verdict = "within noise"
+    if found and found.low > 1 and all(r > 1 for r in by_seed.values()):
+        verdict = "helps"
+    elif found and found.high < 1 and all(r < 1 for r in by_seed.values()):
+        verdict = "hurts"
+    interval = found and {"value": found.value, "low": found.low, "high": found.high}
+    return {"ratio": interval, "n": len(seeds), "by_seed": by_seed, "verdict": verdict}
+
+
+def pooled(runs: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The acceptance length over every seed's prompts, with its interval (resampled
+    within each seed)."""
+    from mm_assets.domain.model.intervals import ratio_interval
+
+    counts = [(d, a, r["seed"]) for r in runs for d, a in r["per_prompt"].values()]
+    drafts, accepted, seeds = zip(*counts, strict=True)
+    found = ratio_interval(accepted, drafts, offset=1.0, strata=seeds)
+    return found and {"value": found.value, "low": found.low, "high": found.high, "n": found.n}
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per partition and lever: the pooled acceptance, and against today's recipe (for
+    today itself: each later seed against the first, the noise floor)."""
+    out = []
+    for partition in dict.fromkeys(r["partition"] for r in rows):
+        mine = [r for r in rows if r["partition"] == partition]
+        today = [r for r in mine if r["lever"] == "today"]
+        for lever in dict.fromkeys(r["lever"] for r in mine):
+            runs = [r for r in mine if r["lever"] == lever]
+            found = {"partition": partition, "lever": lever, "acceptance": pooled(runs)}
+            if lever != "today" and today:
+                found |= against(runs, today)
+            elif len(today) > 1:
+                first = [dict(today[0], seed=r["seed"]) for r in today[1:]]
+                found |= against(today[1:], first)
+            out.append(found)
+    return out
+
+
+def _text(found: dict[str, float] | None) -> str:
+    if not found:
+        return "–"
+    return f"{found['value']:.3f} [{found['low']:.3f}, {found['high']:.3f}]"
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| partition | lever | vLLM acceptance | vs today | per position | estimate | "
-        "lossless | kept epoch | step s |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|",
+        "| partition | lever | vLLM acceptance (all seeds) | vs today (paired) | per seed | "
+        "verdict |",
+        "|---|---|---:|---:|---|---|",
     ]
-    today = {r["partition"]: r["vllm_acceptance_length"] for r in rows if r["lever"] == "today"}
-    for r in rows:
-        base, got = today.get(r["partition"]), r["vllm_acceptance_length"]
-        change = f"{100 * (got / base - 1):+.1f}%" if base and got else ""
-        per = ", ".join(f"{p:.2f}" for p in r["vllm_per_position_acceptance"] or [])
-        lossless = f"{r['vllm_generations_same_as_target']}/{r['vllm_prompts']}"
+    for v in verdicts(rows):
+        seeds = ", ".join(f"{s}: {r:.3f}" for s, r in v.get("by_seed", {}).items())
         lines.append(
-            f"| {r['partition']} | {r['lever']} | {got:.3f} | {change} | {per} | "
-            f"{r['vllm_acceptance_length_estimate']:.3f} | {lossless} | {r['kept_epoch']} | "
-            f"{r['step_s']} |"
+            f"| {v['partition']} | {v['lever']} | {_text(v['acceptance'])} "
+            f"n={(v['acceptance'] or {}).get('n', 0)} | {_text(v.get('ratio'))} | {seeds} | "
+            f"{v.get('verdict', '')} |"
         )
-    lines += ["", "Held-out estimate after each epoch (warm start against today's):", ""]
-    for partition in dict.fromkeys(r["partition"] for r in rows):
-        mine = {r["lever"]: r for r in rows if r["partition"] == partition}
-        if "today" in mine and "warm start" in mine:
-            scratch = mine["today"]["held_out_acceptance_per_epoch"]
-            warm = mine["warm start"]["held_out_acceptance_per_epoch"]
-            reached = epochs_to_reach(warm, scratch[-1])
-            lines.append(
-                f"- {partition}: from scratch {scratch}; warm {warm}; today's final "
-                f"{scratch[-1]} reached warm after {reached} of {len(scratch)} epochs"
-            )
     return "\n".join(lines)
 
 
@@ -153,25 +227,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.training_levers")
     parser.add_argument("--partitions", nargs="+", default=list(PARTITIONS))
     parser.add_argument("--levers", nargs="+", default=list(LEVERS), choices=list(LEVERS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS))
     parser.add_argument("--source-home", type=Path, default=REPO / ".mm_assets")
     parser.add_argument("--out", type=Path, help="also write the results here (JSON)")
     args = parser.parse_args()
     source = args.source_home.resolve()
     if not (source / "speculators").is_dir():
         sys.exit(f"{source} holds no demo run: run `make demo` first (or --source-home)")
+    levers = ["today", *(lever for lever in args.levers if lever != "today")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="levers_") as workdir:
         env = bench_home(source, Path(workdir))
         for partition in args.partitions:
-            for name in args.levers:
-                rows.append(run_lever(env, name, partition, source))
-                print(json.dumps(rows[-1]), flush=True)
-                if args.out:
-                    args.out.write_text(json.dumps(rows, indent=1))
+            for name in levers:
+                for seed in args.seeds:
+                    rows.append(run_lever(env, name, partition, source, seed))
+                    shown = {k: v for k, v in rows[-1].items() if k != "per_prompt"}
+                    print(json.dumps(shown), flush=True)
+                    if args.out:
+                        args.out.write_text(json.dumps(rows, indent=1))
     command = "python -m bench.training_levers " + " ".join(sys.argv[1:])
     print(f"\n`{command}` on {platform.node()} ({os.cpu_count()} CPUs)\n")
     print(markdown(rows))
-    print(json.dumps(rows, indent=1))
+    print(json.dumps(verdicts(rows), indent=1))
 
 
 if __name__ == "__main__":

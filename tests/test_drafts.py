@@ -127,6 +127,20 @@ def test_caps_are_exact_seeded_and_stable_when_rows_are_added() -> None:
     assert 70 <= half.figures["big"].rows <= 130
 
 
+def test_a_split_seed_keeps_the_held_out_rows_while_the_seed_changes() -> None:
+    """Drafts trained under several seeds are compared on the same held-out prompts."""
+    rows = {f"r{i}": f"r{i}" for i in range(200)}
+
+    def held_out(settings: SpeculatorSettings) -> set[str]:
+        built = draft_set([_source("s", rows)], 0.1, seed=settings.held_out_seed)
+        return {r.row_id for r in built.held_out}
+
+    today = held_out(SpeculatorSettings())
+    assert held_out(SpeculatorSettings(seed=1, split_seed=0)) == today
+    assert held_out(SpeculatorSettings(seed=1)) != today
+    assert held_out(SpeculatorSettings(split_seed=1)) == held_out(SpeculatorSettings(seed=1))
+
+
 def test_every_source_holds_out_at_least_the_minimum_by_the_specialists_rule() -> None:
     """A source's held-out rows are those its own draft holds out (same rule, same ids),
     topped up to the minimum: the mix is measured on the specialist's prompts."""

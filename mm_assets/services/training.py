@@ -172,7 +172,7 @@ def training_set(job: SpeculatorJob, draft: DraftSpec, tables: TableStore) -> Tr
             requests |= {f"{name}{SEPARATOR}{k}": v for k, v in asked.items()}
         prompts = row_keys(tables, name) if several else {}
         sources.append(SourceRows(name, refs, prompts, cap.max_rows, cap.fraction))
-    rows = draft_set(sources, job.settings.held_out_fraction, job.settings.seed)
+    rows = draft_set(sources, job.settings.held_out_fraction, job.settings.held_out_seed)
     if not rows.train:
         raise ValueError(
             f"draft {draft.name!r}: no training rows left after the held-out split; lower "

@@ -122,6 +122,11 @@ class SpeculatorSettings(BaseModel):
     )
     grad_clip: FiniteFloat = Field(default=1.0, gt=0, description="Gradient norm clipping.")
     seed: int = Field(default=0, description="Initialisation, batch order and held-out split.")
+    split_seed: int | None = Field(
+        default=None,
+        description="The held-out split and row caps alone (None: `seed`): fixed, drafts "
+        "trained under several seeds are measured on the same held-out prompts.",
+    )
     draft_vocab_size: int = Field(
         default=32000, ge=1, description="Target tokens the draft can propose (most supervised)."
     )
@@ -131,6 +136,11 @@ class SpeculatorSettings(BaseModel):
     speculative_tokens: int = Field(
         default=3, ge=1, description="Draft tokens per step when vLLM serves the checkpoint."
     )
+
+    @property
+    def held_out_seed(self) -> int:
+        """What chooses the held-out rows and the capped ones."""
+        return self.seed if self.split_seed is None else self.split_seed
 
     @field_validator("loss")
     @classmethod
