@@ -18,7 +18,6 @@ from mm_assets.domain.model.benchmark import (
     intervals,
     lossless_count,
     round_prompt,
-    speedup,
     with_overall,
 )
 
@@ -103,7 +102,7 @@ def test_categories_combine_as_one_counter_difference_would() -> None:
     assert combined([_figures("a", "none"), _figures("b", "none")]).lossless is None
 
 
-def test_speedup_is_against_no_speculation_on_the_same_category() -> None:
+def test_the_overall_rows_follow_the_categories() -> None:
     rows = with_overall([
         _figures("a", "none", output_tokens=100, latency_s=4.0),
         _figures("b", "none", output_tokens=100, latency_s=1.0),
@@ -111,10 +110,8 @@ def test_speedup_is_against_no_speculation_on_the_same_category() -> None:
         _figures("b", "ngram", output_tokens=100, latency_s=2.0),
     ])  # fmt: skip
     by = {(r.category, r.method): r for r in rows}
-    assert speedup(by["a", "ngram"], rows) == pytest.approx(2.0)
-    assert speedup(by["b", "ngram"], rows) == pytest.approx(0.5)
-    assert speedup(by[OVERALL, "ngram"], rows) == pytest.approx((200 / 4) / (200 / 5))
-    assert speedup(by["a", "ngram"], rows[2:]) is None  # no `none` row to compare with
+    assert by[OVERALL, "ngram"].tokens_per_s == pytest.approx(200 / 4)
+    assert by[OVERALL, "none"].tokens_per_s == pytest.approx(200 / 5)
     assert [r.category for r in rows[-2:]] == [OVERALL, OVERALL]
 
 
@@ -182,3 +179,41 @@ def test_benchmarking_refuses_external_servers_it_cannot_reconfigure(tmp_path) -
     serving = Serving(engine, tmp_path, None, tmp_path / "l")
     with pytest.raises(ValueError, match="managed vllm resource"):
         benchmark(serving, {}, None, BenchmarkSettings(), tmp_path)
+
+
+def test_a_speedup_pairs_with_no_speculation_sent_in_turn_with_it() -> None:
+    """The machine slowed down after no speculation's own pass: its requests sent in turn
+    with the draft's drifted with them, so the speed-up reads from those."""
+    records = []
+    for i in range(6):
+        records.append(_record("none", i, latency_s=1.0))  # measured before the drift
+        records.append(_record("none", i, latency_s=3.0, beside="eagle3@3"))
+        records.append(_record("eagle3", i, latency_s=2.0))
+    found = intervals(records, ("eagle3", 3), "cat")
+    assert found.speedup is not None and found.speedup.value == pytest.approx(1.5)
+    none = intervals(records, ("none", None), "cat")  # its own row: its own pass only
+    assert none.tokens_per_s is not None and none.tokens_per_s.value == pytest.approx(20.0)
+
+
+def test_methods_are_sent_each_batch_in_turn_the_order_rotating_and_grouped_by_depth() -> None:
+    from mm_assets.domain.model.benchmark import NONE
+    from mm_assets.services.benchmarking import _batches, _groups, _turns
+
+    methods = [NONE, ("ngram", 3), ("eagle3", 3)]
+    firsts = [_turns(methods, at)[0] for at in range(6)]
+    assert firsts == methods + methods and sorted(_turns(methods, 4)) == sorted(methods)
+    conversations = {
+        "a": [benchmark_conversation([{"role": "user", "content": q}] * n) for q, n in
+              (("x", 1), ("y", 2), ("z", 1))],
+        "b": [benchmark_conversation([{"role": "user", "content": "w"}] * 2)],
+    }  # fmt: skip
+    assert _batches(conversations, 0, 2) == [[("a", 0), ("a", 1)], [("a", 2), ("b", 0)]]
+    assert _batches(conversations, 1, 1) == [[("a", 1)], [("b", 0)]]
+    plan = dict.fromkeys([NONE, ("ngram", 1), ("eagle3", 1), ("ngram", 3), ("eagle3", 3)])
+    fresh = [[NONE, ("ngram", 1), ("eagle3", 1)], [NONE, ("ngram", 3), ("eagle3", 3)]]
+    assert _groups([1, 3], plan, {}, together=True) == fresh
+    recorded = dict.fromkeys([NONE, ("ngram", 3), ("eagle3", 3)])
+    assert _groups([1, 3], plan, recorded, together=True) == [fresh[0]]  # none: as the pair
+    assert _groups([1, 3], plan, dict.fromkeys(plan), together=True) == []
+    alone = _groups([1, 3], plan, recorded, together=False)
+    assert alone == [[("ngram", 1)], [("eagle3", 1)]]  # a GPU: one server at a time

@@ -22,7 +22,7 @@ import torch
 from mm_assets.clients.vllm_server import EngineOptions
 from mm_assets.common.hashing import file_sha256
 from mm_assets.domain.model.acceptance import OVERALL
-from mm_assets.domain.model.benchmark import BenchmarkReport, BenchmarkSettings, combined, speedup
+from mm_assets.domain.model.benchmark import BenchmarkReport, BenchmarkSettings, combined
 from mm_assets.domain.model.checkpoint import checkpoint_config
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
@@ -135,8 +135,14 @@ def test_every_request_is_a_record_and_every_row_carries_its_intervals(
     so each row is the sum of its requests' records and has an interval over its prompts."""
     from mm_assets.domain.model.benchmark import comparison, figures_of, intervals, method_of
 
-    records = report.records
+    records = [r for r in report.records if r.beside is None]
     assert len(records) == 3 * 11 and len({(r.method, r.prompt, r.round) for r in records}) == 33
+    # no speculation's requests, sent in turn with each other method's, are its speed's pair
+    none = [(r.prompt, r.round, r.latency_s) for r in records if r.method == "none"]
+    for method in ("ngram@3", "eagle3@3"):
+        beside = [r for r in report.runs[method].records if r.beside is not None]
+        assert {r.beside for r in beside} == {method} and {r.method for r in beside} == {"none"}
+        assert [(r.prompt, r.round, r.latency_s) for r in beside] == none  # one pass, shared
     for row in report.rows:
         mine = [r for r in records if r.method == row.method]
         mine = [r for r in mine if row.category in (OVERALL, r.category)]
@@ -147,7 +153,9 @@ def test_every_request_is_a_record_and_every_row_carries_its_intervals(
         if row.method == "none":
             assert found.acceptance_length is None and found.speedup is None
             continue
-        assert found.speedup.value == pytest.approx(speedup(row, report.rows))
+        none_row = _row(report, row.category, "none")  # its own pass is the paired one here
+        assert found.speedup.value == pytest.approx(row.tokens_per_s / none_row.tokens_per_s)
+        assert report.speedup(row) == found.speedup.value
         if row.drafts:
             acceptance = found.acceptance_length
             assert acceptance.value == pytest.approx(row.acceptance_length)
@@ -221,7 +229,9 @@ def test_another_draft_reuses_the_baselines_and_one_vllm_refuses_is_reported_not
     args = list(setup["args"])
     args[2] = DraftUnderTest(broken, file_sha256(broken / "model.safetensors"), 3)
     again = benchmark(*args)
-    assert len(started) == 1 and str(broken) in started[0][1]  # the draft's server only
+    # the draft's server, and no speculation's again to be sent in turn with it
+    assert len(started) == 2 and str(broken) in " ".join(started[1])
+    assert "--speculative-config" not in started[0]
     assert again.reused == {"none": True, "ngram@3": True, "eagle3@3": False}
     assert "vLLM exited" in again.not_run["eagle3@3"]
     assert {r.method for r in again.rows} == {"none", "ngram"}
@@ -233,9 +243,10 @@ def test_depths_are_a_list_and_each_depth_is_served_once(
     setup: dict, report: BenchmarkReport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`speculative_tokens: [1, 3]` measures the draft and n-gram at each depth, one
-    server each. No speculation and depth 3 come from the records the first run left
-    (keyed without the list), so only depth 1's two servers start. At depth 1 a step
-    accepts one token at most, and decoding stays lossless."""
+    server each. Depth 3 comes from the records the first run left (keyed without the
+    list), so only depth 1's two servers start, and no speculation's again, sent in turn
+    with them (its record stands). At depth 1 a step accepts one token at most, and
+    decoding stays lossless."""
     started = []
     real_server = VllmEngine.server
 
@@ -247,7 +258,8 @@ def test_depths_are_a_list_and_each_depth_is_served_once(
     args = list(setup["args"])
     args[3] = SETTINGS.model_copy(update={"speculative_tokens": [1, 3]})
     found = benchmark(*args)
-    assert len(started) == 2 and all('"num_speculative_tokens": 1' in a for a in started)
+    assert len(started) == 3 and "--speculative-config" not in started[0]
+    assert all('"num_speculative_tokens": 1' in a for a in started[1:])
     assert found.reused == {
         "none": True, "ngram@1": False, "eagle3@1": False, "ngram@3": True, "eagle3@3": True
     }  # fmt: skip

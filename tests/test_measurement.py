@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pyarrow as pa
+import pytest
 
 from mm_assets.domain.model.benchmark import Generation
 from mm_assets.services.measurement import HeldOutReply, held_out_replies, same_as_target
@@ -70,3 +71,21 @@ def test_generations_are_the_targets_replies_up_to_where_max_tokens_cut_either()
     assert same_as_target([ended], [[7, 8, 9]], max_tokens=8) == 1
     assert same_as_target([cut], [[7, 5, 9]], max_tokens=3) == 0
     assert same_as_target([HeldOutReply("a", 0, [], None)], [[1]], max_tokens=1) is None
+
+
+def test_a_draft_of_several_sources_resamples_its_prompts_within_each_source() -> None:
+    """Each source's share of the held-out prompts is the draft's design, not a draw: a
+    resample that took more of the easy source would widen the interval for nothing."""
+    from mm_assets.domain.model.acceptance import Acceptance
+    from mm_assets.domain.model.intervals import ratio_interval
+    from mm_assets.services.measurement import Measurement
+
+    easy = Measurement(Acceptance(), per_prompt=[(10, 7 + i % 4) for i in range(20)])
+    hard = Measurement(Acceptance(), per_prompt=[(10, i % 4) for i in range(6)])
+    both = Measurement.combined({"easy": easy, "hard": hard})
+    assert both.sources == ["easy"] * 20 + ["hard"] * 6
+    drafts, accepted = zip(*both.per_prompt, strict=True)
+    pooled = ratio_interval(accepted, drafts, offset=1.0)
+    assert both.interval is not None and pooled is not None
+    assert both.interval.value == pytest.approx(pooled.value)
+    assert both.interval.high - both.interval.low < (pooled.high - pooled.low) / 2

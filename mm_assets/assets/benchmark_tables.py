@@ -16,9 +16,7 @@ from mm_assets.domain.model.benchmark import (
     BenchmarkSettings,
     Method,
     comparison,
-    intervals,
     method_of,
-    speedup,
 )
 
 if TYPE_CHECKING:
@@ -60,7 +58,7 @@ def table_rows(
 
 def _figures(f: BenchmarkFigures, report: BenchmarkReport) -> dict[str, Any]:
     """One row's figures and their intervals' bounds."""
-    found = intervals(report.records, method_of(f), f.category)
+    found = report.row_intervals[(f.category, method_of(f))]
     bounds = {
         "acceptance": found.acceptance_length,
         "output_tokens_per_s": found.tokens_per_s,
@@ -79,7 +77,7 @@ def _figures(f: BenchmarkFigures, report: BenchmarkReport) -> dict[str, Any]:
         "drafts": f.drafts,
         "output_tokens_per_s": f.tokens_per_s,
         "time_per_output_token_ms": f.mean_time_per_output_token_ms,
-        "speedup": speedup(f, report.rows),
+        "speedup": report.speedup(f),
         "lossless": f.lossless,
         "compared": f.compared,
     }
@@ -108,6 +106,7 @@ def prompt_rows(name: str, bench: str, report: BenchmarkReport) -> list[dict[str
             "accepted_per_position": list(r.acceptance.accepted_per_position),
             "lossless": r.lossless,
             "speculative_tokens": r.depth,
+            "beside": r.beside,
             "measured_at": measured_at,
         }
         for r in report.records
@@ -176,8 +175,8 @@ def benchmark_metadata(bench: str, report: BenchmarkReport) -> dict[str, Any]:
     records = []
     shown = report.shown  # at the draft's depth; every depth: `by depth`
     for f in shown:
-        ratio = speedup(f, shown)
-        found = intervals(report.records, method_of(f), f.category)
+        ratio = report.speedup(f)
+        found = report.row_intervals[(f.category, method_of(f))]
         cells = {
             "category": f.category,
             "method": METHOD_NAMES.get(f.method, f.method),
@@ -197,25 +196,25 @@ def benchmark_metadata(bench: str, report: BenchmarkReport) -> dict[str, Any]:
         records.append(dg.TableRecord({**empty, **cells}))
     out: dict[str, Any] = {
         bench: dg.MetadataValue.table(records, schema=dg.TableSchema(columns=RESULT_COLUMNS)),
-        f"{bench} plot": benchmark_plot(bench, shown),
+        f"{bench} plot": benchmark_plot(bench, shown, report.speedup),
     }
     versus = versus_table(report, (("eagle3", report.depth), ("ngram", report.depth)))
     if versus is not None:
         out[f"{bench} draft vs n-gram"] = versus
     if len({f.depth for f in report.rows} - {None}) > 1:
         out[f"{bench} by depth"] = depth_table(report)
-    return out | overall_numbers(bench, shown)
+    return out | overall_numbers(bench, report)
 
 
-def overall_numbers(bench: str, shown: list[BenchmarkFigures]) -> dict[str, float]:
+def overall_numbers(bench: str, report: BenchmarkReport) -> dict[str, float]:
     """The overall figures as numbers: the Plots tab follows them across runs."""
     out = {}
-    for f in shown:
+    for f in report.shown:
         if f.category != OVERALL:
             continue
         if f.acceptance_length is not None:
             out[f"{bench} {f.method} acceptance"] = f.acceptance_length
-        if (ratio := speedup(f, shown)) is not None and f.method != "none":
+        if (ratio := report.speedup(f)) is not None:
             out[f"{bench} {f.method} speedup"] = ratio
         out[f"{bench} {f.method} tokens/s"] = f.tokens_per_s
     return out
@@ -238,7 +237,7 @@ def depth_table(report: BenchmarkReport) -> dg.MetadataValue:
     for f in report.rows:
         if f.category != OVERALL or method_of(f) == NONE:
             continue
-        found = intervals(report.records, method_of(f), OVERALL)
+        found = report.row_intervals[(OVERALL, method_of(f))]
         cells = {
             "method": METHOD_NAMES.get(f.method, f.method),
             "tokens": f.depth,

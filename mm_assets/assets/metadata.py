@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import io
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import dagster as dg
@@ -256,12 +256,14 @@ def acceptance_plot(
     return png_markdown(fig, "per-position acceptance")
 
 
-def benchmark_plot(bench: str, rows: Sequence[BenchmarkFigures]) -> dg.MetadataValue:
+def benchmark_plot(
+    bench: str,
+    rows: Sequence[BenchmarkFigures],
+    speedup: Callable[[BenchmarkFigures], float | None],
+) -> dg.MetadataValue:
     """Per category: acceptance length of each speculating method, and its speedup in
     output tokens/s over no speculation (1.0 marked)."""
     from matplotlib.figure import Figure
-
-    from mm_assets.domain.model.benchmark import speedup
 
     categories = list(dict.fromkeys(r.category for r in rows))
     methods = [m for m in dict.fromkeys(r.method for r in rows) if m != "none"]
@@ -273,7 +275,7 @@ def benchmark_plot(bench: str, rows: Sequence[BenchmarkFigures]) -> dg.MetadataV
         mine = {r.category: r for r in rows if r.method == method}
         offsets = x - 0.4 + width * (i + 0.5)
         lengths = [(mine[c].acceptance_length or 1.0) if c in mine else 0.0 for c in categories]
-        ratios = [(speedup(mine[c], rows) or 0.0) if c in mine else 0.0 for c in categories]
+        ratios = [(speedup(mine[c]) or 0.0) if c in mine else 0.0 for c in categories]
         accept_ax.bar(offsets, lengths, width, label=method)
         speed_ax.bar(offsets, ratios, width, label=method)
     speed_ax.axhline(1.0, color="gray", linewidth=0.8)

@@ -232,14 +232,14 @@ def _benchmark_records(draft: str, bench: str, measurement: str) -> list[Any]:
         found = con.execute(
             """
             SELECT category, method, conversation, round, output_tokens, latency_s, decode_s,
-                   drafts, accepted, speculative_tokens
+                   drafts, accepted, speculative_tokens, beside
             FROM speculator_benchmark_prompts
             WHERE draft = ? AND benchmark = ? AND measurement = ?
             """,
             [draft, bench, measurement],
         ).fetchall()
     return [
-        PromptFigures(*row[:7], acceptance=Acceptance(row[7], row[8]), depth=row[9])
+        PromptFigures(*row[:7], acceptance=Acceptance(row[7], row[8]), depth=row[9], beside=row[10])
         for row in found
     ]
 

@@ -1,12 +1,16 @@
 """A draft benchmarked per category in vLLM, beside no speculation and vLLM's n-gram method.
 
-Each method runs on a server of its own (`services/method_servers.py`), one after the
-other: `none` first, since its answers are the target's (every method's later rounds
-quote them, and losslessness is checked against its token ids), then `ngram`, then
-`eagle3`. A warm-up request goes first (compilation is not the draft's cost). Every
+Each method runs on a server of its own (`services/method_servers.py`). On CPU the
+servers of a depth are up together and the methods are sent each batch of requests in
+turn (`none`, n-gram, the draft; the order rotating), so a drift of the machine falls on
+all of them and each speed-up pairs with the no-speculation requests sent beside it
+(`PromptFigures.beside`); `none` stays up from one depth to the next. On a GPU, which
+holds one server, each method runs alone, `none` first. `none`'s answers are the
+target's: every method's later rounds quote them, and losslessness is checked against
+its token ids. A warm-up request goes first (compilation is not the draft's cost). Every
 request is a record with its own counts (vLLM's reply gives them) and the rows are their
-sums; one pair of `/metrics` scrapes spans every category, which the records must add up
-to (`whole_run`).
+sums; one pair of `/metrics` scrapes per server spans every category, which the records
+must add up to (`whole_run`).
 
 Servers cost minutes, so figures are recorded under the cache directory: `none` and
 `ngram` keyed by the target's content, the conversations, the settings and the engine
@@ -24,6 +28,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -31,7 +36,7 @@ from typing import Any
 from mm_assets.clients.serve_args import ngram_args
 from mm_assets.clients.vllm_generation import ChatReply, generate_greedy_replies
 from mm_assets.clients.vllm_metrics import ServerCounters, counters_after, server_counters
-from mm_assets.clients.vllm_server import ManagedVllmServer, ServerStartupError, death_explained
+from mm_assets.clients.vllm_server import ServerStartupError, death_explained
 from mm_assets.common.hashing import json_sha256
 from mm_assets.domain.model.acceptance import Acceptance
 from mm_assets.domain.model.benchmark import (
@@ -96,31 +101,58 @@ def _figures(
     )
 
 
-def _category_replies(
-    server: ManagedVllmServer,
-    conversations: list[BenchmarkConversation],
-    reference: list[list[Answer]] | None,
+def _batches(
+    conversations: dict[str, list[BenchmarkConversation]], k: int, size: int
+) -> list[list[tuple[str, int]]]:
+    """Round k's requests, (category, conversation), in batches of `size` (requests in
+    flight): every method is sent one batch before any is sent the next."""
+    asked = [(c, i) for c, convs in conversations.items() for i, conv in enumerate(convs)]
+    asked = [(c, i) for c, i in asked if conversations[c][i].rounds > k]
+    return [asked[j : j + size] for j in range(0, len(asked), size)]
+
+
+def _turns(methods: list[Method], at: int) -> list[Method]:
+    """The methods in the order they are sent batch `at`: rotated each batch, so none of
+    them is always first after a pause (or always last)."""
+    shift = at % len(methods)
+    return methods[shift:] + methods[:shift]
+
+
+def _interleaved(
+    methods: list[Method],
+    servers: MethodServers,
+    conversations: dict[str, list[BenchmarkConversation]],
+    reference: dict[str, list[list[Answer]]] | None,
     settings: BenchmarkSettings,
-) -> list[list[ChatReply]]:
-    """A category's conversations, round k of each before round k+1: a later round
-    quotes the reference answers, or without one (`none` itself) those just generated."""
-    replies: list[list[ChatReply]] = [[] for _ in conversations]
-    for k in range(max((c.rounds for c in conversations), default=0)):
-        asked = [i for i, c in enumerate(conversations) if c.rounds > k]
-        quoted = reference or [[Answer(r.text, r.token_ids) for r in conv] for conv in replies]
-        prompts = [
-            to_vllm_messages(round_prompt(conversations[i], [a.text for a in quoted[i]], k))
-            for i in asked
-        ]
-        answered = generate_greedy_replies(
-            server.base_url, server.access, prompts, settings.max_tokens, settings.concurrency
-        )
-        for i, reply in zip(asked, answered, strict=True):
-            replies[i].append(reply)
+) -> dict[Method, dict[str, list[list[ChatReply]]]]:
+    """Every method's replies, sent in turn batch by batch (`_batches`, `_turns`): a
+    drift of the machine falls on all of them alike. Round k of every conversation goes
+    before round k+1: a later round quotes the reference answers, or without one
+    (`none` measured now) those `none` just generated."""
+    replies = {m: {c: [[] for _ in convs] for c, convs in conversations.items()} for m in methods}
+    rounds = max((conv.rounds for convs in conversations.values() for conv in convs), default=0)
+    at = 0
+    for k in range(rounds):
+        for batch in _batches(conversations, k, settings.concurrency):
+            prompts = []
+            for category, i in batch:
+                quoted = reference[category][i] if reference else replies[NONE][category][i]
+                asked = round_prompt(conversations[category][i], [a.text for a in quoted], k)
+                prompts.append(to_vllm_messages(asked))
+            for method in _turns(methods, at):
+                server = servers.servers[label(method)]
+                answered = generate_greedy_replies(
+                    server.base_url, server.access, prompts, settings.max_tokens, len(prompts)
+                )
+                for (category, i), reply in zip(batch, answered, strict=True):
+                    replies[method][category][i].append(reply)
+            at += 1
     return replies
 
 
-def _records(category: str, method: Method, replies: list[list[ChatReply]]) -> list[PromptFigures]:
+def _records(
+    category: str, method: Method, replies: list[list[ChatReply]], beside: str | None = None
+) -> list[PromptFigures]:
     """One record per request, from what the client timed and vLLM's reply reported."""
     return [
         PromptFigures(
@@ -137,49 +169,78 @@ def _records(category: str, method: Method, replies: list[list[ChatReply]]) -> l
                 reply.metrics.accepted_per_position or (),
             ),
             depth=method[1],
+            beside=beside,
         )
         for i, conv in enumerate(replies)
         for k, reply in enumerate(conv)
     ]
 
 
-def run_method(
-    method: Method,
+def run_methods(
+    methods: list[Method],
     servers: MethodServers,
-    categories: dict[str, list[BenchmarkConversation]],
+    conversations: dict[str, list[BenchmarkConversation]],
     reference: dict[str, list[list[Answer]]] | None,
     settings: BenchmarkSettings,
-) -> MethodRun:
-    """One method on its server: a warm-up request, then every category's requests,
-    each a record, inside one pair of counter scrapes (see the module's docstring)."""
-    name = label(method)
-    try:
-        url = servers.url(name)
-    except ServerStartupError as exc:
-        if method == NONE:
-            raise
-        logger.warning(f"benchmark: vLLM did not start the {name} method: {exc}")
-        return MethodRun(*method, not_run=str(exc))
-    try:
-        server = servers.servers[name]
-        with death_explained(server, f"benchmarking {name}"):
-            zero = server_counters(url)
+) -> dict[Method, MethodRun]:
+    """Methods measured together (`_interleaved`), each on its server: a warm-up request
+    each, then every category's requests, inside one pair of counter scrapes per server
+    (see the module's docstring). With `none` among them, each other method's run also
+    holds no speculation's requests sent in turn with its own (`PromptFigures.beside`)."""
+    runs: dict[Method, MethodRun] = {}
+    live: list[Method] = []
+    for method in methods:
+        try:
+            servers.url(label(method))
+            live.append(method)
+        except ServerStartupError as exc:
+            if method == NONE:
+                raise
+            logger.warning(f"benchmark: vLLM did not start the {label(method)} method: {exc}")
+            runs[method] = MethodRun(*method, not_run=str(exc))
+    with ExitStack() as stack:
+        start = {}
+        for method in live:
+            server = servers.servers[label(method)]
+            stack.enter_context(death_explained(server, f"benchmarking {label(method)}"))
+            zero = server_counters(server.base_url)
             generate_greedy_replies(
-                url, server.access, [WARMUP_PROMPT], settings.warmup_max_tokens, 1
+                server.base_url, server.access, [WARMUP_PROMPT], settings.warmup_max_tokens, 1
             )
-            start = counters_after(url, zero, 1)
-            records, answers = [], {}
-            for category, conversations in categories.items():
-                mine = reference and reference[category]
-                replies = _category_replies(server, conversations, mine, settings)
-                records += _records(category, method, replies)
-                answers[category] = [[Answer(r.text, r.token_ids) for r in c] for c in replies]
-            whole = counters_after(url, start, len(records)).minus(start)
-    finally:
-        servers.done(name)
-    figures = [figures_of(c, method, [r for r in records if r.category == c]) for c in categories]
+            start[method] = counters_after(server.base_url, zero, 1)
+        replies = _interleaved(live, servers, conversations, reference, settings)
+        for method in live:
+            url = servers.servers[label(method)].base_url
+            records = [r for c, rs in replies[method].items() for r in _records(c, method, rs)]
+            whole = counters_after(url, start[method], len(records)).minus(start[method])
+            runs[method] = _run(method, conversations, replies[method], records, whole)
+    if NONE in live:  # its requests, as the pair of each other method's speed
+        for method in live:
+            if method != NONE:
+                beside = [
+                    r
+                    for c, rs in replies[NONE].items()
+                    for r in _records(c, NONE, rs, label(method))
+                ]
+                runs[method] = replace(runs[method], records=runs[method].records + beside)
+    return {m: runs[m] for m in methods}
+
+
+def _run(
+    method: Method,
+    conversations: dict[str, list[BenchmarkConversation]],
+    replies: dict[str, list[list[ChatReply]]],
+    records: list[PromptFigures],
+    whole: ServerCounters,
+) -> MethodRun:
+    figures = [
+        figures_of(c, method, [r for r in records if r.category == c]) for c in conversations
+    ]
     prompts = sum(f.prompts for f in figures)
     total = replace(_figures(OVERALL, method[0], prompts, len(records), whole), depth=method[1])
+    answers = {
+        c: [[Answer(r.text, r.token_ids) for r in conv] for conv in rs] for c, rs in replies.items()
+    }
     return MethodRun(*method, figures, answers, records, total)
 
 
@@ -194,7 +255,8 @@ def _checked(run: MethodRun, reference: MethodRun, max_tokens: int) -> MethodRun
         limited = (Generation.limited(a.token_ids, max_tokens) for a in (ours, ref))
         return same_generation(*limited)
 
-    records = [replace(r, lossless=same(r)) for r in run.records]
+    beside = [r for r in run.records if r.beside is not None]
+    records = [replace(r, lossless=same(r)) for r in run.records if r.beside is None]
     method = (run.method, run.depth)
     figures = [
         figures_of(f.category, method, [r for r in records if r.category == f.category])
@@ -204,7 +266,7 @@ def _checked(run: MethodRun, reference: MethodRun, max_tokens: int) -> MethodRun
     whole = run.whole_run and replace(
         run.whole_run, lossless=total.lossless, compared=total.compared
     )
-    return replace(run, figures=figures, records=records, whole_run=whole)
+    return replace(run, figures=figures, records=records + beside, whole_run=whole)
 
 
 def _figures_from_record(fields: dict[str, Any]) -> BenchmarkFigures:
@@ -254,6 +316,25 @@ def _plan(
     }
 
 
+def _groups(
+    depths: list[int],
+    plan: dict[Method, tuple[str, list[str], Path]],
+    recorded: dict[Method, MethodRun],
+    together: bool,
+) -> list[list[Method]]:
+    """The methods measured together, in order. Servers up together (CPU): a depth at a
+    time, `none` with each depth's unrecorded methods (at most three servers up), so
+    every speed-up pairs with no speculation sent in turn with it. One at a time (a GPU
+    holds one server): each method alone, `none` first."""
+    todo = [m for m in plan if m != NONE and m not in recorded]
+    if not together:
+        return [[m] for m in ([] if NONE in recorded else [NONE]) + todo]
+    if not todo:
+        return [] if NONE in recorded else [[NONE]]
+    groups = [[NONE, *(m for m in todo if m[1] == d)] for d in depths]
+    return [g for g in groups if len(g) > 1]
+
+
 def benchmark(
     serving: Serving,
     categories: dict[str, list[list[Turn]]],
@@ -284,25 +365,26 @@ def benchmark(
     if found[NONE] is None:  # the others were checked against the recorded `none`
         found = dict.fromkeys(found)
     recorded = {m: _from_record(record) for m, record in found.items() if record}
-    runs: dict[str, MethodRun] = {}
-    # a depth at a time (at most three servers up at once); `none` first, with the first
-    groups = [[m for m in plan if m[1] == d] for d in depths]
-    groups[0].insert(0, NONE)
-    for group in groups:
-        with MethodServers(serving, settings.start_servers_together) as servers:
-            servers.start({label(m): plan[m][1] for m in group if m not in recorded})
-            for method in group:  # `none` first: the reference of the others
-                if method in recorded:
-                    runs[label(method)] = recorded[method]
-                    continue
+    runs = {label(m): run for m, run in recorded.items()}
+    with MethodServers(serving, settings.start_servers_together) as servers:
+        for group in _groups(depths, plan, recorded, servers.together):
+            servers.start({label(m): plan[m][1] for m in group if label(m) not in servers.servers})
+            reference = runs.get("none")
+            answers = reference.answers if reference else None
+            for method, run in run_methods(
+                group, servers, conversations, answers, settings
+            ).items():
+                if method == NONE and "none" in runs:
+                    continue  # served again as the others' pair only: its first run stands
                 reference = runs.get("none")
-                answers = reference.answers if reference else None
-                run = run_method(method, servers, conversations, answers, settings)
                 run = _checked(run, reference, settings.max_tokens) if reference else run
                 runs[label(method)] = run
                 if run.not_run is None:  # a method vLLM did not start is tried again
                     key, _, path = plan[method]
                     save_record(path, key, asdict(run))
+            for method in group:  # `none` stays up for the next depth's pairs
+                if method != NONE or not servers.together:
+                    servers.done(label(method))
     none = runs["none"]
     rows = with_overall([f for r in runs.values() for f in r.figures])
     prompts = {

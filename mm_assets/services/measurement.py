@@ -17,6 +17,7 @@ import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -61,26 +62,32 @@ class Measurement(WithAcceptance):
     """(drafts, accepted) of each prompt, as vLLM's reply gave them; empty from a server
     that does not say (an external fleet), whose figure is its counters' only."""
     reused: bool = False
+    sources: list[str] = field(default_factory=list)
+    """Each prompt's source, in a measurement of several (`combined`)."""
 
-    @property
+    @cached_property
     def interval(self) -> Interval | None:
-        """The acceptance length with its 95% bootstrap interval over the prompts."""
+        """The acceptance length with its 95% bootstrap interval over the prompts: over
+        several sources, resampled within each (each source's share is the draft's
+        design, not a draw)."""
         if not self.per_prompt:
             return None
         drafts, accepted = zip(*self.per_prompt, strict=True)
-        return ratio_interval(accepted, drafts, offset=1.0)
+        return ratio_interval(accepted, drafts, offset=1.0, strata=self.sources or None)
 
     @classmethod
-    def combined(cls, parts: list[Measurement]) -> Measurement:
+    def combined(cls, parts: dict[str, Measurement]) -> Measurement:
         """Several sources' measurements as one: counts summed, prompts and generations
         in source order."""
-        per_prompt = [c for m in parts for c in m.per_prompt]
+        measured = list(parts.values())
+        every = all(m.per_prompt for m in measured)
         return cls(
-            combine(m.acceptance for m in parts),
-            [p for m in parts for p in m.prompts],
-            [g for m in parts for g in m.generations],
-            per_prompt if all(m.per_prompt for m in parts) else [],
-            reused=all(m.reused for m in parts),
+            combine(m.acceptance for m in measured),
+            [p for m in measured for p in m.prompts],
+            [g for m in measured for g in m.generations],
+            [c for m in measured for c in m.per_prompt] if every else [],
+            reused=all(m.reused for m in measured),
+            sources=[s for s, m in parts.items() for _ in m.per_prompt] if every else [],
         )
 
     @classmethod
@@ -204,7 +211,8 @@ def measured_groups(
                 per_prompt = []  # the server does not give each reply's counts
             measured[name] = Measurement(acceptance, prompts, generations, per_prompt)
     fields = {
-        name: {k: v for k, v in asdict(m).items() if k != "reused"} for name, m in measured.items()
+        name: {k: v for k, v in asdict(m).items() if k not in ("reused", "sources")}
+        for name, m in measured.items()
     }
     save_record(record, key, fields)
     return measured
@@ -284,7 +292,7 @@ def measure_draft(
         overall = summarize(every, ttt_steps, max_tokens) if walks is not None else None
         same = [f.same_as_target for f in out.values()]
         lossless = None if None in same else sum(s for s in same if s is not None)
-        combined = Measurement.combined(list(measured.values()))
+        combined = Measurement.combined(measured)
         out[OVERALL] = SourceMeasurement(combined, overall, lossless)
         return out
 

@@ -3,11 +3,10 @@
 On CPU, starting a vLLM server is mostly single-threaded Python imports, twice (the API
 server, then the engine core it spawns): ~19 s of which generation is a small part on a
 demo benchmark (BENCHMARKS.md, "Drafts on the demo benchmark"). Started together, the
-start-ups share the cores; each method is then measured in turn while the other servers
-sit idle (an idle server takes ~0.02 CPU-seconds per second), and all stop at the end, so
-every method is measured beside the same idle neighbours. On a GPU each server would
-claim most of the device's memory, so there they start one at a time, each stopped after
-its method.
+start-ups share the cores, and the methods are then sent their requests in turn
+(`services/benchmarking.py`), so a drift of the machine falls on all of them. On a GPU
+each server would claim most of the device's memory, so there they start one at a time,
+each released after its method.
 """
 
 from __future__ import annotations
@@ -60,8 +59,8 @@ class MethodServers:
         return self.urls[method]
 
     def done(self, method: str) -> None:
-        """The method is measured: one at a time, its server is released now."""
-        if not self.together and method in self.servers:
+        """The method is measured: its server is released now."""
+        if method in self.servers and method not in self.failed:
             self.servers[method].release()
 
     def __enter__(self) -> MethodServers:

@@ -160,6 +160,7 @@ SPECULATOR_BENCHMARK_PROMPTS = pa.schema(
         ("accepted_per_position", pa.list_(pa.int32())),
         ("lossless", pa.bool_()),  # equal to no speculation's output (null for none)
         ("speculative_tokens", pa.int32()),  # the depth it ran at (null for none)
+        ("beside", pa.string()),  # none sent in turn with this method (its speed-up's pair)
         ("measured_at", pa.timestamp("s", tz="UTC")),
         ("measurement", pa.string()),
     ]

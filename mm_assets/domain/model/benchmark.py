@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,8 +22,9 @@ from mm_assets.domain.model.intervals import Interval, paired_ratio_interval, ra
 
 Turn = dict[str, Any]
 # Bump when a change makes a benchmark produce other figures from the same inputs (the
-# reuse key of recorded figures holds it). 3: figures from per-prompt records.
-BENCHMARK_VERSION = "3"
+# reuse key of recorded figures holds it). 3: figures from per-prompt records; 4: methods
+# interleaved, each speedup paired with no speculation sent beside it.
+BENCHMARK_VERSION = "4"
 MAX_DEPTH = 16
 Method = tuple[str, int | None]
 """A method at a depth: ("eagle3", 3), ("ngram", 5); ("none", None) speculates nothing."""
@@ -164,6 +166,9 @@ class PromptFigures(WithAcceptance):
     acceptance: Acceptance = field(default_factory=Acceptance)
     lossless: bool | None = None
     depth: int | None = None
+    beside: str | None = None
+    """No speculation's request sent in turn with this method's (its `label`) on the same
+    prompt: the method's speed-up is paired with these, so drift falls on both sides."""
 
     @property
     def prompt(self) -> tuple[str, int]:
@@ -211,13 +216,19 @@ class _PromptTotals:
 
 
 def prompt_totals(
-    records: Sequence[PromptFigures], method: Method, category: str = OVERALL
+    records: Sequence[PromptFigures],
+    method: Method,
+    category: str = OVERALL,
+    beside: str | None = None,
 ) -> dict[tuple[str, int], _PromptTotals]:
     """Per prompt (conversation) of `category` (every category: `OVERALL`), the sums of
-    its rounds on `method`."""
+    its rounds on `method` (with `beside`: no speculation's requests sent in turn with
+    that method's)."""
     totals: dict[tuple[str, int], _PromptTotals] = {}
     for r in records:
         if (r.method, r.depth) != method or category not in (OVERALL, r.category):
+            continue
+        if r.beside != beside:
             continue
         t = totals.get(r.prompt, _PromptTotals())
         totals[r.prompt] = _PromptTotals(
@@ -262,8 +273,13 @@ def comparison(
     figure: str,
 ) -> Interval | None:
     """How `methods[0]` compares with `methods[1]` on the prompts both ran: the ratio of
-    their `figure` (`acceptance_length` or `tokens_per_s`), with a paired interval."""
-    a, b = (prompt_totals(records, m, category) for m in methods)
+    their `figure` (`acceptance_length` or `tokens_per_s`), with a paired interval.
+    Against no speculation, its requests sent in turn with `methods[0]`'s where there
+    are any (`PromptFigures.beside`)."""
+    a = prompt_totals(records, methods[0], category)
+    beside = label(methods[0])
+    interleaved = methods[1] == NONE and any(r.beside == beside for r in records)
+    b = prompt_totals(records, methods[1], category, beside if interleaved else None)
     shared = [p for p in a if p in b]
     if not shared:
         return None
@@ -321,14 +337,6 @@ def lossless_count(pairs: Iterable[tuple[Generation, Generation]]) -> int:
     return sum(same_generation(a, b) for a, b in pairs)
 
 
-def speedup(figures: BenchmarkFigures, rows: Sequence[BenchmarkFigures]) -> float | None:
-    """tokens/s ÷ the `none` method's tokens/s on the same category; None without one."""
-    base = next((r for r in rows if r.category == figures.category and r.method == "none"), None)
-    if base is None or not base.tokens_per_s:
-        return None
-    return figures.tokens_per_s / base.tokens_per_s
-
-
 def with_overall(rows: Sequence[BenchmarkFigures]) -> list[BenchmarkFigures]:
     """The per-category rows followed by one `OVERALL` row per method (`combined`)."""
     per_category = [r for r in rows if r.category != OVERALL]
@@ -351,7 +359,8 @@ class MethodRun:
     figures: list[BenchmarkFigures] = field(default_factory=list)
     answers: dict[str, list[list[Answer]]] = field(default_factory=dict)
     records: list[PromptFigures] = field(default_factory=list)
-    """One per request, every figure is summed from (`figures_of`)."""
+    """One per request, every figure is summed from (`figures_of`); then no speculation's
+    requests sent in turn with them (`PromptFigures.beside`), if any."""
     whole_run: BenchmarkFigures | None = None
     """vLLM's counters over the whole run: what the records must add up to."""
     not_run: str | None = None  # vLLM's refusal to start it
@@ -390,3 +399,19 @@ class BenchmarkReport:
     def records(self) -> list[PromptFigures]:
         """Every request of every method, the prompt-level figures intervals come from."""
         return [r for run in self.runs.values() for r in run.records]
+
+    @cached_property
+    def row_intervals(self) -> dict[tuple[str, Method], FigureIntervals]:
+        """Each row's intervals by (category, method), bootstrapped once for every
+        table, plot and line that shows them."""
+        records = self.records
+        return {
+            (f.category, method_of(f)): intervals(records, method_of(f), f.category)
+            for f in self.rows
+        }
+
+    def speedup(self, row: BenchmarkFigures) -> float | None:
+        """The row's tokens/s ÷ no speculation's on the same prompts (paired with the
+        requests sent in turn with it); None for `none` itself."""
+        found = self.row_intervals[(row.category, method_of(row))].speedup
+        return found.value if found else None
