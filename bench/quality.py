@@ -36,13 +36,8 @@ def run(draft: str = DRAFT) -> dict[str, Any]:
     from mm_assets.assets.partitions import REGISTRY
     from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
     from mm_assets.domain.model.acceptance import OVERALL
-    from mm_assets.domain.model.benchmark import (
-        NONE,
-        BenchmarkSettings,
-        comparison,
-        intervals,
-        method_of,
-    )
+    from mm_assets.domain.model.benchmark import NONE, comparison, intervals, method_of
+    from mm_assets.domain.model.settings import BenchmarkSettings
     from mm_assets.services.benchmarking import benchmark, load_benchmark
     from mm_assets.services.engine import DraftUnderTest
     from mm_assets.services.media import media_root

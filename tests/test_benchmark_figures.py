@@ -171,7 +171,7 @@ def test_a_rows_intervals_resample_conversations_and_the_speedup_is_paired() -> 
 
 
 def test_benchmarking_refuses_external_servers_it_cannot_reconfigure(tmp_path) -> None:
-    from mm_assets.domain.model.benchmark import BenchmarkSettings
+    from mm_assets.domain.model.settings import BenchmarkSettings
     from mm_assets.services.benchmarking import benchmark
     from mm_assets.services.engine import Serving, VllmEngine
 
@@ -197,7 +197,8 @@ def test_a_speedup_pairs_with_no_speculation_sent_in_turn_with_it() -> None:
 
 def test_methods_are_sent_each_batch_in_turn_the_order_rotating_and_grouped_by_depth() -> None:
     from mm_assets.domain.model.benchmark import NONE
-    from mm_assets.services.benchmarking import _batches, _groups, _turns
+    from mm_assets.services.benchmarking import _groups
+    from mm_assets.services.method_runs import _batches, _turns
 
     methods = [NONE, ("ngram", 3), ("eagle3", 3)]
     firsts = [_turns(methods, at)[0] for at in range(6)]

@@ -22,11 +22,12 @@ import torch
 from mm_assets.clients.vllm_server import EngineOptions
 from mm_assets.common.hashing import file_sha256
 from mm_assets.domain.model.acceptance import OVERALL
-from mm_assets.domain.model.benchmark import BenchmarkReport, BenchmarkSettings, combined
+from mm_assets.domain.model.benchmark import BenchmarkReport, combined
 from mm_assets.domain.model.checkpoint import checkpoint_config
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 from mm_assets.domain.model.hidden_states import default_layer_ids, text_config_facts
+from mm_assets.domain.model.settings import BenchmarkSettings
 from mm_assets.services.benchmarking import benchmark
 from mm_assets.services.engine import DraftUnderTest, Serving, VllmEngine
 from mm_assets.services.target import load_target_head

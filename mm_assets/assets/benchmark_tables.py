@@ -11,13 +11,8 @@ import dagster as dg
 
 from mm_assets.assets.metadata import benchmark_plot
 from mm_assets.domain.model.acceptance import OVERALL
-from mm_assets.domain.model.benchmark import (
-    NONE,
-    BenchmarkSettings,
-    Method,
-    comparison,
-    method_of,
-)
+from mm_assets.domain.model.benchmark import NONE, Method, comparison, method_of
+from mm_assets.domain.model.settings import BenchmarkSettings
 
 if TYPE_CHECKING:
     from mm_assets.domain.model.benchmark import BenchmarkFigures, BenchmarkReport

@@ -32,7 +32,8 @@ from mm_assets.assets.partitions import (
 )
 from mm_assets.assets.prep import normalized_conversations
 from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
-from mm_assets.domain.model.benchmark import BENCHMARK_VERSION, BenchmarkSettings
+from mm_assets.domain.model.benchmark import BENCHMARK_VERSION
+from mm_assets.domain.model.settings import BenchmarkSettings
 from mm_assets.services.media import media_root
 from mm_assets.storage.layout import StorageLayout, has_weights
 

@@ -10,10 +10,10 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from mm_assets.domain.model.benchmark import BenchmarkSettings
 from mm_assets.domain.model.hidden_states import ExtractionSettings
 from mm_assets.domain.model.responses import ResponseSettings
 from mm_assets.domain.model.settings import (
+    BenchmarkSettings,
     MeasurementSettings,
     OnlineSettings,
     SpeculatorSettings,

@@ -12,11 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from mm_assets.common.request_settings import MAX_CONCURRENCY
 from mm_assets.domain.model.acceptance import OVERALL, Acceptance, WithAcceptance, combine
 from mm_assets.domain.model.intervals import Interval, paired_ratio_interval, ratio_interval
 
@@ -25,47 +22,10 @@ Turn = dict[str, Any]
 # reuse key of recorded figures holds it). 3: figures from per-prompt records; 4: methods
 # interleaved, each speedup paired with no speculation sent beside it.
 BENCHMARK_VERSION = "4"
-MAX_DEPTH = 16
 Method = tuple[str, int | None]
 """A method at a depth: ("eagle3", 3), ("ngram", 5); ("none", None) speculates nothing."""
 NONE: Method = ("none", None)
 DEFAULT_DEPTH = 3  # n-gram's, when no draft says its own
-
-
-class BenchmarkSettings(BaseModel):
-    """How a benchmark is run, declared once (the asset's config is made from it)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    max_tokens: int = Field(default=128, ge=1, description="Tokens generated per request.")
-    concurrency: int = Field(
-        default=1,
-        ge=1,
-        le=MAX_CONCURRENCY,
-        description="Requests in flight. 1: the latency regime speculative decoding is for; "
-        "at most 1024, as for the other stages' requests.",
-    )
-    speculative_tokens: list[Annotated[int, Field(ge=1, le=MAX_DEPTH)]] | None = Field(
-        default=None,
-        min_length=1,
-        description="Depths (tokens proposed per step) the draft and n-gram are measured at, "
-        "one server each, e.g. [1, 3, 5]: where speculation pays on this hardware. None: "
-        "the draft's own (n-gram: the draft's, or 3).",
-    )
-    prompt_lookup_min: int = Field(default=2, ge=1, description="n-gram: shortest match.")
-    prompt_lookup_max: int = Field(default=4, ge=1, description="n-gram: longest match.")
-    max_prompts_per_category: int | None = Field(
-        default=None, ge=1, description="Conversations measured per category; None: all."
-    )
-    warmup_max_tokens: int = Field(
-        default=8, ge=1, description="Tokens of the warm-up request sent to each server."
-    )
-    start_servers_together: bool | None = Field(
-        default=None,
-        description="Start the methods' servers at once (their start-ups overlap), then "
-        "measure each in turn while the others idle; else one at a time. None: together "
-        "on CPU, one at a time on a GPU (each server would claim most of its memory).",
-    )
 
 
 @dataclass(frozen=True)

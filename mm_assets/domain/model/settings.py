@@ -7,7 +7,7 @@ Neither the device (it does not change what is learned) nor the layer ids (decid
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -232,4 +232,43 @@ class OnlineSettings(BaseModel):
         le=64,
         description="Online only. Batches whose states are requested ahead of the one training; "
         "at most 64: each holds its states on disk until it trains.",
+    )
+
+
+MAX_DEPTH = 16
+
+
+class BenchmarkSettings(BaseModel):
+    """How a benchmark is run, declared once (the asset's config is made from it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(default=128, ge=1, description="Tokens generated per request.")
+    concurrency: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_CONCURRENCY,
+        description="Requests in flight. 1: the latency regime speculative decoding is for; "
+        "at most 1024, as for the other stages' requests.",
+    )
+    speculative_tokens: list[Annotated[int, Field(ge=1, le=MAX_DEPTH)]] | None = Field(
+        default=None,
+        min_length=1,
+        description="Depths (tokens proposed per step) the draft and n-gram are measured at, "
+        "one server each, e.g. [1, 3, 5]: where speculation pays on this hardware. None: "
+        "the draft's own (n-gram: the draft's, or 3).",
+    )
+    prompt_lookup_min: int = Field(default=2, ge=1, description="n-gram: shortest match.")
+    prompt_lookup_max: int = Field(default=4, ge=1, description="n-gram: longest match.")
+    max_prompts_per_category: int | None = Field(
+        default=None, ge=1, description="Conversations measured per category; None: all."
+    )
+    warmup_max_tokens: int = Field(
+        default=8, ge=1, description="Tokens of the warm-up request sent to each server."
+    )
+    start_servers_together: bool | None = Field(
+        default=None,
+        description="Start the methods' servers at once (their start-ups overlap), then "
+        "measure each in turn while the others idle; else one at a time. None: together "
+        "on CPU, one at a time on a GPU (each server would claim most of its memory).",
     )
