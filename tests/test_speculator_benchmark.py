@@ -119,6 +119,11 @@ def test_every_category_and_method_is_measured_from_vllms_counters(benchmarked: 
         if row["drafts"]:
             assert row["acceptance_low"] <= row["acceptance_length"] <= row["acceptance_high"]
     requests = _rows(table="speculator_benchmark_prompts")  # what the figures sum
+    beside = [r for r in requests if r["beside"] is not None]  # the speedups' pairs
+    assert {r["beside"] for r in beside} == {"ngram@3", "eagle3@3"}
+    assert {r["method"] for r in beside} == {"none"}
+    requests = [r for r in requests if r["beside"] is None]
+    assert len(beside) == 2 * len([r for r in requests if r["method"] == "none"])
     for row in rows:
         mine = [r for r in requests if r["method"] == row["method"]]
         mine = [r for r in mine if row["category"] in ("overall", r["category"])]

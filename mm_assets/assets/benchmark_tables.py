@@ -209,7 +209,7 @@ def overall_numbers(bench: str, report: BenchmarkReport) -> dict[str, float]:
             continue
         if f.acceptance_length is not None:
             out[f"{bench} {f.method} acceptance"] = f.acceptance_length
-        if (ratio := report.speedup(f)) is not None:
+        if (ratio := report.speedup(f)) is not None and f.method != "none":
             out[f"{bench} {f.method} speedup"] = ratio
         out[f"{bench} {f.method} tokens/s"] = f.tokens_per_s
     return out

@@ -372,6 +372,8 @@ class BenchmarkReport:
 
     def speedup(self, row: BenchmarkFigures) -> float | None:
         """The row's tokens/s ÷ no speculation's on the same prompts (paired with the
-        requests sent in turn with it); None for `none` itself."""
+        requests sent in turn with it); 1.0 for `none` itself."""
+        if method_of(row) == NONE:
+            return 1.0
         found = self.row_intervals[(row.category, method_of(row))].speedup
         return found.value if found else None
