@@ -76,8 +76,8 @@ def run(draft: str = DRAFT) -> dict[str, Any]:
         }
     depths = sorted({f.depth for f in report.rows} - {None})
     paired = {
-        f"{category} eagle3/{other[0]} at {depth} {figure}": _interval(
-            comparison(report.records, (("eagle3", depth), other), category, figure)
+        f"{category} {report.draft_method}/{other[0]} at {depth} {figure}": _interval(
+            comparison(report.records, ((report.draft_method, depth), other), category, figure)
         )
         for depth in depths
         for category in [*prompts.categories, OVERALL]

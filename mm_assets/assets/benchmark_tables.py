@@ -21,7 +21,12 @@ if TYPE_CHECKING:
 
 TABLE = "speculator_benchmarks"
 PROMPTS_TABLE = "speculator_benchmark_prompts"
-METHOD_NAMES = {"eagle3": "draft (EAGLE-3)", "ngram": "n-gram", "none": "no speculation"}
+METHOD_NAMES = {
+    "eagle3": "draft (EAGLE-3)",
+    "dflash": "draft (DFlash)",
+    "ngram": "n-gram",
+    "none": "no speculation",
+}
 
 
 def table_rows(
@@ -193,7 +198,8 @@ def benchmark_metadata(bench: str, report: BenchmarkReport) -> dict[str, Any]:
         bench: dg.MetadataValue.table(records, schema=dg.TableSchema(columns=RESULT_COLUMNS)),
         f"{bench} plot": benchmark_plot(bench, shown, report.speedup),
     }
-    versus = versus_table(report, (("eagle3", report.depth), ("ngram", report.depth)))
+    draft, depth = report.draft_method, report.depth
+    versus = draft and versus_table(report, ((draft, depth), ("ngram", depth)))
     if versus is not None:
         out[f"{bench} draft vs n-gram"] = versus
     if len({f.depth for f in report.rows} - {None}) > 1:

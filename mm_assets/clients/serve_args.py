@@ -27,11 +27,20 @@ def extraction_args(layer_ids: Sequence[int], hidden_states_dir: Path, connector
     return [*configs, "--enable-scale-out"]
 
 
-def speculative_decoding_args(draft_dir: Path, num_speculative_tokens: int) -> list[str]:
-    """Server arguments that serve the target with a trained EAGLE-3 draft."""
+DRAFT_METHODS = ("eagle3", "dflash")
+"""vLLM's `method` for each draft family's checkpoint: its `speculators_model_type`."""
+
+
+def speculative_decoding_args(
+    draft_dir: Path, num_speculative_tokens: int, method: str = "eagle3"
+) -> list[str]:
+    """Server arguments that serve the target with a trained draft (`method`: its
+    family, one of `DRAFT_METHODS`)."""
+    if method not in DRAFT_METHODS:
+        raise ValueError(f"draft method {method!r} is not one of {DRAFT_METHODS}")
     config = {
         "model": str(draft_dir),
-        "method": "eagle3",
+        "method": method,
         "num_speculative_tokens": num_speculative_tokens,
     }
     return ["--speculative-config", json.dumps(config), *PER_REQUEST_ACCEPTANCE]

@@ -191,7 +191,7 @@ def _benchmark_table(drafts: tuple[str, ...], bench: str) -> str:
             FROM latest d
             JOIN latest g USING (draft, category)
             JOIN latest n USING (draft, category)
-            WHERE d.method = 'eagle3' AND g.method = 'ngram' AND n.method = 'none'
+            WHERE d.method NOT IN ('none', 'ngram') AND g.method = 'ngram' AND n.method = 'none'
               AND g.speculative_tokens = d.speculative_tokens
             ORDER BY d.draft, d.category = 'overall', d.category
             """,
@@ -262,16 +262,22 @@ def _comparisons(bench: str, measured: dict[str, tuple[str, int]]) -> list[str]:
     """Each draft against n-gram, then each pair of drafts (their requests, paired)."""
     from dataclasses import replace
 
+    from mm_assets.domain.model.benchmark import BASELINES
+
     records = {d: _benchmark_records(d, bench, m) for d, (m, _) in measured.items()}
+    family = {
+        d: next((r.method for r in rs if r.method not in BASELINES), "")
+        for d, rs in records.items()
+    }
     lines = [
-        f"      {d}: against n-gram {_paired(records[d], (('eagle3', k), ('ngram', k)))}"
+        f"      {d}: against n-gram {_paired(records[d], ((family[d], k), ('ngram', k)))}"
         for d, (_, k) in measured.items()
     ]
     drafts = list(measured)
     for i, a in enumerate(drafts):
         for b in drafts[i + 1 :]:
             both = [
-                replace(r, method=d) for d in (a, b) for r in records[d] if r.method == "eagle3"
+                replace(r, method=d) for d in (a, b) for r in records[d] if r.method == family[d]
             ]
             pair = ((a, measured[a][1]), (b, measured[b][1]))
             lines.append(f"      {a} against {b} {_paired(both, pair)}")

@@ -141,7 +141,7 @@ def _plan(
         if draft is not None:
             key = json_sha256([base_key, draft.weights_sha256, depth])
             served = dataclasses.replace(draft, speculative_tokens=depth).serve_args()
-            keys[("eagle3", depth)] = (key, served, f"draft{depth}")
+            keys[(draft.method, depth)] = (key, served, f"draft{depth}")
     return {
         m: (key, args, cache_dir / f"benchmark_{name}_{key[:20]}.json")
         for m, (key, args, name) in keys.items()

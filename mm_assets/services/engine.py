@@ -21,7 +21,11 @@ from pathlib import Path
 
 from mm_assets.clients.connector_files import ConnectorDir
 from mm_assets.clients.media_urls import ServerAccess
-from mm_assets.clients.serve_args import extraction_args, speculative_decoding_args
+from mm_assets.clients.serve_args import (
+    DRAFT_METHODS,
+    extraction_args,
+    speculative_decoding_args,
+)
 from mm_assets.clients.vllm_server import EngineOptions, ManagedVllmServer
 from mm_assets.common.urls import shown_url
 from mm_assets.domain.model.hidden_states import TextConfigFacts, resolve_dtype, text_config_facts
@@ -171,18 +175,28 @@ class DraftUnderTest:
     dir: Path
     weights_sha256: str
     speculative_tokens: int
+    method: str = "eagle3"
+    """Its family, as vLLM names the method (`DRAFT_METHODS`)."""
 
     @classmethod
     def at(cls, directory: Path) -> DraftUnderTest:
-        """The checkpoint in `directory` as written (`config.json`, `model.safetensors`)."""
+        """The checkpoint in `directory` as written (`config.json`, `model.safetensors`);
+        refused when its config names a family vLLM is not served with here."""
         from mm_assets.common.hashing import file_sha256
         from mm_assets.domain.model.checkpoint import speculative_tokens
 
         config = json.loads((directory / "config.json").read_text())
-        return cls(directory, file_sha256(weights(directory)), speculative_tokens(config))
+        method = config.get("speculators_model_type")
+        if method not in DRAFT_METHODS:
+            raise ValueError(
+                f"{directory / 'config.json'}: speculators_model_type {method!r} is not one "
+                f"of {DRAFT_METHODS}; point at a draft trained here or in speculators' format"
+            )
+        weights_sha256 = file_sha256(weights(directory))
+        return cls(directory, weights_sha256, speculative_tokens(config), method)
 
     def serve_args(self) -> list[str]:
-        return speculative_decoding_args(self.dir, self.speculative_tokens)
+        return speculative_decoding_args(self.dir, self.speculative_tokens, self.method)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ BENCHMARK_VERSION = "4"
 Method = tuple[str, int | None]
 """A method at a depth: ("eagle3", 3), ("ngram", 5); ("none", None) speculates nothing."""
 NONE: Method = ("none", None)
+BASELINES = ("none", "ngram")
+"""The methods a draft is compared with; any other method is a draft's family."""
 DEFAULT_DEPTH = 3  # n-gram's, when no draft says its own
 
 
@@ -346,6 +348,11 @@ class BenchmarkReport:
     def shown(self) -> list[BenchmarkFigures]:
         """The rows at `depth`, and no speculation's."""
         return [f for f in self.rows if f.depth in (None, self.depth)]
+
+    @property
+    def draft_method(self) -> str | None:
+        """The draft's family as vLLM names its method (None: no draft benchmarked)."""
+        return next((r.method for r in self.runs.values() if r.method not in BASELINES), None)
 
     @property
     def not_run(self) -> dict[str, str]:

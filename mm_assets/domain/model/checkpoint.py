@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mm_assets.domain.model.draft_parts import DraftModel
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
 
 FORMAT_VERSION = "0.9.0"  # the speculators release whose format this follows
@@ -106,7 +107,8 @@ def fit_problems(config: dict[str, Any], target: Eagle3Config, layer_ids: list[i
     return problems
 
 
-def draft_state(model: Eagle3Draft) -> dict[str, torch.Tensor]:
+def draft_state(model: DraftModel) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint holds, of any family: the teacher is the verifier's."""
     state = {
         k: v.detach().contiguous()
         for k, v in model.state_dict().items()

@@ -17,7 +17,6 @@ sample is not counted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,7 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mm_assets.domain.model.draft_vocab import DraftVocab
+from mm_assets.domain.model.draft_parts import (
+    MLP,
+    DraftModel,
+    RMSNorm,
+    StepStats,
+    Teacher,
+    apply_rotary,
+    rotary,
+)
 from mm_assets.domain.model.losses import KL, LossRecipe
 from mm_assets.domain.model.settings import SpeculatorSettings
 from mm_assets.domain.model.training_data import Batch
@@ -81,31 +88,6 @@ def draft_config(target_config: dict[str, Any], settings: SpeculatorSettings) ->
     return replace(cfg, **{name: getattr(settings, name) for name in norms})
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, ...]:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat([freqs, freqs], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
@@ -137,17 +119,6 @@ class Attention(nn.Module):
         return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: Eagle3Config) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class FirstLayer(nn.Module):
     """The draft's decoder layer; parameter names are those vLLM and speculators load."""
 
@@ -158,7 +129,7 @@ class FirstLayer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, embeds, hidden, positions, cache, mask) -> torch.Tensor:
         normed_hidden = self.hidden_norm(hidden)
@@ -178,44 +149,11 @@ def ttt_mask(segment: torch.Tensor, step: int) -> torch.Tensor:
     return torch.cat([causal | eye, *([eye] * step)], dim=1)
 
 
-@dataclass
-class StepStats:
-    loss: torch.Tensor
-    correct: torch.Tensor  # [N] bool, argmax agrees with the teacher
-    valid: torch.Tensor  # [N] bool, counted positions
-
-
-@dataclass
-class _Teacher:
-    """The target's distributions where the loss reads them. `last_hidden` holds layer L
-    at the `loss_mask` positions only (a minority of multimodal rows); `slot` maps a
-    position of the batch to its row."""
-
-    log_p: torch.Tensor  # [M, draft vocab]
-    top: torch.Tensor  # [M]
-    slot: torch.Tensor  # [N]
-
-    @classmethod
-    @torch.no_grad()
-    def of(cls, draft: Eagle3Draft, last_hidden: torch.Tensor, loss_mask: torch.Tensor):
-        needed = loss_mask.nonzero().squeeze(-1)
-        if last_hidden.shape[0] != needed.numel():
-            raise ValueError(
-                f"last_hidden has {last_hidden.shape[0]} rows for {needed.numel()} "
-                "supervised positions; pass layer L at the loss_mask positions only"
-            )
-        slot = torch.zeros(loss_mask.shape[0], dtype=torch.long, device=loss_mask.device)
-        slot[needed] = torch.arange(needed.numel(), device=loss_mask.device)
-        logits = draft.verifier_lm_head(draft.verifier_norm(last_hidden)).float()
-        return cls(F.log_softmax(logits, dim=-1), logits.argmax(-1), slot)
-
-
-class Eagle3Draft(nn.Module):
+class Eagle3Draft(DraftModel):
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self._embeddings()
         self.fc = nn.Linear(cfg.num_aux * cfg.hidden_size, cfg.hidden_size, bias=False)
         if cfg.norm_before_fc:
             self.input_norm = RMSNorm(cfg.num_aux * cfg.hidden_size, cfg.rms_norm_eps)
@@ -224,45 +162,7 @@ class Eagle3Draft(nn.Module):
             self.fc_norm = nn.ModuleList(norms)
         self.layers = nn.ModuleList([FirstLayer(cfg)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.lm_head.weight.requires_grad_(cfg.train_lm_head)
-        # the frozen teacher: the target's final norm and its lm_head rows of the draft vocab
-        self.verifier_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.verifier_norm.weight.requires_grad_(False)
-        self.verifier_lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.verifier_lm_head.weight.requires_grad_(False)
-        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-
-    def init_from_target(
-        self,
-        embed: torch.Tensor,
-        lm_head: torch.Tensor,
-        final_norm: torch.Tensor,
-        vocab: DraftVocab,
-    ) -> None:
-        """Frozen parts from the target; the draft head starts as the teacher's head."""
-        self.attach_target(embed, lm_head, final_norm, vocab)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(lm_head[vocab.selected])
-
-    def attach_target(
-        self,
-        embed: torch.Tensor,
-        lm_head: torch.Tensor,
-        final_norm: torch.Tensor,
-        vocab: DraftVocab,
-    ) -> None:
-        """The frozen parts from the target (embeddings, and the teacher: its final norm
-        and lm_head rows of `vocab`), leaving the trained weights as they are."""
-        if vocab.size != self.cfg.draft_vocab_size:
-            raise ValueError(f"draft vocab {vocab.size} != model's {self.cfg.draft_vocab_size}")
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(embed)
-            self.verifier_lm_head.weight.copy_(lm_head[vocab.selected])
-            self.verifier_norm.weight.copy_(final_norm)
-            self.t2d.copy_(vocab.t2d)
-            self.d2t.copy_(vocab.d2t)
+        self._heads()
 
     def aux_normed(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """The auxiliary states as `fc` reads them: under `norm_before_fc` one norm over
@@ -273,23 +173,6 @@ class Eagle3Draft(nn.Module):
             chunks = aux_hidden.chunk(self.cfg.num_aux, dim=-1)
             aux_hidden = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks, strict=True)], -1)
         return aux_hidden
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        if self.cfg.draft_vocab_size == self.cfg.vocab_size:
-            return draft_ids
-        return draft_ids + self.d2t[draft_ids]
-
-    @torch.no_grad()
-    def target_greedy_tokens(
-        self, last_hidden: torch.Tensor, full_lm_head: torch.Tensor, chunk: int = 512
-    ) -> torch.Tensor:
-        """The target's greedy next token at each position (final norm + full lm_head),
-        in chunks so `[N, V]` logits are never held at once."""
-        out = [
-            (self.verifier_norm(last_hidden[i : i + chunk]).float() @ full_lm_head.T).argmax(-1)
-            for i in range(0, last_hidden.shape[0], chunk)
-        ]
-        return torch.cat(out)
 
     def forward(
         self,
@@ -306,7 +189,7 @@ class Eagle3Draft(nn.Module):
         teacher's best token inside the draft vocabulary."""
         segment, loss_mask, ids = batch.segment, batch.loss_mask, batch.input_ids
         n = ids.shape[0]
-        teacher = _Teacher.of(self, batch.last_hidden, loss_mask)
+        teacher = Teacher.of(self, batch.last_hidden, loss_mask)
         hidden = self.fc(self.aux_normed(batch.aux_hidden))
         cache: KVCache = []
         total = hidden.new_zeros((), dtype=torch.float32)
@@ -336,10 +219,3 @@ class Eagle3Draft(nn.Module):
             stats.append(StepStats(step_loss.detach(), correct, valid))
             ids = torch.cat([ids[1:], ids.new_zeros(1)])
         return total, stats
-
-
-def leading_correct(correct: Sequence[torch.Tensor], valid: Sequence[torch.Tensor]) -> torch.Tensor:
-    """[N] per position: how many leading draft steps were counted and right (the
-    draft tokens vLLM would accept from a chain starting there)."""
-    right = torch.stack([c & v for c, v in zip(correct, valid, strict=True)]).long()
-    return right.cumprod(dim=0).sum(dim=0)

@@ -25,7 +25,7 @@ from mm_assets.common.crashpoints import crash_point
 from mm_assets.common.hashing import json_sha256
 from mm_assets.common.progress import Progress
 from mm_assets.domain.model.acceptance import replay_runs
-from mm_assets.domain.model.eagle3 import Eagle3Draft, leading_correct
+from mm_assets.domain.model.draft_parts import DraftModel, leading_correct
 from mm_assets.domain.model.losses import LossRecipe
 from mm_assets.domain.model.optimization import Optimizers, optimizers
 from mm_assets.domain.model.selection import EpochChoice, Evaluation
@@ -95,9 +95,7 @@ class TrainResult:
     """Equal for equal rows, settings and seed, wherever the hidden states come from."""
 
 
-def _fingerprint(
-    settings: SpeculatorSettings, refs: Sequence[SampleRef], model: Eagle3Draft
-) -> str:
+def _fingerprint(settings: SpeculatorSettings, refs: Sequence[SampleRef], model: DraftModel) -> str:
     """What a saved training state belongs to: settings, model shape and rows."""
     rows = [[ref.row_id, ref.path] for ref in refs]
     return json_sha256([settings.model_dump(), asdict(model.cfg), rows])
@@ -108,7 +106,7 @@ def _autocast(device: torch.device) -> torch.autocast:
 
 
 def evaluate(
-    model: Eagle3Draft,
+    model: DraftModel,
     refs: Sequence[SampleRef],
     settings: SpeculatorSettings,
     full_lm_head: torch.Tensor | None = None,
@@ -175,7 +173,7 @@ def _resume(
 class _Steps:
     """Optimizer steps over packed batches on this rank (every world-th batch)."""
 
-    model: Eagle3Draft
+    model: DraftModel
     runner: torch.nn.Module
     optimizer: Optimizers
     settings: SpeculatorSettings
@@ -291,7 +289,7 @@ class TrainingRun:
 
 
 def train(
-    model: Eagle3Draft,
+    model: DraftModel,
     train_refs: Sequence[SampleRef],
     held_out_refs: Sequence[SampleRef],
     settings: SpeculatorSettings,
