@@ -70,7 +70,7 @@ def _run(side: str, workdir: Path) -> float:
     torch.manual_seed(0)
     batches = [load_file(str(workdir / f"batch{b}.safetensors")) for b in range(BATCHES)]
     if side == "ours":
-        from mm_assets.domain.model.checkpoint import draft_from
+        from mm_assets.domain.model.families import draft_from
         from mm_assets.domain.model.training_data import Batch
         from mm_assets.services.target import load_target_head
         from mm_assets.storage.checkpoints import read_checkpoint

@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mm_assets.domain.model.checkpoint import checkpoint_config
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
+from mm_assets.domain.model.families import FAMILIES
 from mm_assets.domain.model.losses import LOSSES, LossRecipe, position_losses
 from mm_assets.domain.model.training_data import SampleRef, load_batch
 from mm_assets.services.target import load_target_head
@@ -59,6 +60,8 @@ print(json.dumps({
     "lm_head": state["lm_head.weight"].flatten()[:5].tolist(),
 }))
 """
+
+EAGLE3 = FAMILIES["eagle3"]
 
 
 @pytest.fixture(scope="module")
@@ -230,11 +233,11 @@ def test_a_draft_saved_by_speculators_starts_a_training_here(
     theirs = json.loads(proc.stdout.strip().splitlines()[-1])
 
     source = locate(str(published), StorageLayout(tmp_path))
-    warm, warm_vocab = warm_draft(source, cfg, [1, 2, 3, 4], head.embed_tokens)
+    warm, warm_vocab = warm_draft(source, EAGLE3, cfg, [1, 2, 3, 4], head.embed_tokens)
     assert warm.fc.weight.flatten()[:5].tolist() == pytest.approx(theirs["fc"], abs=0)
     assert torch.equal(warm_vocab.selected, vocab.selected)
     assert torch.equal(
         warm.layers[0].self_attn.q_proj.weight, model.layers[0].self_attn.q_proj.weight
     )
     with pytest.raises(ValueError, match=r"auxiliary layer ids \[1, 2, 3\] ≠ \[2, 3, 4\]"):
-        warm_draft(source, cfg, [2, 3, 4, 5], head.embed_tokens)
+        warm_draft(source, EAGLE3, cfg, [2, 3, 4, 5], head.embed_tokens)

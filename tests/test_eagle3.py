@@ -12,10 +12,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mm_assets.domain.model.acceptance import Acceptance, combine, replay_runs, summarize
-from mm_assets.domain.model.checkpoint import checkpoint_config, draft_from
+from mm_assets.domain.model.checkpoint import checkpoint_config
 from mm_assets.domain.model.draft_parts import leading_correct
 from mm_assets.domain.model.draft_vocab import build_draft_vocab, draft_vocab_from_mapping
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft, ttt_mask
+from mm_assets.domain.model.families import draft_from
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION
 from mm_assets.domain.model.settings import SpeculatorSettings
 from mm_assets.domain.model.trainer import (

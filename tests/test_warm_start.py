@@ -12,10 +12,13 @@ import torch
 
 from mm_assets.common.hashing import file_sha256
 from mm_assets.domain.model.checkpoint import checkpoint_config
+from mm_assets.domain.model.families import FAMILIES
 from mm_assets.services.training import save_checkpoint
 from mm_assets.services.warm_start import HUB_FILES, locate, warm_draft
 from mm_assets.storage.layout import StorageLayout
 from tests.test_eagle3 import CFG, _model
+
+EAGLE3 = FAMILIES["eagle3"]
 
 
 def _saved(folder: Path, layer_ids: list[int] = [1, 2, 3]) -> Path:  # noqa: B006
@@ -48,14 +51,16 @@ def test_a_hub_id_that_cannot_be_fetched_says_what_was_tried(
 def test_a_draft_for_another_target_is_refused_saying_which_part_differs(tmp_path: Path) -> None:
     source = locate(str(_saved(tmp_path / "d")), StorageLayout(tmp_path))
     embed = torch.zeros(CFG.vocab_size, CFG.hidden_size)
-    model, vocab = warm_draft(source, CFG, [1, 2, 3, 4], embed)
+    model, vocab = warm_draft(source, EAGLE3, CFG, [1, 2, 3, 4], embed)
     assert vocab.size == CFG.draft_vocab_size and torch.equal(model.d2t, vocab.d2t)
     wider = dataclasses.replace(CFG, hidden_size=128)
     with pytest.raises(ValueError, match="hidden size 64 ≠ the target's 128"):
-        warm_draft(source, wider, [1, 2, 3, 4], embed)
+        warm_draft(source, EAGLE3, wider, [1, 2, 3, 4], embed)
     bigger = dataclasses.replace(CFG, vocab_size=200)
     with pytest.raises(ValueError, match="vocabulary 96 ≠ the target's 200"):
-        warm_draft(source, bigger, [1, 2, 3, 4], embed)
+        warm_draft(source, EAGLE3, bigger, [1, 2, 3, 4], embed)
+    with pytest.raises(ValueError, match="speculators_model_type 'eagle3' ≠ 'dflash'"):
+        warm_draft(source, FAMILIES["dflash"], CFG, [1, 2, 3, 4], embed)
 
 
 def test_a_draft_for_another_target_is_refused_before_its_weights_are_opened(
@@ -68,9 +73,9 @@ def test_a_draft_for_another_target_is_refused_before_its_weights_are_opened(
     (source.path / "model.safetensors").write_bytes(b"not a safetensors file")
     embed = torch.zeros(CFG.vocab_size, CFG.hidden_size)
     with pytest.raises(ValueError, match="hidden size 64 ≠ the target's 128"):
-        warm_draft(source, dataclasses.replace(CFG, hidden_size=128), [1, 2, 3, 4], embed)
+        warm_draft(source, EAGLE3, dataclasses.replace(CFG, hidden_size=128), [1, 2, 3, 4], embed)
     with pytest.raises(Exception, match="header"):
-        warm_draft(source, CFG, [1, 2, 3, 4], embed)
+        warm_draft(source, EAGLE3, CFG, [1, 2, 3, 4], embed)
 
 
 def test_from_the_hub_only_the_drafts_config_and_weights_are_fetched() -> None:

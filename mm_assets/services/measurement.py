@@ -35,6 +35,7 @@ from mm_assets.domain.model.acceptance import (
 )
 from mm_assets.domain.model.benchmark import Generation, lossless_count
 from mm_assets.domain.model.draft_set import SEPARATOR, source_of
+from mm_assets.domain.model.families import family_of
 from mm_assets.domain.model.intervals import Interval, ratio_interval
 from mm_assets.domain.model.settings import MeasurementSettings
 from mm_assets.domain.prep.conversations import reply_prompts, to_vllm_messages
@@ -43,6 +44,7 @@ from mm_assets.services.engine import DraftUnderTest, Serving
 from mm_assets.services.result_tables import write_results
 from mm_assets.services.training import SpeculatorJob, SpeculatorOutcome
 from mm_assets.storage import TableStore
+from mm_assets.storage.checkpoints import read_checkpoint_config
 from mm_assets.storage.layout import StorageLayout
 from mm_assets.storage.layout import weights as weights_file
 from mm_assets.storage.records import load_record, save_record
@@ -250,6 +252,11 @@ class DraftMeasurements:
         return all(f[OVERALL].measured.reused for f in self.served().values())
 
 
+def _method(draft_dir: Path) -> str:
+    """How vLLM serves the draft: its family, as its checkpoint says (checked)."""
+    return family_of(read_checkpoint_config(draft_dir), str(draft_dir)).name
+
+
 def measure_draft(
     job: SpeculatorJob,
     outcome: SpeculatorOutcome,
@@ -267,16 +274,16 @@ def measure_draft(
     replies = source_replies(tables, replayed, sources, settings.vllm_prompts)
     groups = {source: [r.prompt for r in rs] for source, rs in replies.items()}
     max_tokens, ttt_steps = settings.vllm_max_tokens, job.settings.ttt_steps
-    concurrency = settings.vllm_concurrency
-
     served: dict[str, str] = {}  # the table's name for what was served -> its weights
     labels = {"trained": job.partition, "untrained": f"{job.partition}.untrained"}
 
     def measure(name: str, directory: Path, weights: str | None) -> dict[str, Measurement]:
         served[name] = weights = weights or file_sha256(weights_file(directory))
         draft = DraftUnderTest(directory, weights, job.settings.speculative_tokens)
+        draft = dataclasses.replace(draft, method=_method(directory))  # its own family
         record = measurement_record(job.storage_root, job.partition, labels.get(name, name))
-        return measured_groups(serving, draft, groups, (max_tokens, concurrency), record, reuse)
+        limits = (max_tokens, settings.vllm_concurrency)
+        return measured_groups(serving, draft, groups, limits, record, reuse)
 
     def figures(
         measured: dict[str, Measurement], walks: dict[str, list[list[int]]] | None

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from mm_assets.clients.vllm_client import ExtractionRequest
 from mm_assets.common.hashing import file_sha256, json_sha256
 from mm_assets.domain.model.acceptance import replies_of, summarize
-from mm_assets.domain.model.checkpoint import checkpoint_config, draft_shape, draft_state
+from mm_assets.domain.model.checkpoint import draft_state
+from mm_assets.domain.model.draft_parts import DraftModel
 from mm_assets.domain.model.draft_set import (
     SEPARATOR,
     DraftSet,
@@ -28,7 +29,7 @@ from mm_assets.domain.model.draft_set import (
     draft_set,
 )
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
-from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft, draft_config
+from mm_assets.domain.model.families import FAMILIES, DraftConfig, family_of
 from mm_assets.domain.model.hidden_states import LAYER_CONVENTION
 from mm_assets.domain.model.settings import TRAINING_VERSION, SpeculatorSettings
 from mm_assets.domain.model.trainer import (
@@ -131,7 +132,7 @@ class SpeculatorJob:
 @dataclass
 class SpeculatorOutcome:
     checkpoint: Path
-    config: Eagle3Config
+    config: DraftConfig
     result: TrainResult
     untrained_acceptance: float | None
     train_rows: int
@@ -217,9 +218,10 @@ def _reused_outcome(job: SpeculatorJob, key: str, data: TrainingSet) -> Speculat
     untrained = weights(job.untrained_dir)
     if not untrained.is_file() or file_sha256(untrained) != record.get("untrained_sha256"):
         return None
+    config = json.loads((job.checkpoint_dir / "config.json").read_text())
     return SpeculatorOutcome(
         job.checkpoint_dir,
-        draft_shape(json.loads((job.checkpoint_dir / "config.json").read_text())),
+        family_of(config, str(job.checkpoint_dir)).shape(config),
         TrainResult(**record["result"]),
         held_out=data.rows.held_out,
         reused=True,
@@ -266,17 +268,18 @@ def _train(
     device: str,
     resume: bool,
     tracking: Tracking | None,
-) -> tuple[SpeculatorOutcome, Eagle3Draft]:
+) -> tuple[SpeculatorOutcome, DraftModel]:
     settings = job.settings
     torch.manual_seed(settings.seed)
-    cfg = draft_config(job.target_config, settings)
+    family = FAMILIES[settings.draft]
+    cfg = family.new_config(job.target_config, settings)
     head = load_target_head(job.target_dir)
     if job.init is None:
         vocab = build_draft_vocab(data.frequencies, cfg.vocab_size, cfg.draft_vocab_size)
-        model = Eagle3Draft(cfg)
+        model = family.model(cfg)
         model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
     else:
-        model, vocab = warm_draft(job.init, cfg, job.layer_ids, head.embed_tokens)
+        model, vocab = warm_draft(job.init, family, cfg, job.layer_ids, head.embed_tokens)
         model.attach_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
         cfg = model.cfg
     train_refs, held_out = data.train, data.held_out
@@ -330,11 +333,11 @@ def _ranks() -> Ranks:
     return Ranks(dist.get_rank(), dist.get_world_size(), ddp)
 
 
-def save_checkpoint(model: Eagle3Draft, config: dict[str, Any], out_dir: Path) -> Path:
+def save_checkpoint(model: DraftModel, config: dict[str, Any], out_dir: Path) -> Path:
     return write_checkpoint(out_dir, config, draft_state(model))
 
 
-def _checkpoint_config(job: SpeculatorJob, cfg: Eagle3Config, extra: dict[str, Any]) -> dict:
+def _checkpoint_config(job: SpeculatorJob, cfg: DraftConfig, extra: dict[str, Any]) -> dict:
     provenance = {
         "dataset": job.partition,
         "layer_ids": job.layer_ids,
@@ -345,7 +348,7 @@ def _checkpoint_config(job: SpeculatorJob, cfg: Eagle3Config, extra: dict[str, A
         **(job.init.provenance() if job.init else {}),
         **extra,
     }
-    return checkpoint_config(
+    return FAMILIES[job.settings.draft].checkpoint_config(
         cfg,
         job.layer_ids[:3],
         str(job.target_dir),
@@ -355,7 +358,7 @@ def _checkpoint_config(job: SpeculatorJob, cfg: Eagle3Config, extra: dict[str, A
     )
 
 
-def _save(job: SpeculatorJob, model: Eagle3Draft, outcome: SpeculatorOutcome, key: str) -> None:
+def _save(job: SpeculatorJob, model: DraftModel, outcome: SpeculatorOutcome, key: str) -> None:
     """The checkpoint, and the record that lets an identical job reuse it."""
     estimate = {"held_out_acceptance_estimate": outcome.result.held_out_acceptance}
     save_checkpoint(

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 from mm_assets.common.hashing import file_sha256
-from mm_assets.domain.model.checkpoint import draft_from, fit_problems
+from mm_assets.domain.model.draft_parts import DraftModel
 from mm_assets.domain.model.draft_vocab import DraftVocab, draft_vocab_from_mapping
-from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
+from mm_assets.domain.model.families import DraftConfig, DraftFamily, draft_from, fit_problems
 from mm_assets.storage.checkpoints import read_checkpoint_config, read_weights
 from mm_assets.storage.layout import WEIGHTS, StorageLayout, has_weights, weights
 
@@ -87,13 +87,18 @@ def _download(repo_id: str, revision: str) -> tuple[Path, str]:
 
 
 def warm_draft(
-    source: InitSource, target: Eagle3Config, layer_ids: list[int], embed: torch.Tensor
-) -> tuple[Eagle3Draft, DraftVocab]:
-    """The draft as `source` left it, refused when it was made for another target or
-    other states (its config is checked before its weights are opened); its vocabulary.
-    `embed` (the target's) fills in checkpoints that leave the frozen embeddings out."""
+    source: InitSource,
+    family: DraftFamily,
+    target: DraftConfig,
+    layer_ids: list[int],
+    embed: torch.Tensor,
+) -> tuple[DraftModel, DraftVocab]:
+    """The draft as `source` left it, refused when it is of another family or was made
+    for another target or other states (its config is checked before its weights are
+    opened); its vocabulary. `embed` (the target's) fills in checkpoints that leave the
+    frozen embeddings out."""
     config = read_checkpoint_config(source.path)
-    problems = fit_problems(config, target, layer_ids)
+    problems = fit_problems(config, family, target, layer_ids)
     if problems:
         raise ValueError(
             f"init_from {source.given!r} ({source.path}) does not fit this target: "

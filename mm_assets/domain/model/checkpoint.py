@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from mm_assets.domain.model.draft_parts import DraftModel
-from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
+from mm_assets.domain.model.eagle3 import Eagle3Config
 
 FORMAT_VERSION = "0.9.0"  # the speculators release whose format this follows
-_NOT_SAVED = ("verifier_norm.", "verifier_lm_head.")
+NOT_SAVED = ("verifier_norm.", "verifier_lm_head.")
 # what the draft's layer config carries of `Eagle3Config` (written, and read back)
 # fmt: off
 _LAYER_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -83,36 +83,12 @@ def speculative_tokens(config: dict[str, Any]) -> int:
     return int(methods[spec["default_proposal_method"]]["speculative_tokens"])
 
 
-def fit_problems(config: dict[str, Any], target: Eagle3Config, layer_ids: list[int]) -> list[str]:
-    """Why a draft's checkpoint cannot start a draft of this target (empty: it can): its
-    hidden size, vocabulary and auxiliary layer ids must be the target's and the states'."""
-    layer = config.get("transformer_layer_config") or {}
-    problems = []
-    if layer.get("hidden_size") != target.hidden_size:
-        problems.append(
-            f"hidden size {layer.get('hidden_size')} ≠ the target's {target.hidden_size}"
-        )
-    if layer.get("vocab_size") != target.vocab_size:
-        problems.append(f"vocabulary {layer.get('vocab_size')} ≠ the target's {target.vocab_size}")
-    aux = config.get("eagle_aux_hidden_state_layer_ids")
-    if aux is not None and list(aux) != list(layer_ids[: len(aux)]):
-        problems.append(
-            f"auxiliary layer ids {list(aux)} ≠ {list(layer_ids[: len(aux)])}, those the "
-            "hidden states are extracted with (hidden_states' layer_ids)"
-        )
-    if config.get("speculators_model_type") != "eagle3":
-        problems.append(
-            f"speculators_model_type {config.get('speculators_model_type')!r} ≠ 'eagle3'"
-        )
-    return problems
-
-
 def draft_state(model: DraftModel) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint holds, of any family: the teacher is the verifier's."""
     state = {
         k: v.detach().contiguous()
         for k, v in model.state_dict().items()
-        if not k.startswith(_NOT_SAVED)
+        if not k.startswith(NOT_SAVED)
     }
     if model.cfg.draft_vocab_size == model.cfg.vocab_size:
         state.pop("d2t"), state.pop("t2d")
@@ -132,16 +108,3 @@ def draft_shape(config: dict[str, Any]) -> Eagle3Config:
         norm_before_fc=bool(config.get("norm_before_fc")),
         fc_norm=bool(config.get("fc_norm")),
     )
-
-
-def draft_from(config: dict[str, Any], state: dict[str, torch.Tensor], where: str) -> Eagle3Draft:
-    """Our model from a checkpoint's config and tensors (verifier parts are not in it: the
-    teacher needs `init_from_target` before computing losses)."""
-    model = Eagle3Draft(draft_shape(config))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    allowed = {k for k in missing if k.startswith(_NOT_SAVED) or k in ("d2t", "t2d")}
-    if set(missing) - allowed or unexpected:
-        raise ValueError(
-            f"{where}: missing {sorted(set(missing) - allowed)}, unexpected {unexpected}"
-        )
-    return model
