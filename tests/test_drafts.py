@@ -36,6 +36,10 @@ def test_a_draft_names_its_sources_caps_and_settings() -> None:
     live = {"sources": {"chat": {}, "live": {}}, "hidden_states": "online"}
     (draft,) = parse_drafts({"live_mix": live}, "f.yaml", DATASETS, STAGE_SETTINGS).values()
     assert draft.settings == {"trained_speculator": {"hidden_states": "online"}}
+    # a block draft of the same rows: the family is a setting like any other
+    block = {"sources": {"vision": {}}, "draft": "dflash", "dflash_layers": 3}
+    (draft,) = parse_drafts({"block": block}, "f.yaml", DATASETS, STAGE_SETTINGS).values()
+    assert draft.settings == {"trained_speculator": {"draft": "dflash", "dflash_layers": 3}}
 
 
 def test_bad_drafts_are_refused_naming_file_draft_and_field() -> None:
@@ -46,6 +50,7 @@ def test_bad_drafts_are_refused_naming_file_draft_and_field() -> None:
         "layers": {"sources": {"chat": {}, "deep": {}}},
         "online": {"sources": {"chat": {}, "live": {}}},
         "shape": {"sources": ["chat"]},
+        "family": {"sources": {"chat": {}}, "draft": "medusa"},
     }
     with pytest.raises(ValueError) as info:
         parse_drafts(bad, "f.yaml", DATASETS, STAGE_SETTINGS)
@@ -61,6 +66,7 @@ def test_bad_drafts_are_refused_naming_file_draft_and_field() -> None:
     assert "draft 'layers': 'sources': their hidden_states layer_ids differ" in text
     assert "draft 'online': 'sources': live fetch hidden states online" in text
     assert "draft 'shape': expected a mapping with 'sources'" in text
+    assert "draft 'family'" in text and "'eagle3' or 'dflash'" in text
 
 
 def test_a_draft_name_that_is_not_one_plain_directory_name_is_refused_naming_it() -> None:
