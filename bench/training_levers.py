@@ -8,12 +8,13 @@ the registry's demo settings plus the lever's, and vLLM measures it on the held-
 prompts. The held-out split is fixed (`split_seed: 0`), so every run is measured on the
 same prompts and a seed changes only the initialisation, batch order and noise.
 
-A lever is judged against today's recipe prompt by prompt: the ratio of acceptance
-lengths over every (seed, prompt) pair, with a paired bootstrap interval resampled
-within each seed, and the ratio under each seed alone. It **helps** when the interval
-lies above 1 and every seed gains, **hurts** when the mirror holds, and is otherwise
-within the noise. The seeds of today's recipe against its first seed give the floor:
-what a seed alone moves.
+A lever is judged against today's recipe under the same seed, prompt by prompt: the
+ratio of acceptance lengths over every (seed, prompt) pair, with a paired bootstrap
+interval resampled within each seed (the prompts' noise), and the ratio under each seed
+alone. Today's recipe under the other seeds against its first gives what a seed alone
+moves (`seed_margin`, the seeds' noise). A lever **helps** when its interval lies above 1
+and the mean of its per-seed ratios clears that margin, **hurts** on the mirror, and is
+otherwise within the noise.
 
 `speculators' recipe` is the peer comparison: speculators' trainer cannot run on CPU (its
 device falls back to cuda:0), so its defaults run in this loop.
@@ -149,7 +150,7 @@ def _pairs(
 
 def against(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
     """`runs` (a lever, one per seed) against `base` (today's, the same seeds): the paired
-    ratio of acceptance lengths with its interval, each seed's ratio, and the verdict."""
+    ratio of acceptance lengths with its interval, and each seed's ratio."""
     from mm_assets.domain.model.intervals import paired_ratio_interval
 
     ours, theirs, seeds = _pairs(runs, base)
@@ -162,13 +163,27 @@ def against(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str,
         length = [1 + sum(side[i][1] for i in mine) / sum(side[i][0] for i in mine)
                   for side in (ours, theirs)]  # fmt: skip
         by_seed[seed] = round(length[0] / length[1], 4)
-    verdict = "within noise"
-    if found and found.low > 1 and all(r > 1 for r in by_seed.values()):
-        verdict = "helps"
-    elif found and found.high < 1 and all(r < 1 for r in by_seed.values()):
-        verdict = "hurts"
     interval = found and {"value": found.value, "low": found.low, "high": found.high}
-    return {"ratio": interval, "n": len(seeds), "by_seed": by_seed, "verdict": verdict}
+    return {"ratio": interval, "n": len(seeds), "by_seed": by_seed}
+
+
+def seed_margin(floor: dict[str, Any], seeds: int) -> float:
+    """How far from 1 the mean of `seeds` per-seed ratios may fall by the seed alone: twice
+    the spread of today's recipe under the other seeds against its first (the root mean
+    square of their ratios' distance from 1), over √seeds."""
+    spread = [r - 1 for r in floor["by_seed"].values()]
+    return 2 * (sum(d * d for d in spread) / len(spread)) ** 0.5 / seeds**0.5
+
+
+def verdict(found: dict[str, Any], margin: float) -> str:
+    """helps: the paired interval over prompts lies above 1 and the per-seed ratios' mean
+    clears the seed margin; hurts: the mirror; else within noise (of prompts or seeds)."""
+    ratio, mean = found["ratio"], sum(found["by_seed"].values()) / len(found["by_seed"])
+    if ratio and ratio["low"] > 1 and mean - 1 > margin:
+        return "helps"
+    if ratio and ratio["high"] < 1 and 1 - mean > margin:
+        return "hurts"
+    return "within noise"
 
 
 def pooled(runs: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -183,20 +198,25 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, float] | None:
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per partition and lever: the pooled acceptance, and against today's recipe (for
-    today itself: each later seed against the first, the noise floor)."""
+    """Per partition and lever: the pooled acceptance, and against today's recipe. For
+    today itself: each later seed against the first, the floor a seed alone moves
+    (`seed_margin`), which every lever's verdict must clear."""
     out = []
     for partition in dict.fromkeys(r["partition"] for r in rows):
         mine = [r for r in rows if r["partition"] == partition]
         today = [r for r in mine if r["lever"] == "today"]
+        first = [dict(today[0], seed=r["seed"]) for r in today[1:]]
+        floor = against(today[1:], first) if first else None
         for lever in dict.fromkeys(r["lever"] for r in mine):
             runs = [r for r in mine if r["lever"] == lever]
             found = {"partition": partition, "lever": lever, "acceptance": pooled(runs)}
-            if lever != "today" and today:
-                found |= against(runs, today)
-            elif len(today) > 1:
-                first = [dict(today[0], seed=r["seed"]) for r in today[1:]]
-                found |= against(today[1:], first)
+            if lever == "today" and floor:
+                margin = seed_margin(floor, len(today))
+                found |= floor | {"verdict": f"seeds alone: margin ±{100 * margin:.1f}%"}
+            elif today and floor:
+                compared = against(runs, today)
+                margin = seed_margin(floor, len(compared["by_seed"]))
+                found |= compared | {"verdict": verdict(compared, margin)}
             out.append(found)
     return out
 

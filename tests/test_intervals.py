@@ -111,3 +111,22 @@ def test_over_categories_prompts_are_resampled_within_their_category() -> None:
 def test_a_category_of_one_prompt_is_resampled_with_the_others() -> None:
     found = ratio_interval([1, 2, 3, 5], [2, 2, 2, 2], 1.0, ["a", "a", "a", "b"])
     assert found is not None and found.low < found.value < found.high
+
+
+def test_a_lever_helps_only_beyond_the_prompts_and_the_seeds() -> None:
+    """`bench/training_levers.py`'s verdict: the paired interval over prompts must clear 1,
+    and the mean over seeds must clear what a seed alone moves today's recipe."""
+    from bench.training_levers import seed_margin, verdict
+
+    floor = {"by_seed": {1: 0.95, 2: 1.05}}  # today's recipe under two more seeds
+    margin = seed_margin(floor, 3)
+    assert margin == pytest.approx(2 * 0.05 / 3**0.5)
+
+    def lever(ratio: float, low: float, high: float) -> dict:
+        return {"ratio": {"value": ratio, "low": low, "high": high},
+                "by_seed": {0: ratio, 1: ratio, 2: ratio}}  # fmt: skip
+
+    assert verdict(lever(1.10, 1.05, 1.15), margin) == "helps"
+    assert verdict(lever(1.03, 1.01, 1.05), margin) == "within noise"  # prompts: yes; seeds: no
+    assert verdict(lever(1.10, 0.98, 1.20), margin) == "within noise"  # seeds: yes; prompts: no
+    assert verdict(lever(0.88, 0.84, 0.93), margin) == "hurts"
