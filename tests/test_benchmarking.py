@@ -272,3 +272,52 @@ def test_depths_are_a_list_and_each_depth_is_served_once(
         assert row.acceptance_length is None or row.acceptance_length <= 2.0
     assert [r for r in found.rows if r.depth in (None, 3)] == report.rows
     assert found.depth == 3 and found.shown == report.rows  # the draft's own depth first
+
+
+def dflash_draft(target_dir: Path, out_dir: Path) -> DraftUnderTest:
+    """A DFlash draft as training starts it (2 layers, the target's last id as the mask),
+    written as the speculators `dflash` checkpoint vLLM loads."""
+    from mm_assets.domain.model.checkpoint import draft_state
+    from mm_assets.domain.model.dflash import DFlashDraft, dflash_config
+    from mm_assets.domain.model.dflash_checkpoint import checkpoint_config as dflash_checkpoint
+    from mm_assets.storage.checkpoints import write_checkpoint
+
+    config = json.loads((target_dir / "config.json").read_text())
+    vocab_size = text_config_facts(config).vocab_size
+    cfg = dflash_config(config, 256, mask_token_id=vocab_size - 1, num_layers=2)
+    torch.manual_seed(0)
+    model = DFlashDraft(cfg)
+    head = load_target_head(target_dir)
+    vocab = build_draft_vocab({t: 1 for t in range(cfg.vocab_size)}, cfg.vocab_size, 256)
+    model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
+    layers = default_layer_ids(text_config_facts(config).num_layers)
+    written = dflash_checkpoint(cfg, layers[:3], str(target_dir), config["architectures"], 3, {})
+    write_checkpoint(out_dir, written, draft_state(model))
+    return DraftUnderTest.at(out_dir)
+
+
+def test_a_dflash_draft_goes_through_the_same_benchmark_and_stays_lossless(
+    setup: dict, report: BenchmarkReport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint written here loads in vLLM 0.32 with `method: dflash` (read from its
+    `speculators_model_type`), drafts, and every greedy output stays the target's; n-gram
+    comes from the first run's records, no speculation is served again beside it."""
+    started = []
+    real_server = VllmEngine.server
+
+    def counted(engine, model, serve_args, *rest):
+        started.append(" ".join(serve_args))
+        return real_server(engine, model, serve_args, *rest)
+
+    monkeypatch.setattr(VllmEngine, "server", counted)
+    serving = setup["args"][0]
+    draft = dflash_draft(serving.target_dir, setup["args"][-1].parent / "dflash")
+    assert draft.method == "dflash" and draft.speculative_tokens == 3
+    args = list(setup["args"])
+    args[2] = draft
+    found = benchmark(*args)
+    assert len(started) == 2 and '"method": "dflash"' in started[1]
+    assert found.reused == {"none": True, "ngram@3": True, "dflash@3": False}
+    assert found.not_run == {} and found.draft_method == "dflash"
+    overall = _row(found, OVERALL, "dflash")
+    assert overall.drafts > 0 and overall.lossless == overall.compared == 11

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-import pytest
 import torch
 
 from mm_assets.domain.model.checkpoint import draft_state
@@ -136,50 +135,3 @@ def test_the_checkpoint_is_speculators_dflash_with_plain_rope_and_vllms_tensor_n
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "lm_head.weight", "d2t"} <= names
     assert "layers.1.self_attn.k_norm.weight" in names and "embed_tokens.weight" in names
     assert not any(n.startswith("verifier_") for n in names)
-
-
-def cfg_vocab(config: dict) -> int:
-    return int((config.get("text_config") or config)["vocab_size"])
-
-
-@pytest.mark.slow
-def test_vllm_serves_a_dflash_checkpoint_of_the_demo_target_losslessly(
-    demo_dir: Path, tmp_path: Path
-) -> None:
-    """The checkpoint written here loads in vLLM 0.32 (`method: dflash`, read from its
-    `speculators_model_type`), drafts, and greedy outputs stay the target's: through the
-    benchmark every draft goes through, beside no speculation and n-gram."""
-    import json
-
-    from mm_assets.clients.vllm_server import EngineOptions
-    from mm_assets.common.hashing import file_sha256
-    from mm_assets.domain.model.dflash import dflash_config
-    from mm_assets.domain.model.hidden_states import default_layer_ids, text_config_facts
-    from mm_assets.domain.model.settings import BenchmarkSettings
-    from mm_assets.services.benchmarking import benchmark
-    from mm_assets.services.engine import DraftUnderTest, Serving, VllmEngine
-    from mm_assets.services.target import load_target_head
-    from mm_assets.storage.checkpoints import write_checkpoint
-
-    target = demo_dir / "target"
-    config = json.loads((target / "config.json").read_text())
-    cfg = dflash_config(config, 256, mask_token_id=cfg_vocab(config) - 1, num_layers=2)
-    torch.manual_seed(0)
-    model = DFlashDraft(cfg)
-    head = load_target_head(target)
-    vocab = build_draft_vocab({t: 1 for t in range(cfg.vocab_size)}, cfg.vocab_size, 256)
-    model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
-    layers = default_layer_ids(text_config_facts(config).num_layers)
-    written = checkpoint_config(cfg, layers[:3], str(target), config["architectures"], 3, {})
-    write_checkpoint(tmp_path / "draft", written, draft_state(model))
-    draft = DraftUnderTest.at(tmp_path / "draft")
-    assert draft.method == "dflash" and draft.speculative_tokens == 3
-    engine = VllmEngine(options=EngineOptions(dtype="float32", kv_cache_gib=1.0))
-    serving = Serving.for_target(engine, target, None, tmp_path / "logs" / "bench.log")
-    questions = ["How many sides does a hexagon have?", "What colour are red and blue mixed?"]
-    asked = {"text": [[{"role": "user", "content": q}] for q in questions]}
-    report = benchmark(serving, asked, draft, BenchmarkSettings(max_tokens=24), tmp_path / "c")
-    assert report.not_run == {} and report.draft_method == "dflash"
-    row = next(r for r in report.rows if r.method == "dflash" and r.category == "overall")
-    assert row.drafts > 0 and row.lossless == row.compared == 2
-    assert file_sha256(tmp_path / "draft" / "model.safetensors") == draft.weights_sha256
