@@ -1,8 +1,10 @@
-"""Training throughput: our EAGLE-3 draft vs speculators 0.9.0's, same loop, same batches.
+"""Training throughput: our EAGLE-3 draft vs speculators 0.9.0's, same loop, same batches;
+and our DFlash block draft on the same batches (the cost of the other family).
 
 CPU, fp32, sdpa attention, eager KL loss, AdamW; a 256-wide draft (4 heads of 64) over a
-2,048-token target vocabulary with a 1,024-token draft vocabulary, 3 TTT steps, packed
-batches of 4 × 512 tokens. Both models start from the same checkpoint. Each side runs in
+2,048-token target vocabulary with a 1,024-token draft vocabulary, 3 TTT steps (DFlash:
+blocks of 3 masked slots, 2 layers, its default 1,024 anchors per batch), packed batches
+of 4 × 512 tokens. Both EAGLE-3 models start from the same checkpoint. Each side runs in
 its own process, alternating twice; the first epoch warms up and the second is timed.
 """
 
@@ -84,6 +86,21 @@ def _run(side: str, workdir: Path) -> float:
         def step(b):
             loss, _ = model(Batch(**b), ttt_steps=STEPS)
             return loss
+    elif side == "dflash":
+        from mm_assets.domain.model.dflash import DFlashDraft, dflash_config
+        from mm_assets.domain.model.draft_vocab import build_draft_vocab
+        from mm_assets.domain.model.training_data import Batch
+        from mm_assets.services.target import load_target_head
+
+        target = json.loads((workdir / "verifier" / "config.json").read_text())
+        model = DFlashDraft(dflash_config(target, 1024, mask_token_id=2047, num_layers=2))
+        head = load_target_head(workdir / "verifier")
+        vocab = build_draft_vocab({i: 4096 - i for i in range(0, 2048, 2)}, 2048, 1024)
+        model.init_from_target(head.embed_tokens, head.lm_head, head.final_norm, vocab)
+
+        def step(b):
+            loss, _ = model(Batch(**b), ttt_steps=STEPS)
+            return loss
     else:
         from speculators.losses import resolve_loss_config
         from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
@@ -119,7 +136,7 @@ def _run(side: str, workdir: Path) -> float:
 
 def run(workdir: Path) -> dict:
     _prepare(workdir)
-    results: dict[str, list[float]] = {"ours": [], "speculators": []}
+    results: dict[str, list[float]] = {"ours": [], "speculators": [], "dflash": []}
     for _ in range(2):
         for side in results:
             env = dict(os.environ)
@@ -136,6 +153,8 @@ def run(workdir: Path) -> dict:
         "ours_tokens_per_s": [round(v) for v in results["ours"]],
         "speculators_tokens_per_s": [round(v) for v in results["speculators"]],
         "ratio": ours / theirs,
+        "dflash_tokens_per_s": [round(v) for v in results["dflash"]],
+        "dflash_vs_ours": sum(results["dflash"]) / ours,
     }
 
 
