@@ -36,7 +36,7 @@ def run(draft: str = DRAFT) -> dict[str, Any]:
     from mm_assets.assets.partitions import REGISTRY
     from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
     from mm_assets.domain.model.acceptance import OVERALL
-    from mm_assets.domain.model.benchmark import NONE, comparison, intervals, method_of
+    from mm_assets.domain.model.benchmark import NONE, comparison, method_of
     from mm_assets.domain.model.settings import BenchmarkSettings
     from mm_assets.services.benchmarking import benchmark, load_benchmark
     from mm_assets.services.engine import DraftUnderTest
@@ -65,8 +65,11 @@ def run(draft: str = DRAFT) -> dict[str, Any]:
     seconds = time.perf_counter() - started
     rows = {}
     for f in report.rows:
-        found = intervals(report.records, method_of(f), f.category)
+        found = report.row_intervals[(f.category, method_of(f))]
         rows[f"{f.category} {f.method} {f.depth or ''}".strip()] = {
+            "category": f.category,
+            "method": f.method,
+            "depth": f.depth,
             "prompts": f.prompts,
             "requests": f.requests,
             "acceptance_length": _interval(found.acceptance_length),
@@ -87,6 +90,7 @@ def run(draft: str = DRAFT) -> dict[str, Any]:
     }
     return {
         "draft": draft,
+        "family": report.draft_method,
         "benchmark": BENCHMARK,
         "settings": settings.model_dump(),
         "seconds": round(seconds, 1),
@@ -95,10 +99,55 @@ def run(draft: str = DRAFT) -> dict[str, Any]:
     }
 
 
+def _text(found: dict[str, Any] | None, digits: int = 3) -> str:
+    if not found:
+        return "–"
+    return f"{found['value']:.{digits}f} [{found['low']:.{digits}f}, {found['high']:.{digits}f}]"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The depth table (overall) and the per-category table at each depth, for
+    BENCHMARKS.md."""
+    paired, draft = result["paired"], result["family"]
+    rows = {(r["category"], r["method"], r["depth"]): r for r in result["rows"].values()}
+    depths = sorted({d for _, m, d in rows if m == draft})
+    lines = [
+        "| depth | draft acceptance | ±% | n-gram acceptance | draft ÷ n-gram (paired) | "
+        "draft speedup (paired) | n-gram speedup (paired) |",
+        "|---:|---|---:|---|---|---|---|",
+    ]
+    for d in depths:
+        mine, ngram = rows[("overall", draft, d)], rows[("overall", "ngram", d)]
+        versus = paired[f"overall {draft}/ngram at {d} acceptance_length"]
+        accept = mine["acceptance_length"]
+        lines.append(
+            f"| {d} | {_text(accept)} | {100 * accept['half_width']:.1f} | "
+            f"{_text(ngram['acceptance_length'])} | {_text(versus, 2)} | "
+            f"{_text(mine['speedup'], 2)} | {_text(ngram['speedup'], 2)} |"
+        )
+    categories = [c for c, m, _ in rows if m == "none" and c != "overall"]
+    for d in depths:
+        lines += ["", f"At depth {d}, per category (n = conversations):", ""]
+        lines += ["| category | n | draft acceptance | n-gram acceptance | draft speedup | "
+                  "tokens/s none → draft |", "|---|---:|---|---|---|---|"]  # fmt: skip
+        for c in [*categories, "overall"]:
+            mine, ngram, none = (
+                rows[(c, m, k)] for m, k in ((draft, d), ("ngram", d), ("none", None))
+            )
+            speed = f"{none['tokens_per_s']['value']:.1f} → {mine['tokens_per_s']['value']:.1f}"
+            lines.append(
+                f"| {c} | {mine['prompts']} | {_text(mine['acceptance_length'])} | "
+                f"{_text(ngram['acceptance_length'])} | {_text(mine['speedup'], 2)} | {speed} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     if "MM_ASSETS_HOME" not in os.environ:
         os.environ["MM_ASSETS_HOME"] = str(Path(__file__).resolve().parents[1] / ".mm_assets")
-    print(json.dumps(run(*sys.argv[1:2]), indent=2))
+    result = run(*sys.argv[1:2])
+    print(json.dumps(result, indent=2), flush=True)
+    print(markdown(result))
 
 
 if __name__ == "__main__":
