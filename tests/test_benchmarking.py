@@ -283,7 +283,7 @@ def dflash_draft(target_dir: Path, out_dir: Path) -> DraftUnderTest:
     from mm_assets.storage.checkpoints import write_checkpoint
 
     config = json.loads((target_dir / "config.json").read_text())
-    vocab_size = text_config_facts(config).vocab_size
+    vocab_size = int((config.get("text_config") or config)["vocab_size"])
     cfg = dflash_config(config, 256, mask_token_id=vocab_size - 1, num_layers=2)
     torch.manual_seed(0)
     model = DFlashDraft(cfg)
