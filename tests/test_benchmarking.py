@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -92,13 +93,17 @@ def untrained_draft(target_dir: Path, out_dir: Path) -> DraftUnderTest:
 
 
 @pytest.fixture(scope="module")
-def setup(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def setup(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    from mm_assets.clients import warm_servers
+
     root = tmp_path_factory.mktemp("benchmark")
-    engine = VllmEngine(options=EngineOptions(dtype="float32", kv_cache_gib=1.0))
+    # no speculation's server, served again beside each later draft, is kept warm
+    engine = VllmEngine(options=EngineOptions(dtype="float32", kv_cache_gib=1.0), keep_warm=1)
     target = demo_dir / "target"
     serving = Serving.for_target(engine, target, demo_dir / "coco", root / "logs" / "bench.log")
     draft = untrained_draft(target, root / "draft")
-    return {"args": (serving, CATEGORIES, draft, SETTINGS, root / "cache")}
+    yield {"args": (serving, CATEGORIES, draft, SETTINGS, root / "cache")}
+    warm_servers.stop_all()
 
 
 @pytest.fixture(scope="module")
