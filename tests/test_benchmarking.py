@@ -114,6 +114,20 @@ def report(setup: dict) -> BenchmarkReport:
     return report
 
 
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The serve arguments of every server a test's benchmark declares, joined."""
+    declared: list[str] = []
+    real_server = VllmEngine.server
+
+    def counted(engine, model, serve_args, *rest):
+        declared.append(" ".join(serve_args))
+        return real_server(engine, model, serve_args, *rest)
+
+    monkeypatch.setattr(VllmEngine, "server", counted)
+    return declared
+
+
 def _row(report: BenchmarkReport, category: str, method: str):
     return next(r for r in report.rows if r.category == category and r.method == method)
 
@@ -215,7 +229,7 @@ def test_a_rerun_with_the_same_inputs_starts_no_server(
 
 
 def test_another_draft_reuses_the_baselines_and_one_vllm_refuses_is_reported_not_run(
-    setup: dict, report: BenchmarkReport, monkeypatch: pytest.MonkeyPatch
+    setup: dict, report: BenchmarkReport, started: list[str]
 ) -> None:
     """A second draft on the same target and prompts starts only its own server; a
     draft vLLM cannot load is a row not run, with vLLM's reason, not a failed benchmark."""
@@ -224,19 +238,11 @@ def test_another_draft_reuses_the_baselines_and_one_vllm_refuses_is_reported_not
     broken.mkdir()
     (broken / "config.json").write_text((draft.dir / "config.json").read_text())
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    started = []
-    real_server = VllmEngine.server
-
-    def counted(engine, model, serve_args, *rest):
-        started.append(serve_args)
-        return real_server(engine, model, serve_args, *rest)
-
-    monkeypatch.setattr(VllmEngine, "server", counted)
     args = list(setup["args"])
     args[2] = DraftUnderTest(broken, file_sha256(broken / "model.safetensors"), 3)
     again = benchmark(*args)
     # the draft's server, and no speculation's again to be sent in turn with it
-    assert len(started) == 2 and str(broken) in " ".join(started[1])
+    assert len(started) == 2 and str(broken) in started[1]
     assert "--speculative-config" not in started[0]
     assert again.reused == {"none": True, "ngram@3": True, "eagle3@3": False}
     assert "vLLM exited" in again.not_run["eagle3@3"]
@@ -246,21 +252,13 @@ def test_another_draft_reuses_the_baselines_and_one_vllm_refuses_is_reported_not
 
 
 def test_depths_are_a_list_and_each_depth_is_served_once(
-    setup: dict, report: BenchmarkReport, monkeypatch: pytest.MonkeyPatch
+    setup: dict, report: BenchmarkReport, started: list[str]
 ) -> None:
     """`speculative_tokens: [1, 3]` measures the draft and n-gram at each depth, one
     server each. Depth 3 comes from the records the first run left (keyed without the
     list), so only depth 1's two servers start, and no speculation's again, sent in turn
     with them (its record stands). At depth 1 a step accepts one token at most, and
     decoding stays lossless."""
-    started = []
-    real_server = VllmEngine.server
-
-    def counted(engine, model, serve_args, *rest):
-        started.append(" ".join(serve_args))
-        return real_server(engine, model, serve_args, *rest)
-
-    monkeypatch.setattr(VllmEngine, "server", counted)
     args = list(setup["args"])
     args[3] = SETTINGS.model_copy(update={"speculative_tokens": [1, 3]})
     found = benchmark(*args)
@@ -302,19 +300,11 @@ def dflash_draft(target_dir: Path, out_dir: Path) -> DraftUnderTest:
 
 
 def test_a_dflash_draft_goes_through_the_same_benchmark_and_stays_lossless(
-    setup: dict, report: BenchmarkReport, monkeypatch: pytest.MonkeyPatch
+    setup: dict, report: BenchmarkReport, started: list[str]
 ) -> None:
     """The checkpoint written here loads in vLLM 0.32 with `method: dflash` (read from its
     `speculators_model_type`), drafts, and every greedy output stays the target's; n-gram
     comes from the first run's records, no speculation is served again beside it."""
-    started = []
-    real_server = VllmEngine.server
-
-    def counted(engine, model, serve_args, *rest):
-        started.append(" ".join(serve_args))
-        return real_server(engine, model, serve_args, *rest)
-
-    monkeypatch.setattr(VllmEngine, "server", counted)
     serving = setup["args"][0]
     draft = dflash_draft(serving.target_dir, setup["args"][-1].parent / "dflash")
     assert draft.method == "dflash" and draft.speculative_tokens == 3

@@ -19,23 +19,46 @@ from mm_assets.domain.model.eagle3 import Eagle3Config
 
 FORMAT_VERSION = "0.9.0"  # the speculators release whose format this follows
 NOT_SAVED = ("verifier_norm.", "verifier_lm_head.")
-# what the draft's layer config carries of `Eagle3Config` (written, and read back)
+# what a draft's layer config carries of its family's config (written, and read back)
 # fmt: off
-_LAYER_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                 "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings")
+LAYER_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings")
 # fmt: on
 
 
-def layer_config(cfg: Eagle3Config) -> dict[str, Any]:
-    from transformers import LlamaConfig  # here: importing transformers takes seconds
+def layer_config(cfg: Any, model_type: str, layers: int) -> dict[str, Any]:
+    """The draft's `transformer_layer_config`: a full transformers config of `model_type`
+    (defaults written out: vLLM builds the draft from it) with plain 1D rope."""
+    from transformers import AutoConfig  # here: importing transformers takes seconds
 
-    llama = LlamaConfig(
-        **{key: getattr(cfg, key) for key in _LAYER_FIELDS},
-        num_hidden_layers=1,
+    config = AutoConfig.for_model(
+        model_type,
+        **{key: getattr(cfg, key) for key in LAYER_FIELDS},
+        num_hidden_layers=layers,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
         tie_word_embeddings=False,
     )
-    return llama.to_dict()
+    return config.to_dict()
+
+
+def speculators_config(
+    algorithm: str, verifier: tuple[str, list[str]], speculative_tokens: int
+) -> dict[str, Any]:
+    """The `speculators_config` block: greedy proposals of `speculative_tokens`, checked
+    against the verifier (its path and architectures)."""
+    return {
+        "algorithm": algorithm,
+        "proposal_methods": [
+            {
+                "proposal_type": "greedy",
+                "speculative_tokens": speculative_tokens,
+                "verifier_accept_k": 1,
+                "accept_tolerance": 0.0,
+            }
+        ],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": verifier[0], "architectures": verifier[1]},
+    }
 
 
 def checkpoint_config(
@@ -46,11 +69,12 @@ def checkpoint_config(
     speculative_tokens: int,
     provenance: dict[str, Any],
 ) -> dict[str, Any]:
+    verifier = (verifier_path, verifier_architectures)
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "speculators_version": FORMAT_VERSION,
-        "transformer_layer_config": layer_config(cfg),
+        "transformer_layer_config": layer_config(cfg, "llama", 1),
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.hidden_size,
         "norm_before_residual": cfg.norm_before_residual,
@@ -58,19 +82,7 @@ def checkpoint_config(
         "fc_norm": cfg.fc_norm,
         "norm_output": cfg.norm_output,
         "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": speculative_tokens,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier_path, "architectures": verifier_architectures},
-        },
+        "speculators_config": speculators_config("eagle3", verifier, speculative_tokens),
         "dtype": "float32",
         "mm_assets": provenance,
     }
@@ -99,7 +111,7 @@ def draft_shape(config: dict[str, Any]) -> Eagle3Config:
     """The draft a checkpoint's config describes (its layer, vocabulary and norms)."""
     layer = config["transformer_layer_config"]
     return Eagle3Config(
-        **{key: layer[key] for key in _LAYER_FIELDS},
+        **{key: layer[key] for key in LAYER_FIELDS},
         draft_vocab_size=config["draft_vocab_size"],
         rope_theta=layer["rope_parameters"]["rope_theta"],
         num_aux=len(config["eagle_aux_hidden_state_layer_ids"]),

@@ -17,12 +17,35 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mm_assets.domain.model.draft_vocab import DraftVocab
+
+
+def layer_shape(target_config: dict[str, Any], draft_vocab_size: int) -> dict[str, Any]:
+    """The shape of one layer of the target's language model (its text config for a
+    vision-language target), as every family's config takes it; the draft vocabulary is
+    at most the target's."""
+    text = target_config.get("text_config") or target_config
+    hidden = int(text["hidden_size"])
+    heads = int(text["num_attention_heads"])
+    rope = text.get("rope_parameters") or {}
+    return {
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(text.get("num_key_value_heads", heads)),
+        "head_dim": int(text.get("head_dim") or hidden // heads),
+        "intermediate_size": int(text["intermediate_size"]),
+        "vocab_size": int(text["vocab_size"]),
+        "draft_vocab_size": min(draft_vocab_size, int(text["vocab_size"])),
+        "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+        "max_position_embeddings": int(text.get("max_position_embeddings", 4096)),
+    }
 
 
 class RMSNorm(nn.Module):

@@ -31,6 +31,7 @@ from mm_assets.domain.model.draft_parts import (
     StepStats,
     Teacher,
     apply_rotary,
+    layer_shape,
     rotary,
 )
 from mm_assets.domain.model.losses import KL, LossRecipe
@@ -62,22 +63,7 @@ class Eagle3Config:
     @classmethod
     def from_target(cls, target_config: dict[str, Any], draft_vocab_size: int) -> Eagle3Config:
         """A draft shaped like one layer of the target's language model."""
-        text = target_config.get("text_config") or target_config
-        hidden = int(text["hidden_size"])
-        heads = int(text["num_attention_heads"])
-        rope = text.get("rope_parameters") or {}
-        return cls(
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=int(text.get("num_key_value_heads", heads)),
-            head_dim=int(text.get("head_dim") or hidden // heads),
-            intermediate_size=int(text["intermediate_size"]),
-            vocab_size=int(text["vocab_size"]),
-            draft_vocab_size=min(draft_vocab_size, int(text["vocab_size"])),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
-            max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
-        )
+        return cls(**layer_shape(target_config, draft_vocab_size))
 
 
 def draft_config(target_config: dict[str, Any], settings: SpeculatorSettings) -> Eagle3Config:
