@@ -114,7 +114,8 @@ def fit_problems(
 def draft_from(config: dict[str, Any], state: dict[str, torch.Tensor], where: str) -> DraftModel:
     """Our model from a checkpoint's config and tensors (verifier parts are not in it: the
     teacher needs `init_from_target` or `attach_target` before computing losses)."""
-    model = family_of(config, where).model(family_of(config, where).shape(config))
+    family = family_of(config, where)
+    model = family.model(family.shape(config))
     missing, unexpected = model.load_state_dict(state, strict=False)
     allowed = {k for k in missing if k.startswith(checkpoint.NOT_SAVED) or k in ("d2t", "t2d")}
     if set(missing) - allowed or unexpected:
