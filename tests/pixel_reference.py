@@ -46,6 +46,8 @@ def tokenize_with_pixels(processor: ProcessorMixin, turns: Sequence[Turn]) -> di
     ids = out["input_ids"]
     ids = ids[0] if ids and isinstance(ids[0], list) else ids
     result = {"input_ids": list(ids)}
+    if out.get("image_grid_thw") is not None:
+        result["image_grid_thw"] = [list(map(int, g)) for g in out["image_grid_thw"]]
     if has_markers:
         mask = out["assistant_masks"]
         result["loss_mask"] = list(mask[0] if mask and isinstance(mask[0], list) else mask)

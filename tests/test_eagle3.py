@@ -242,7 +242,9 @@ def test_batches_are_shifted_and_packed(tmp_path: Path) -> None:
     assert batch.input_ids[:4].tolist() == refs[0].input_ids[1:]
     assert torch.equal(batch.aux_hidden[0], hidden[0, :3].reshape(-1))
     assert torch.equal(batch.last_hidden[0], hidden[1, 3])
-    assert batch.position_ids.tolist() == [1, 2, 3, 4, 1, 2, 3, 4, 5, 6]
+    assert batch.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5]  # the states'
+    placed = dataclasses.replace(refs[0], position_ids=[0, 1, 1, 1, 4])  # an image held still
+    assert load_batch([placed]).position_ids.tolist() == [0, 1, 1, 1]
     assert batch.segment.tolist() == [0] * 4 + [1] * 6
     assert [len(b) for b in pack(refs, 12)] == [2, 1]
     train, held = split(refs * 10, 0.3, seed=0)

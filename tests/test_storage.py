@@ -49,6 +49,13 @@ def test_reading_a_missing_partition_says_what_to_do(tmp_path: Path) -> None:
         TableStore(tmp_path).read("things", "nope")
 
 
+def test_reading_a_column_an_older_version_did_not_write_says_what_to_do(tmp_path: Path) -> None:
+    store = TableStore(tmp_path)
+    store.write("things", "p", [{"id": 1, "name": "a"}], SCHEMA)
+    with pytest.raises(ValueError, match=r"no column \['colour'\].*rematerialize things"):
+        next(store.iter_rows("things", "p", ["id", "colour"]))
+
+
 def test_a_written_table_is_in_the_catalog_at_once(tmp_path: Path) -> None:
     """The view is created by the write itself (storage layer), so the catalog path a
     user reads in the UI answers without anything else touching it; a new partition of

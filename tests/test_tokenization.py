@@ -10,6 +10,7 @@ import pytest
 
 from mm_assets.domain.ingest.images import probe_reference
 from mm_assets.domain.prep.conversations import Rejected, image_references, normalize
+from mm_assets.domain.prep.positions import placed_positions, uses_mrope
 from mm_assets.domain.prep.supervision import (
     GENERATION_MARKER,
     TokenizeDropReason,
@@ -360,3 +361,48 @@ def test_the_stage_quarantines_rare_bad_rows_and_stops_on_a_broken_setup(
         tokenize_partition("p", tables, ChatTokenizer(broken, max_length=4096))
     # the failed runs left the last good table in place
     assert tables.num_rows("tokenized_samples", "p") == 9
+
+
+# -- positions ------------------------------------------------------------------------
+
+
+def test_placed_positions_hold_an_image_still_and_move_past_it() -> None:
+    ids = [1, 9, 9, 9, 9, 9, 9, 2, 9, 9, 3]
+    assert placed_positions(ids, 9, [6, 2], [3, 1]) == [0, 1, 1, 1, 1, 1, 1, 4, 5, 5, 6]
+    with pytest.raises(ValueError, match="fewer than its 6 tokens"):
+        placed_positions([1, 9, 9, 2], 9, [6], [3])
+
+
+def test_image_rows_carry_the_temporal_row_of_the_targets_rope_index(
+    demo_dir: Path, demo_processor
+) -> None:
+    """The positions stored with each image row are row 0 of what transformers' own
+    Qwen2.5-VL computes from the decoded images (vLLM serves the draft that row); text
+    rows, and a target without M-RoPE, store none (0..n-1)."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    config = AutoConfig.from_pretrained(demo_dir / "target")
+    assert uses_mrope(config.to_dict()) and not uses_mrope({"rope_parameters": {"rope_theta": 1}})
+    rope_index = Qwen2_5_VLModel(config).get_rope_index
+    chat = ChatTokenizer(demo_processor, max_length=100_000, mrope=True)
+    conversations = _demo_conversations(demo_dir)[:12]
+    two = [t for t, _ in conversations[:2]]
+    both = [two[0][0], *two[1], *two[0][1:]]  # two images, of two sizes, in one row
+    sizes = [conversations[0][1][0], conversations[1][1][0]]
+    assert sizes[0] != sizes[1]
+    for turns, image_sizes in [*conversations, (both, sizes)]:
+        (row,) = chat.tokenize(turns, image_sizes)
+        eager = tokenize_with_pixels(demo_processor, turns)
+        ids = torch.tensor([eager["input_ids"]])
+        kinds = (ids == chat.image_token_id).int()
+        grids = torch.tensor(eager["image_grid_thw"])
+        expected = rope_index(ids, kinds, image_grid_thw=grids)[0][0, 0].tolist()
+        assert row.position_ids == expected
+        assert row.position_ids != list(range(len(row.input_ids)))
+    text = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+    assert chat.tokenize(text)[0].position_ids is None
+    (turns, image_sizes), *_ = conversations
+    plain = ChatTokenizer(demo_processor, max_length=100_000)
+    assert plain.tokenize(turns, image_sizes)[0].position_ids is None

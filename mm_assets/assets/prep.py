@@ -68,7 +68,7 @@ TokenizationConfig = config_class("TokenizationConfig", "tokenized_samples", Tok
 
 @dataset_asset(
     "prep",
-    code_version="3",  # 3: rows supervising only special tokens are quarantined
+    code_version="4",  # 4: M-RoPE image rows carry the target's positions
     deps=["target_responses"],
     trains=True,
     check_specs=[quarantine_ratio_spec("tokenized_samples", "max_tokenization_quarantine_ratio")],
@@ -86,13 +86,19 @@ def tokenized_samples(
     reads `min_supervised_tokens` tokens besides special tokens go to
     `tokenized_samples_quarantine`; a rejection that dominates the first rows, or an
     unexpected exception, stops the step (a setup problem, not bad rows)."""
+    from mm_assets.domain.prep.positions import uses_mrope
     from mm_assets.domain.prep.tokenization import ChatTokenizer
     from mm_assets.domain.rejection import RowFailureWatch
     from mm_assets.services.prep import tokenize_partition
 
     spec, tables, target = dataset_spec(context), storage.tables(), target_model.model()
     settings = stage_settings(context, spec, "tokenized_samples", TokenizationSettings)
-    chat = ChatTokenizer(target.load_processor(), settings.max_length, spec.min_supervised_tokens)
+    chat = ChatTokenizer(
+        target.load_processor(),
+        settings.max_length,
+        spec.min_supervised_tokens,
+        mrope=uses_mrope(target.config),
+    )
     watch = RowFailureWatch(settings.repeated_rejection_rows, settings.max_repeated_rejection_share)
     report = tokenize_partition(spec.name, tables, chat, watch)
     check = quarantine_ratio(report, report.conversations, spec.max_tokenization_quarantine_ratio)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from mm_assets.domain.model.draft_set import prompt_key
-from mm_assets.domain.model.training_data import SampleRef, check_layer_ids
+from mm_assets.domain.model.training_data import SAMPLE_COLUMNS, SampleRef, check_layer_ids
 from mm_assets.registry import DraftSpec
 from mm_assets.storage import TableStore
 
@@ -37,11 +37,11 @@ def sample_refs(tables: TableStore, partition: str, layer_ids: list[int]) -> lis
     """Rows with stored hidden states, refusing states of other layer ids."""
     manifest = list(tables.iter_rows("hidden_states_manifest", partition))
     check_layer_ids(manifest, layer_ids)
-    columns = ["row_id", "input_ids", "loss_mask"]
-    tokens = {r["row_id"]: r for r in tables.iter_rows("tokenized_samples", partition, columns)}
+    rows_of = tables.iter_rows("tokenized_samples", partition, SAMPLE_COLUMNS)
+    tokens = {r["row_id"]: r for r in rows_of}
     rows = ((m, tokens.get(m["row_id"])) for m in manifest)
     return [
-        SampleRef(m["row_id"], str(tables.resolve(m["path"])), t["input_ids"], t["loss_mask"])
+        SampleRef.of(t, str(tables.resolve(m["path"])))
         for m, t in rows
         if t is not None and len(t["input_ids"]) > 1
     ]

@@ -130,9 +130,7 @@ class OnlineStates:
             if r["row_id"] in keys
         }
         path = {row: str(self.blobs.path(key)) for row, key in keys.items()}
-        refs = [
-            SampleRef(r["row_id"], path[r["row_id"]], r["input_ids"], r["loss_mask"]) for r in rows
-        ]
+        refs = [SampleRef.of(r, path[r["row_id"]]) for r in rows]
         return refs, keys, requests
 
 

@@ -171,6 +171,7 @@ def _training_rows(sample: dict, rows: list[TokenizedRow]) -> Iterator[dict[str,
                 json.dumps(to_vllm_messages(turns[: row.num_turns])) if row.num_images else None
             ),
             "image_hashes": sample["image_hashes"][: row.num_images],
+            "position_ids": row.position_ids,
         }
 
 

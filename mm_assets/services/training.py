@@ -41,7 +41,7 @@ from mm_assets.domain.model.trainer import (
     evaluate,
     train,
 )
-from mm_assets.domain.model.training_data import SampleRef
+from mm_assets.domain.model.training_data import SAMPLE_COLUMNS, SampleRef
 from mm_assets.registry import DraftSpec
 from mm_assets.services.draft_sources import (
     DUPLICATE_TABLES,
@@ -165,7 +165,7 @@ def training_set(job: SpeculatorJob, draft: DraftSpec, tables: TableStore) -> Tr
         if job.online is None:
             refs = sample_refs(tables, name, job.layer_ids)
         else:
-            columns = ["row_id", "sample_id", "input_ids", "image_hashes", "loss_mask", "messages"]
+            columns = [*SAMPLE_COLUMNS, "sample_id", "image_hashes", "messages"]
             every = tables.iter_rows("tokenized_samples", name, columns)
             rows = [r for r in every if len(r["input_ids"]) > 1]
             refs, blob_keys, asked = job.online.training_rows(rows)

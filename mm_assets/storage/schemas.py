@@ -78,6 +78,8 @@ TOKENIZED = pa.schema(
         ("multimodal", pa.bool_()),
         ("messages", pa.string()),  # JSON, vLLM chat form; null for text-only rows
         ("image_hashes", pa.list_(pa.string())),
+        # the target's position of each token where not 0..n-1 (M-RoPE image rows)
+        ("position_ids", pa.list_(pa.int32())),
     ]
 )
 

@@ -181,6 +181,12 @@ class TableStore:
     ) -> Iterator[dict[str, Any]]:
         """Rows as dicts, read batch by batch so memory stays flat in the table's size."""
         with self._open(table, partition) as parquet:
+            missing = sorted(set(columns or ()) - set(parquet.schema_arrow.names))
+            if missing:
+                raise ValueError(
+                    f"{table} of partition {partition!r} has no column {missing}: it was "
+                    f"written by an earlier version of mm_assets; rematerialize {table}"
+                )
             for batch in parquet.iter_batches(batch_size=batch_size, columns=columns):
                 yield from batch.to_pylist()
 

@@ -6,8 +6,9 @@ anchor. Every slot attends, without a causal mask, to the whole block and to the
 target's context up to the anchor: `fc` of the target's auxiliary hidden states side by
 side, normed by `hidden_norm`, which each layer projects to its own keys and values.
 The layers are Qwen3's (per-head q/k norms, rope over 1D positions: a vision-language
-target's mRoPE is not the draft's; its positions only measure its own attention's
-distances). Embeddings are the target's, frozen; the mask slots read the embedding of
+target's mRoPE is not the draft's, which reads the target's temporal row as vLLM serves
+it: the context at its states' positions, slot k at the anchor's state's position + 1 +
+k). Embeddings are the target's, frozen; the mask slots read the embedding of
 `mask_token_id`.
 
 Training (the DFlash paper's recipe, in this project's batches): every position of a
@@ -167,7 +168,7 @@ class DFlashDraft(DraftModel):
         block_ids = torch.full((anchors.numel(), masked + 1), self.cfg.mask_token_id)
         block_ids = block_ids.to(device)
         block_ids[:, 0] = batch.input_ids[anchors]
-        positions = batch.position_ids[anchors][:, None] + slots[None, :]
+        positions = batch.position_ids[anchors][:, None] + 1 + slots[None, :]
         index = torch.arange(segment.shape[0], device=device)
         visible = (index[None, :] <= anchors[:, None]) & (
             segment[None, :] == segment[anchors][:, None]
@@ -175,7 +176,7 @@ class DFlashDraft(DraftModel):
         context = self.hidden_norm(self.fc(batch.aux_hidden))
         x = self.embed_tokens(block_ids)
         for layer in self.layers:
-            x = layer(x, positions, context, batch.position_ids - 1, visible)
+            x = layer(x, positions, context, batch.position_ids, visible)
         return self.norm(x)
 
     def forward(

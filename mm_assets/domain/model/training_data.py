@@ -21,16 +21,32 @@ class LayerMismatch(ValueError):
     pass
 
 
+SAMPLE_COLUMNS = ["row_id", "input_ids", "loss_mask", "position_ids"]
+"""What a `SampleRef` reads of a `tokenized_samples` row."""
+
+
 @dataclass(frozen=True)
 class SampleRef:
     row_id: str
     path: str
     input_ids: list[int]
     loss_mask: list[int]
+    position_ids: list[int] | None = None  # the target's, where not 0..n-1
+
+    @classmethod
+    def of(cls, row: dict, path: str) -> SampleRef:
+        """The ref of a `tokenized_samples` row whose states are (or will be) at `path`."""
+        return cls(row["row_id"], path, row["input_ids"], row["loss_mask"], row["position_ids"])
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    def positions(self) -> torch.Tensor:
+        """[T] the position the target gives each token."""
+        if self.position_ids is None:
+            return torch.arange(self.num_tokens)
+        return torch.tensor(self.position_ids, dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -42,7 +58,7 @@ class Batch:
     loss_mask: torch.Tensor  # [N] bool
     aux_hidden: torch.Tensor  # [N, 3 * H] target hidden states at the 3 auxiliary ids
     last_hidden: torch.Tensor  # [M, H] last layer before the final norm, where loss_mask
-    position_ids: torch.Tensor  # [N] restarting at 0 for each sample
+    position_ids: torch.Tensor  # [N] the target's position of each state (vLLM's to the draft)
     segment: torch.Tensor  # [N] sample index within the batch
     row_ids: list[str] = field(default_factory=list)  # segment -> row
 
@@ -125,7 +141,8 @@ def final_states(stored: StoredStates, ref: SampleRef) -> torch.Tensor:
 def load_batch(refs: Sequence[SampleRef]) -> Batch:
     """Read and shift each sample as EAGLE-3 training expects: the draft at position t
     reads the target's state at t and token t+1, so tokens and the mask drop their first
-    entry, auxiliary states their last, and positions start at 1. Layer L is kept only
+    entry, auxiliary states their last, and positions (those of the states, as vLLM
+    serves them) their last. Layer L is kept only
     where the shifted mask is set (all the loss reads), whatever the blob's format."""
     ids, masks, aux, last, pos, seg = [], [], [], [], [], []
     for index, ref in enumerate(refs):
@@ -135,7 +152,7 @@ def load_batch(refs: Sequence[SampleRef]) -> Batch:
         masks.append(torch.tensor(ref.loss_mask[1:], dtype=torch.bool))
         aux.append(stored.aux[: n - 1].reshape(n - 1, -1))
         last.append(final_states(stored, ref))
-        pos.append(torch.arange(1, n))
+        pos.append(ref.positions()[: n - 1])
         seg.append(torch.full((n - 1,), index))
     tensors = (torch.cat(parts) for parts in (ids, masks, aux, last, pos, seg))
     return Batch(*tensors, [ref.row_id for ref in refs])

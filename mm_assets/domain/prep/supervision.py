@@ -39,6 +39,8 @@ class TokenizedRow:
     num_turns: int  # the row covers turns[:num_turns]
     num_images: int  # images inside those turns
     truncated: bool
+    position_ids: list[int] | None = None
+    """The target's positions of the tokens where they are not 0..n-1 (`positions.py`)."""
 
     @property
     def num_supervised(self) -> int:

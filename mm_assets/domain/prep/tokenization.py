@@ -31,6 +31,7 @@ from mm_assets.domain.prep.conversations import (
     reply_indices,
     turn_text,
 )
+from mm_assets.domain.prep.positions import image_advance, placed_positions
 from mm_assets.domain.prep.supervision import (
     GENERATION_MARKER,
     TokenizeDropReason,
@@ -96,7 +97,16 @@ def truncate(
 class ChatTokenizer:
     """Tokenizes normalized conversations for a target's processor or tokenizer."""
 
-    def __init__(self, processor: Any, max_length: int, min_supervised_tokens: int = 1) -> None:
+    def __init__(
+        self,
+        processor: Any,
+        max_length: int,
+        min_supervised_tokens: int = 1,
+        *,
+        mrope: bool = False,
+    ) -> None:
+        """`mrope`: the target rotates by M-RoPE positions (`positions.uses_mrope`), so
+        image rows carry the positions vLLM serves the draft with."""
         from transformers import ProcessorMixin
 
         self.multimodal = isinstance(processor, ProcessorMixin)
@@ -116,6 +126,8 @@ class ChatTokenizer:
         self.chat_template: str = template
         self.uses_generation_markers = bool(GENERATION_MARKER.search(template))
         self.image_token_id: int | None = None
+        self.mrope = mrope
+        self._advances: dict[tuple[int, int], int] = {}
         if self.multimodal:
             self.image_token_id = getattr(processor, "image_token_id", None)
             if self.image_token_id is None and getattr(processor, "image_token", None):
@@ -136,6 +148,19 @@ class ChatTokenizer:
             return []
         data = self.processor._get_num_multimodal_tokens(image_sizes=[list(s) for s in sizes])
         return [int(n) for n in data.num_image_tokens]
+
+    def image_advances(self, sizes: Sequence[tuple[int, int]]) -> list[int]:
+        """Positions each image takes in an M-RoPE target's temporal row, from the grid
+        its image processor lays over a blank image of its (height, width): no pixel of
+        the image is read, and each size is laid out once."""
+        from PIL import Image
+
+        image_processor = self.processor.image_processor
+        for size in dict.fromkeys(s for s in map(tuple, sizes) if s not in self._advances):
+            blank = Image.new("RGB", (size[1], size[0]))
+            grid = image_processor(images=[blank], return_tensors="np")["image_grid_thw"][0]
+            self._advances[size] = image_advance(grid, image_processor.merge_size)
+        return [self._advances[tuple(s)] for s in sizes]
 
     def _apply_template(self, turns: Sequence[Turn], **options: Any) -> Any:
         return self.tokenizer.apply_chat_template(
@@ -287,6 +312,7 @@ class ChatTokenizer:
         """Rendered ids of `turns[:num_turns]` as a training row: each image token
         expanded to the processor's count for its size, then cut at `max_length`."""
         num_images = count_images(turns[:num_turns])
+        positions = None
         if self.image_token_id is not None and num_images:
             rendered = ids.count(self.image_token_id)
             if rendered != num_images:
@@ -296,8 +322,13 @@ class ChatTokenizer:
                 )
             counts = self.image_token_counts(image_sizes[:num_images])
             ids, mask = expand_image_tokens(ids, mask, self.image_token_id, counts)
+            if self.mrope:
+                advances = self.image_advances(image_sizes[:num_images])
+                positions = placed_positions(ids, self.image_token_id, counts, advances)
         ids, mask, truncated = truncate(ids, mask, self.max_length, self.image_token_id)
-        return TokenizedRow(ids, mask, num_turns, num_images, truncated)
+        if positions is not None:
+            positions = positions[: len(ids)]
+        return TokenizedRow(ids, mask, num_turns, num_images, truncated, positions)
 
     def reply_rows(
         self,
