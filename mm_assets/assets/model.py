@@ -324,6 +324,8 @@ def sources_serving(
 
 
 def training_metadata(job: "SpeculatorJob", outcome: "SpeculatorOutcome") -> dict[str, Any]:
+    from mm_assets.domain.model.families import FAMILIES
+
     result = outcome.result
     started = {"init_from": job.init.given, "init_sha256": job.init.sha256} if job.init else {}
     return started | {
@@ -349,4 +351,5 @@ def training_metadata(job: "SpeculatorJob", outcome: "SpeculatorOutcome") -> dic
             None if a is None else round(a, 4) for a in result.epoch_acceptance
         ],
         "loss_curve": loss_curve(result),
+        "vllm_caveats": FAMILIES[job.settings.draft].serving_caveats(job.target_config),
     }

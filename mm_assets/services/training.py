@@ -272,6 +272,8 @@ def _train(
     settings = job.settings
     torch.manual_seed(settings.seed)
     family = FAMILIES[settings.draft]
+    for caveat in family.serving_caveats(job.target_config):
+        logger.warning(caveat)
     cfg = family.new_config(job.target_config, settings)
     head = load_target_head(job.target_dir)
     if job.init is None:

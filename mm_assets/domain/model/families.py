@@ -21,6 +21,7 @@ from mm_assets.domain.model.dflash import DFlashConfig, DFlashDraft, dflash_conf
 from mm_assets.domain.model.draft_parts import DraftModel
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft, draft_config
 from mm_assets.domain.model.settings import SpeculatorSettings
+from mm_assets.domain.prep.positions import uses_mrope
 
 DraftConfig = Eagle3Config | DFlashConfig
 
@@ -38,6 +39,24 @@ class DraftFamily:
     """The draft a checkpoint's config.json describes."""
     aux_key: str
     """Where the checkpoint's config names the target layers the draft reads."""
+    serving_caveats: Callable[[dict[str, Any]], list[str]] = lambda target_config: []
+    """What the pinned vLLM gets wrong serving this family for this target (logged at
+    training and in its metadata)."""
+
+
+MROPE_CONTEXT_SLOTS = (
+    "vLLM 0.32's model runner writes a DFlash draft's context into its KV cache at the "
+    "target's M-RoPE positions instead of its token indices: the tokens of an image, "
+    "which share one position, overwrite each other, and the served draft reads a context "
+    "it was never trained on. Its acceptance on image prompts stays well below the held-out "
+    "estimate; text prompts are unaffected (BENCHMARKS.md, 'Draft families'). Until vLLM "
+    "slots the context by token index (vllm-ascend did, #9340), serve EAGLE-3 for image "
+    "prompts of an M-RoPE target."
+)
+
+
+def _dflash_caveats(target_config: dict[str, Any]) -> list[str]:
+    return [MROPE_CONTEXT_SLOTS] if uses_mrope(target_config) else []
 
 
 def _dflash(target_config: dict[str, Any], settings: SpeculatorSettings) -> DFlashConfig:
@@ -68,6 +87,7 @@ FAMILIES = {
         dflash_checkpoint.checkpoint_config,
         dflash_checkpoint.draft_shape,
         "aux_hidden_state_layer_ids",
+        _dflash_caveats,
     ),
 }
 
