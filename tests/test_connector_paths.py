@@ -141,7 +141,7 @@ class _Attack:
         return [
             {"row_id": row_id, "sample_id": row_id, "source_index": i, "input_ids": ids,
              "loss_mask": [0, 1, 1], "seq_len": 3, "num_supervised": 2, "truncated": False,
-             "multimodal": False, "messages": None, "image_hashes": []}
+             "multimodal": False, "messages": None, "image_hashes": [], "position_ids": None}
             for i, (row_id, ids) in enumerate(self.rows.items())
         ]  # fmt: skip
 
