@@ -72,8 +72,9 @@ LEVERS: dict[str, dict[str, Any]] = {
 # the other draft family on the same states and prompts (its demo learning rate; blocks of
 # today's depth, then blocks of 8 against EAGLE-3 at depth 7)
 LEVERS["DFlash"] = {"draft": "dflash", "learning_rate": 3.0e-3}
-LEVERS["DFlash, block 8"] = {"draft": "dflash", "learning_rate": 3.0e-3, "ttt_steps": 7}
-LEVERS["EAGLE-3, depth 7"] = {"ttt_steps": 7}
+DEPTH_7 = {"ttt_steps": 7, "speculative_tokens": 7}
+LEVERS["DFlash, block 8"] = {"draft": "dflash", "learning_rate": 3.0e-3, **DEPTH_7}
+LEVERS["EAGLE-3, depth 7"] = DEPTH_7
 MEASURED = {"measure_in_vllm": True, "measure_untrained_in_vllm": False, "split_seed": 0}
 SEEDS = (0, 1, 2)
 KEPT = (

@@ -40,6 +40,10 @@ def test_plots_are_pngs_that_depend_on_their_data() -> None:
     assert np.abs(_pixels(estimate_only) - _pixels(with_vllm)).sum() > 0
     other_vllm = acceptance_plot([0.8, 0.5, 0.3], [0.2, 0.6, 0.9])
     assert np.abs(_pixels(with_vllm) - _pixels(other_vllm)).sum() > 0
+    # trained 7 deep, served at 3 tokens (or the reverse): each at its own positions
+    deeper = acceptance_plot([0.8, 0.5, 0.3, 0.2, 0.1, 0.1, 0.05], [0.7, 0.4, 0.1])
+    assert decode_plot(deeper).size == PLOT_SIZE
+    assert decode_plot(acceptance_plot([0.8], [0.7, 0.4, 0.1])).size == PLOT_SIZE
 
 
 def test_empty_inputs_say_so_instead_of_plotting() -> None:

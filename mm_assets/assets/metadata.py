@@ -243,12 +243,14 @@ def acceptance_plot(
     """Share of verifications accepting draft token i, per position: replayed offline over
     the held-out replies and, when measured, counted by vLLM."""
     estimate = np.asarray(estimated_rates, dtype=float)
-    positions = np.arange(1, len(estimate) + 1)
+    positions = np.arange(1, max(len(estimate), len(vllm_rates or ())) + 1)
     fig, ax = _figure()
     width = 0.4 if vllm_rates else 0.8
-    ax.bar(positions - (width / 2 if vllm_rates else 0), estimate, width, label="held-out estimate")
-    if vllm_rates:
-        ax.bar(positions + width / 2, vllm_rates, width, label="measured in vLLM")
+    shift = width / 2 if vllm_rates else 0
+    ax.bar(positions[: len(estimate)] - shift, estimate, width, label="held-out estimate")
+    if vllm_rates:  # served at another depth than trained: each at its own positions
+        served = positions[: len(vllm_rates)]
+        ax.bar(served + width / 2, vllm_rates, width, label="measured in vLLM")
     ax.set_xticks(positions)
     ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1))
     ax.set_title("per-position acceptance")
