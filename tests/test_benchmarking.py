@@ -316,3 +316,39 @@ def test_a_dflash_draft_goes_through_the_same_benchmark_and_stays_lossless(
     assert found.not_run == {} and found.draft_method == "dflash"
     overall = _row(found, OVERALL, "dflash")
     assert overall.drafts > 0 and overall.lossless == overall.compared == 11
+
+
+def test_vllm_serves_a_dflash_draft_beside_a_qwen3_vl_target_on_image_prompts(
+    demo_dir: Path, tmp_path: Path
+) -> None:
+    """The DFlash checkpoint written for a Qwen3-VL-architecture target (interleaved
+    M-RoPE, deepstack vision) names that verifier, keeps plain rope, and vLLM 0.32 serves
+    it beside the target on image prompts, drafting (its acceptance on images is what
+    BENCHMARKS.md's 'Draft families' discusses)."""
+    from mm_assets.clients.vllm_generation import generate_greedy_replies
+    from mm_assets.clients.vllm_server import ManagedVllmServer
+    from tests.qwen3_vl_target import write_qwen3_vl_target
+
+    target = write_qwen3_vl_target(demo_dir / "target", tmp_path / "qwen3_vl")
+    draft = dflash_draft(target, tmp_path / "dflash")
+    config = json.loads((draft.dir / "config.json").read_text())
+    verifier = config["speculators_config"]["verifier"]
+    assert verifier["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    assert config["aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert "mrope" not in json.dumps(config["transformer_layer_config"])
+    images = sorted((demo_dir / "coco" / "train2017").glob("*.jpg"))[:3]
+    prompts = [
+        [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"file://{image}"}},
+            {"type": "text", "text": "What shapes are in this picture?"},
+        ]}]
+        for image in images
+    ]  # fmt: skip
+    options = EngineOptions(dtype="float32", kv_cache_gib=1.0)
+    server = ManagedVllmServer(
+        str(target), draft.serve_args(), demo_dir / "coco", tmp_path / "vllm.log", options
+    )
+    with server:
+        replies = generate_greedy_replies(server.base_url, server.access, prompts, 24)
+    assert all(0 < len(reply.token_ids) <= 24 for reply in replies)
+    assert sum(reply.metrics.verifications for reply in replies) >= 3

@@ -51,7 +51,14 @@ def test_default_layer_ids_and_validation() -> None:
     assert default_layer_ids(8) == [2, 4, 5, 8]
     assert default_layer_ids(32) == [2, 16, 29, 32]
     assert validate_layer_ids([1, 3, 6, 8], 8) == [1, 3, 6, 8]
-    for bad in ([2, 4, 5], [2, 4, 5, 7], [0, 4, 5, 8], [2, 4, 9, 8]):
+    # a small target: the usual picks would repeat (vLLM reads a layer once)
+    assert [default_layer_ids(n) for n in (4, 5, 6, 7)] == [
+        [1, 2, 3, 4],
+        [1, 2, 4, 5],
+        [1, 3, 5, 6],
+        [2, 3, 4, 7],
+    ]
+    for bad in ([2, 4, 5], [2, 4, 5, 7], [0, 4, 5, 8], [2, 4, 9, 8], [2, 4, 4, 8]):
         with pytest.raises(ValueError, match="last layer"):
             validate_layer_ids(bad, 8)
 

@@ -21,6 +21,7 @@ from mm_assets.domain.prep.supervision import (
 )
 from mm_assets.domain.prep.tokenization import ChatTokenizer, expand_image_tokens, truncate
 from tests.pixel_reference import tokenize_with_pixels
+from tests.qwen3_vl_target import write_qwen3_vl_target
 
 # -- pure functions ----------------------------------------------------------------
 
@@ -373,20 +374,31 @@ def test_placed_positions_hold_an_image_still_and_move_past_it() -> None:
         placed_positions([1, 9, 9, 2], 9, [6], [3])
 
 
+@pytest.fixture(scope="module")
+def qwen3_vl_dir(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_qwen3_vl_target(demo_dir / "target", tmp_path_factory.mktemp("qwen3_vl"))
+
+
+@pytest.mark.parametrize("architecture", ["qwen2_5_vl", "qwen3_vl"])
 def test_image_rows_carry_the_temporal_row_of_the_targets_rope_index(
-    demo_dir: Path, demo_processor
+    demo_dir: Path, qwen3_vl_dir: Path, architecture: str
 ) -> None:
     """The positions stored with each image row are row 0 of what transformers' own
-    Qwen2.5-VL computes from the decoded images (vLLM serves the draft that row); text
-    rows, and a target without M-RoPE, store none (0..n-1)."""
+    model of the architecture computes from the decoded images (vLLM serves the draft
+    that row), for the demo's Qwen2.5-VL target and a Qwen3-VL one; text rows, and a
+    target without M-RoPE, store none (0..n-1)."""
     import torch
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoProcessor
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
-    config = AutoConfig.from_pretrained(demo_dir / "target")
+    target = {"qwen2_5_vl": demo_dir / "target", "qwen3_vl": qwen3_vl_dir}[architecture]
+    model_class = {"qwen2_5_vl": Qwen2_5_VLModel, "qwen3_vl": Qwen3VLModel}[architecture]
+    processor = AutoProcessor.from_pretrained(target)
+    config = AutoConfig.from_pretrained(target)
     assert uses_mrope(config.to_dict()) and not uses_mrope({"rope_parameters": {"rope_theta": 1}})
-    rope_index = Qwen2_5_VLModel(config).get_rope_index
-    chat = ChatTokenizer(demo_processor, max_length=100_000, mrope=True)
+    rope_index = model_class(config).get_rope_index
+    chat = ChatTokenizer(processor, max_length=100_000, mrope=True)
     conversations = _demo_conversations(demo_dir)[:12]
     two = [t for t, _ in conversations[:2]]
     both = [two[0][0], *two[1], *two[0][1:]]  # two images, of two sizes, in one row
@@ -394,7 +406,8 @@ def test_image_rows_carry_the_temporal_row_of_the_targets_rope_index(
     assert sizes[0] != sizes[1]
     for turns, image_sizes in [*conversations, (both, sizes)]:
         (row,) = chat.tokenize(turns, image_sizes)
-        eager = tokenize_with_pixels(demo_processor, turns)
+        eager = tokenize_with_pixels(processor, turns)
+        assert row.input_ids == eager["input_ids"]
         ids = torch.tensor([eager["input_ids"]])
         kinds = (ids == chat.image_token_id).int()
         grids = torch.tensor(eager["image_grid_thw"])
@@ -404,5 +417,5 @@ def test_image_rows_carry_the_temporal_row_of_the_targets_rope_index(
     text = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
     assert chat.tokenize(text)[0].position_ids is None
     (turns, image_sizes), *_ = conversations
-    plain = ChatTokenizer(demo_processor, max_length=100_000)
+    plain = ChatTokenizer(processor, max_length=100_000)
     assert plain.tokenize(turns, image_sizes)[0].position_ids is None

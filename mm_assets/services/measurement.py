@@ -289,6 +289,8 @@ def measure_draft(
         measured: dict[str, Measurement], walks: dict[str, list[list[int]]] | None
     ) -> dict[str, SourceMeasurement]:
         out, every = {}, []
+        if job.settings.speculative_tokens != ttt_steps:
+            walks = None  # replayed ttt_steps deep: no estimate of another depth
         for source, m in measured.items():
             mine = [walks[r.row_id][r.reply] for r in replies[source]] if walks is not None else []
             every += mine

@@ -27,18 +27,23 @@ LAYER_CONVENTION = "residual_after_k_layers;L=pre_final_norm"
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's usual choice: low, middle and high auxiliary layers, plus the last."""
+    """EAGLE-3's usual choice: low, middle and high auxiliary layers, plus the last; three
+    distinct ones spread the same way where a small target makes the usual ones repeat."""
     if num_layers < 4:
         raise ValueError(f"EAGLE-3 needs a target with at least 4 layers, got {num_layers}")
-    return [2, num_layers // 2, num_layers - 3, num_layers]
+    usual = [2, num_layers // 2, num_layers - 3]
+    aux = usual if len(set(usual)) == 3 else [1, num_layers // 2, num_layers - 1]
+    return [*aux, num_layers]
 
 
 def validate_layer_ids(layer_ids: Sequence[int], num_layers: int) -> list[int]:
     ids = [int(i) for i in layer_ids]
-    if len(ids) != 4 or ids[-1] != num_layers or not all(0 < i <= num_layers for i in ids):
+    ok = len(ids) == 4 and ids[-1] == num_layers and all(0 < i <= num_layers for i in ids)
+    if not ok or len(set(ids[:3])) != 3:
         raise ValueError(
-            f"layer_ids {ids}: give three auxiliary layers in 1..{num_layers} followed by "
-            f"the last layer {num_layers} (default {default_layer_ids(num_layers)})"
+            f"layer_ids {ids}: give three distinct auxiliary layers in 1..{num_layers} (vLLM "
+            "reads a repeated layer once, leaving the draft's input short) followed by the "
+            f"last layer {num_layers} (default {default_layer_ids(num_layers)})"
         )
     return ids
 
