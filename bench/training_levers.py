@@ -72,6 +72,7 @@ LEVERS: dict[str, dict[str, Any]] = {
 # the other draft family on the same states and prompts (its demo learning rate; blocks of
 # today's depth, then blocks of 8 against EAGLE-3 at depth 7)
 LEVERS["DFlash"] = {"draft": "dflash", "learning_rate": 3.0e-3}
+LEVERS["P-EAGLE"] = {"draft": "peagle"}  # EAGLE-3 drafting all its tokens in one pass
 DEPTH_7 = {"ttt_steps": 7, "speculative_tokens": 7}
 LEVERS["DFlash, block 8"] = {"draft": "dflash", "learning_rate": 3.0e-3, **DEPTH_7}
 LEVERS["EAGLE-3, depth 7"] = DEPTH_7

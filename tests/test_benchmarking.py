@@ -12,6 +12,7 @@ to check that vLLM serves it and that decoding with it stays lossless).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -75,11 +76,13 @@ SETTINGS = BenchmarkSettings(max_tokens=24)
 SPECULATIVE_TOKENS = 3
 
 
-def untrained_draft(target_dir: Path, out_dir: Path) -> DraftUnderTest:
-    """The EAGLE-3 draft training starts from, written as a checkpoint vLLM loads."""
+def untrained_draft(target_dir: Path, out_dir: Path, parallel: bool = False) -> DraftUnderTest:
+    """The EAGLE-3 draft training starts from (`parallel`: P-EAGLE's, the target's last
+    id as its mask token), written as a checkpoint vLLM loads."""
     config = json.loads((target_dir / "config.json").read_text())
     torch.manual_seed(0)
     cfg = Eagle3Config.from_target(config, draft_vocab_size=256)
+    cfg = dataclasses.replace(cfg, mask_token_id=cfg.vocab_size - 1 if parallel else None)
     model = Eagle3Draft(cfg)
     head = load_target_head(target_dir)
     vocab = build_draft_vocab({t: 1 for t in range(cfg.vocab_size)}, cfg.vocab_size, 256)
@@ -89,7 +92,7 @@ def untrained_draft(target_dir: Path, out_dir: Path) -> DraftUnderTest:
         cfg, layers[:3], str(target_dir), config["architectures"], SPECULATIVE_TOKENS, {}
     )
     save_checkpoint(model, ckpt, out_dir)
-    return DraftUnderTest(out_dir, file_sha256(out_dir / "model.safetensors"), SPECULATIVE_TOKENS)
+    return DraftUnderTest.at(out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -315,6 +318,24 @@ def test_a_dflash_draft_goes_through_the_same_benchmark_and_stays_lossless(
     assert found.reused == {"none": True, "ngram@3": True, "dflash@3": False}
     assert found.not_run == {} and found.draft_method == "dflash"
     overall = _row(found, OVERALL, "dflash")
+    assert overall.drafts > 0 and overall.lossless == overall.compared == 11
+
+
+def test_a_parallel_eagle_draft_is_served_drafting_in_one_pass_and_stays_lossless(
+    setup: dict, report: BenchmarkReport, started: list[str]
+) -> None:
+    """A P-EAGLE checkpoint (speculators' `peagle`: EAGLE-3's with a mask token and
+    `mask_hidden`) loads in vLLM 0.32 with `parallel_drafting`, drafts, and every greedy
+    output stays the target's."""
+    serving = setup["args"][0]
+    draft = untrained_draft(serving.target_dir, setup["args"][-1].parent / "peagle", True)
+    assert draft.method == "peagle" and draft.speculative_tokens == 3
+    args = list(setup["args"])
+    args[2] = draft
+    found = benchmark(*args)
+    assert len(started) == 2 and '"parallel_drafting": true' in started[1]
+    assert found.reused == {"none": True, "ngram@3": True, "peagle@3": False}
+    overall = _row(found, OVERALL, "peagle")
     assert overall.drafts > 0 and overall.lossless == overall.compared == 11
 
 

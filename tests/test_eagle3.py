@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mm_assets.clients.serve_args import speculative_decoding_args
 from mm_assets.domain.model.acceptance import Acceptance, combine, replay_runs, summarize
-from mm_assets.domain.model.checkpoint import checkpoint_config
+from mm_assets.domain.model.checkpoint import checkpoint_config, draft_shape, draft_state
 from mm_assets.domain.model.draft_parts import leading_correct
 from mm_assets.domain.model.draft_vocab import build_draft_vocab, draft_vocab_from_mapping
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft, ttt_mask
@@ -260,6 +261,36 @@ def test_hidden_states_of_other_layer_ids_are_refused() -> None:
         check_layer_ids([{**ok, "layer_convention": "hf_hidden_states"}], [2, 4, 5, 8])
 
 
+def test_a_parallel_draft_reads_no_token_past_its_anchor_after_the_first_step() -> None:
+    """P-EAGLE (`mask_token_id` set): steps after the first read the mask token and the
+    learned `mask_hidden`, so the token after the next one, which EAGLE-3 is fed at step
+    1, moves none of a parallel draft's later steps at the anchor; the state it reads is
+    trained (it gets a gradient) and what vLLM loads as `mask_hidden`."""
+    parallel_cfg = dataclasses.replace(CFG, mask_token_id=95)
+    base = _batch([8])
+    later = dataclasses.replace(base, input_ids=base.input_ids.clone())
+    later.input_ids[3] = (later.input_ids[3] + 1) % 96  # what step 1 at position 2 is fed
+
+    def steps(model: Eagle3Draft, batch: Batch) -> list[torch.Tensor]:
+        captured: list[torch.Tensor] = []
+        hook = model.layers[0].register_forward_hook(lambda m, a, out: captured.append(out))
+        with torch.no_grad():
+            model(batch, ttt_steps=3)
+        hook.remove()
+        return captured
+
+    sequential, parallel = _model(), _model(cfg=parallel_cfg)
+    pairs = zip(steps(sequential, base), steps(sequential, later), strict=True)
+    moved = [(a[2] - b[2]).abs().max() for a, b in pairs]
+    assert moved[0] == 0 and moved[1] > 1e-4  # EAGLE-3's step 1 reads that token
+    for a, b in zip(steps(parallel, base), steps(parallel, later), strict=True):
+        assert torch.allclose(a[:3], b[:3], atol=1e-6)
+    loss, _ = parallel(base, ttt_steps=3)
+    loss.backward()
+    assert parallel.mask_hidden.grad is not None and parallel.mask_hidden.grad.abs().sum() > 0
+    assert "mask_hidden" in draft_state(parallel)
+
+
 def test_checkpoint_has_the_speculators_fields_and_round_trips(tmp_path: Path) -> None:
     model = _model()
     config = checkpoint_config(CFG, [2, 4, 5], "/models/target", ["LlamaForCausalLM"], 3, {"x": 1})
@@ -289,6 +320,12 @@ def test_checkpoint_has_the_speculators_fields_and_round_trips(tmp_path: Path) -
     for key, value in loaded.state_dict().items():
         if not key.startswith("verifier_"):
             assert torch.equal(value, model.state_dict()[key]), key
+    parallel_cfg = dataclasses.replace(CFG, mask_token_id=95)  # P-EAGLE: speculators' peagle
+    parallel = checkpoint_config(parallel_cfg, [2, 4, 5], "/models/target", ["X"], 3, {})
+    assert parallel["speculators_model_type"] == "peagle" and parallel["mask_token_id"] == 95
+    assert parallel["speculators_config"]["algorithm"] == "peagle"
+    assert draft_shape(parallel) == parallel_cfg and "mask_token_id" not in written
+    assert '"parallel_drafting": true' in speculative_decoding_args(tmp_path, 3, "peagle")[1]
     full_cfg = dataclasses.replace(CFG, draft_vocab_size=96)
     torch.manual_seed(0)
     save_checkpoint(Eagle3Draft(full_cfg), config, tmp_path / "full")

@@ -24,6 +24,7 @@ PROMPTS_TABLE = "speculator_benchmark_prompts"
 METHOD_NAMES = {
     "eagle3": "draft (EAGLE-3)",
     "dflash": "draft (DFlash)",
+    "peagle": "draft (P-EAGLE)",
     "ngram": "n-gram",
     "none": "no speculation",
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from mm_assets.clients.vllm_server import cuda_available
 
@@ -27,8 +28,12 @@ def extraction_args(layer_ids: Sequence[int], hidden_states_dir: Path, connector
     return [*configs, "--enable-scale-out"]
 
 
-DRAFT_METHODS = ("eagle3", "dflash")
-"""vLLM's `method` for each draft family's checkpoint: its `speculators_model_type`."""
+DRAFT_METHODS: dict[str, dict[str, Any]] = {
+    "eagle3": {"method": "eagle3"},
+    "dflash": {"method": "dflash"},
+    "peagle": {"method": "eagle3", "parallel_drafting": True},
+}
+"""How vLLM serves each draft family's checkpoint (by its `speculators_model_type`)."""
 
 
 def speculative_decoding_args(
@@ -37,10 +42,10 @@ def speculative_decoding_args(
     """Server arguments that serve the target with a trained draft (`method`: its
     family, one of `DRAFT_METHODS`)."""
     if method not in DRAFT_METHODS:
-        raise ValueError(f"draft method {method!r} is not one of {DRAFT_METHODS}")
+        raise ValueError(f"draft method {method!r} is not one of {', '.join(DRAFT_METHODS)}")
     config = {
         "model": str(draft_dir),
-        "method": method,
+        **DRAFT_METHODS[method],
         "num_speculative_tokens": num_speculative_tokens,
     }
     return ["--speculative-config", json.dumps(config), *PER_REQUEST_ACCEPTANCE]

@@ -190,7 +190,8 @@ class DraftUnderTest:
         if method not in DRAFT_METHODS:
             raise ValueError(
                 f"{directory / 'config.json'}: speculators_model_type {method!r} is not one "
-                f"of {DRAFT_METHODS}; point at a draft trained here or in speculators' format"
+                f"of {', '.join(DRAFT_METHODS)}; point at a draft trained here or in "
+                "speculators' format"
             )
         weights_sha256 = file_sha256(weights(directory))
         return cls(directory, weights_sha256, speculative_tokens(config), method)

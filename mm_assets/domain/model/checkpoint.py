@@ -1,9 +1,10 @@
 """The speculators checkpoint format (what vLLM and `speculators` load; the files are
 written and read by `storage/checkpoints.py`).
 
-`config.json` carries the full one-layer Llama config (`transformer_layer_config`,
-defaults written out: vLLM uses it as the draft's HF config) and the four norm flags
-written explicitly (vLLM and speculators default them differently). The weights are the
+`config.json` (EAGLE-3's, or P-EAGLE's with its `mask_token_id`) carries the full
+one-layer Llama config (`transformer_layer_config`, defaults written out: vLLM uses it as
+the draft's HF config) and the four norm flags written explicitly (vLLM and speculators
+default them differently). The weights are the
 draft's only, never the verifier's; `d2t`/`t2d` are omitted when the draft vocabulary is
 the whole target vocabulary.
 """
@@ -70,9 +71,12 @@ def checkpoint_config(
     provenance: dict[str, Any],
 ) -> dict[str, Any]:
     verifier = (verifier_path, verifier_architectures)
+    kind = "eagle3" if cfg.mask_token_id is None else "peagle"  # P-EAGLE: parallel slots
+    parallel = {} if cfg.mask_token_id is None else {"mask_token_id": cfg.mask_token_id}
     return {
         "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "speculators_model_type": kind,
+        **parallel,
         "speculators_version": FORMAT_VERSION,
         "transformer_layer_config": layer_config(cfg, "llama", 1),
         "draft_vocab_size": cfg.draft_vocab_size,
@@ -82,7 +86,7 @@ def checkpoint_config(
         "fc_norm": cfg.fc_norm,
         "norm_output": cfg.norm_output,
         "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
-        "speculators_config": speculators_config("eagle3", verifier, speculative_tokens),
+        "speculators_config": speculators_config(kind, verifier, speculative_tokens),
         "dtype": "float32",
         "mm_assets": provenance,
     }
@@ -119,4 +123,5 @@ def draft_shape(config: dict[str, Any]) -> Eagle3Config:
         norm_output=config["norm_output"],
         norm_before_fc=bool(config.get("norm_before_fc")),
         fc_norm=bool(config.get("fc_norm")),
+        mask_token_id=config.get("mask_token_id"),
     )

@@ -8,11 +8,13 @@ follow. Embeddings are the target's, frozen.
 Training unrolls test-time steps (TTT) as the draft runs at inference: step s reads the
 draft's own output of step s-1 at the same position and the token s positions further,
 attending to the step-0 keys of its sample up to its position plus its own keys of steps
-1..s. The teacher is the target's final norm and `lm_head` rows of the draft vocabulary
-over layer L; each step's loss (`losses.py`) is averaged over supervised positions,
-weighted `decay**s` and summed. Batches are pre-shifted as in speculators
-(`training_data.load_batch`); a position whose step-s target lies in the next packed
-sample is not counted.
+1..s. A parallel draft (P-EAGLE, `mask_token_id` set) proposes all its tokens in one pass:
+its step s reads the mask token and the learned `mask_hidden` instead, with the same
+attention, which is what vLLM's `parallel_drafting` runs. The teacher is the target's
+final norm and `lm_head` rows of the draft vocabulary over layer L; each step's loss
+(`losses.py`) is averaged over supervised positions, weighted `decay**s` and summed.
+Batches are pre-shifted as in speculators (`training_data.load_batch`); a position whose
+step-s target lies in the next packed sample is not counted.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class Eagle3Config:
     norm_before_fc: bool = False  # one RMSNorm over the auxiliary states side by side
     fc_norm: bool = False  # an RMSNorm per auxiliary state (EAGLE-3.1)
     train_lm_head: bool = False
+    mask_token_id: int | None = None
+    """P-EAGLE (parallel drafting): the token masked slots read; None drafts in turn."""
 
     @classmethod
     def from_target(cls, target_config: dict[str, Any], draft_vocab_size: int) -> Eagle3Config:
@@ -148,6 +152,8 @@ class Eagle3Draft(DraftModel):
             self.fc_norm = nn.ModuleList(norms)
         self.layers = nn.ModuleList([FirstLayer(cfg)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.mask_token_id is not None:  # the state masked slots read (vLLM's name)
+            self.mask_hidden = nn.Parameter(torch.zeros(cfg.num_aux * cfg.hidden_size))
         self._heads()
 
     def aux_normed(self, aux_hidden: torch.Tensor) -> torch.Tensor:
@@ -159,6 +165,14 @@ class Eagle3Draft(DraftModel):
             chunks = aux_hidden.chunk(self.cfg.num_aux, dim=-1)
             aux_hidden = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks, strict=True)], -1)
         return aux_hidden
+
+    def _masked_slot(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What every masked slot of a parallel draft reads in place of the token and the
+        previous step's output: the mask token's embedding, and `mask_hidden` through
+        the auxiliary states' path into `fc` (vLLM's `combine_hidden_states`)."""
+        token = torch.full((n,), self.cfg.mask_token_id, device=self.fc.weight.device)
+        hidden = self.fc(self.aux_normed(self.mask_hidden[None, :]))
+        return self.embed_tokens(token), hidden.expand(n, -1)
 
     def forward(
         self,
@@ -183,6 +197,8 @@ class Eagle3Draft(DraftModel):
         index = torch.arange(n, device=ids.device)
         for step in range(ttt_steps):
             embeds = self.embed_tokens(ids)
+            if step and self.cfg.mask_token_id is not None:
+                embeds, hidden = self._masked_slot(n)
             hidden = self.layers[0](
                 embeds, hidden, batch.position_ids + step, cache, ttt_mask(segment, step)
             )

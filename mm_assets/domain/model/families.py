@@ -11,7 +11,7 @@ vocabulary, the training loop, warm start, measurement, benchmark, tables) is sh
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -59,7 +59,8 @@ def _dflash_caveats(target_config: dict[str, Any]) -> list[str]:
     return [MROPE_CONTEXT_SLOTS] if uses_mrope(target_config) else []
 
 
-def _dflash(target_config: dict[str, Any], settings: SpeculatorSettings) -> DFlashConfig:
+def _mask_token(target_config: dict[str, Any], settings: SpeculatorSettings) -> int:
+    """The token masked slots read: the setting, or the target vocabulary's last id."""
     text = target_config.get("text_config") or target_config
     mask = settings.mask_token_id
     mask = int(text["vocab_size"]) - 1 if mask is None else mask
@@ -68,7 +69,17 @@ def _dflash(target_config: dict[str, Any], settings: SpeculatorSettings) -> DFla
             f"mask_token_id {mask} is not a token of the target (vocabulary of "
             f"{text['vocab_size']}); leave it empty for the vocabulary's last id"
         )
+    return mask
+
+
+def _dflash(target_config: dict[str, Any], settings: SpeculatorSettings) -> DFlashConfig:
+    mask = _mask_token(target_config, settings)
     return dflash_config(target_config, settings.draft_vocab_size, mask, settings.dflash_layers)
+
+
+def _peagle(target_config: dict[str, Any], settings: SpeculatorSettings) -> Eagle3Config:
+    mask = _mask_token(target_config, settings)
+    return replace(draft_config(target_config, settings), mask_token_id=mask)
 
 
 FAMILIES = {
@@ -88,6 +99,14 @@ FAMILIES = {
         dflash_checkpoint.draft_shape,
         "aux_hidden_state_layer_ids",
         _dflash_caveats,
+    ),
+    "peagle": DraftFamily(
+        "peagle",
+        _peagle,
+        Eagle3Draft,
+        checkpoint.checkpoint_config,
+        checkpoint.draft_shape,
+        "eagle_aux_hidden_state_layer_ids",
     ),
 }
 

@@ -136,17 +136,19 @@ class SpeculatorSettings(BaseModel):
     speculative_tokens: int = Field(
         default=3, ge=1, description="Draft tokens per step when vLLM serves the checkpoint."
     )
-    draft: Literal["eagle3", "dflash"] = Field(
+    draft: Literal["eagle3", "dflash", "peagle"] = Field(
         default="eagle3",
         description="The draft family: eagle3 (one layer, one token per pass, unrolled "
-        "ttt_steps deep in training) or dflash (a block of speculative_tokens proposed in "
-        "one pass; trained on blocks of ttt_steps).",
+        "ttt_steps deep in training), peagle (the same layer drafting every token in one "
+        "pass: the slots after the first read mask_token_id and a learned state) or dflash "
+        "(a block of speculative_tokens proposed in one pass; trained on blocks of "
+        "ttt_steps).",
     )
     dflash_layers: int = Field(default=2, ge=1, le=16, description="DFlash: decoder layers.")
     mask_token_id: int | None = Field(
         default=None,
         ge=0,
-        description="DFlash: the token fed in a block's masked slots; its embedding is the "
+        description="DFlash and P-EAGLE: the token fed in masked slots; its embedding is the "
         "target's. None: the last id of the target's vocabulary (a padding row in most).",
     )
 
