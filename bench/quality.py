@@ -7,14 +7,15 @@ target are read from there) through the benchmark service the asset uses, with t
 demo's settings but every prompt: no speculation, n-gram and the draft, one server each,
 one request at a time. Prints each method's figures per category with their intervals,
 and the draft against no speculation and against n-gram, paired on the same prompts, as
-JSON. `make bench-quality` (~10 min here).
+JSON. `make bench-quality` (~10 min here); `python -m bench.quality [DRAFT] [--depths D ...]`
+for another draft of the home's registry (any family) or other depths.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ def _beside(records: list[Any], row: Any) -> float | None:
     return round(sum(t.output_tokens for t in pairs) / seconds, 1) if seconds else None
 
 
-def run(draft: str = DRAFT) -> dict[str, Any]:
+def run(draft: str = DRAFT, depths: list[int] = DEPTHS) -> dict[str, Any]:
     from mm_assets.assets.partitions import REGISTRY
     from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
     from mm_assets.domain.model.acceptance import OVERALL
@@ -58,7 +59,7 @@ def run(draft: str = DRAFT) -> dict[str, Any]:
     storage = StorageResource()
     tables, root = storage.tables(), storage.root_dir()
     chosen = REGISTRY[draft].settings.get("speculator_benchmark", {})
-    every = {"max_prompts_per_category": None, "speculative_tokens": DEPTHS}
+    every = {"max_prompts_per_category": None, "speculative_tokens": depths}
     settings = BenchmarkSettings(**{**chosen, **every})
     prompts = load_benchmark(tables, BENCHMARK)
     target = TargetModelResource().model()
@@ -155,9 +156,13 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.quality")
+    parser.add_argument("draft", nargs="?", default=DRAFT, help="a draft of the home's registry")
+    parser.add_argument("--depths", nargs="+", type=int, default=DEPTHS)
+    args = parser.parse_args()
     if "MM_ASSETS_HOME" not in os.environ:
         os.environ["MM_ASSETS_HOME"] = str(Path(__file__).resolve().parents[1] / ".mm_assets")
-    result = run(*sys.argv[1:2])
+    result = run(args.draft, args.depths)
     print(json.dumps(result, indent=2), flush=True)
     print(markdown(result))
 

@@ -1,5 +1,6 @@
 """Training throughput: our EAGLE-3 draft vs speculators 0.9.0's, same loop, same batches;
-and our DFlash block draft on the same batches (the cost of the other family).
+and our DFlash block draft and P-EAGLE (parallel EAGLE-3) on the same batches (the cost of
+the other families).
 
 CPU, fp32, sdpa attention, eager KL loss, AdamW; a 256-wide draft (4 heads of 64) over a
 2,048-token target vocabulary with a 1,024-token draft vocabulary, 3 TTT steps (DFlash:
@@ -71,13 +72,20 @@ def _run(side: str, workdir: Path) -> float:
 
     torch.manual_seed(0)
     batches = [load_file(str(workdir / f"batch{b}.safetensors")) for b in range(BATCHES)]
-    if side == "ours":
+    if side in ("ours", "peagle"):
+        from dataclasses import replace
+
+        from mm_assets.domain.model.eagle3 import Eagle3Draft
         from mm_assets.domain.model.families import draft_from
         from mm_assets.domain.model.training_data import Batch
         from mm_assets.services.target import load_target_head
         from mm_assets.storage.checkpoints import read_checkpoint
 
         model = draft_from(*read_checkpoint(workdir / "draft"), str(workdir / "draft"))
+        if side == "peagle":  # the same draft with parallel slots (P-EAGLE)
+            parallel = Eagle3Draft(replace(model.cfg, mask_token_id=2047))
+            parallel.load_state_dict(model.state_dict(), strict=False)
+            model = parallel
         head = load_target_head(workdir / "verifier")
         with torch.no_grad():
             model.verifier_norm.weight.copy_(head.final_norm)
@@ -136,7 +144,7 @@ def _run(side: str, workdir: Path) -> float:
 
 def run(workdir: Path) -> dict:
     _prepare(workdir)
-    results: dict[str, list[float]] = {"ours": [], "speculators": [], "dflash": []}
+    results: dict[str, list[float]] = {"ours": [], "speculators": [], "dflash": [], "peagle": []}
     for _ in range(2):
         for side in results:
             env = dict(os.environ)
@@ -155,6 +163,8 @@ def run(workdir: Path) -> dict:
         "ratio": ours / theirs,
         "dflash_tokens_per_s": [round(v) for v in results["dflash"]],
         "dflash_vs_ours": sum(results["dflash"]) / ours,
+        "peagle_tokens_per_s": [round(v) for v in results["peagle"]],
+        "peagle_vs_ours": sum(results["peagle"]) / ours,
     }
 
 
