@@ -15,7 +15,7 @@ from mm_assets.domain.model.dflash_checkpoint import checkpoint_config, draft_sh
 from mm_assets.domain.model.draft_parts import leading_correct
 from mm_assets.domain.model.draft_vocab import build_draft_vocab
 from mm_assets.domain.model.eagle3 import Eagle3Config, Eagle3Draft
-from mm_assets.domain.model.families import FAMILIES, MROPE_CONTEXT_SLOTS
+from mm_assets.domain.model.families import FAMILIES, MROPE_SLOTS
 from mm_assets.domain.model.training_data import Batch
 
 CFG = DFlashConfig(
@@ -138,12 +138,14 @@ def test_the_checkpoint_is_speculators_dflash_with_plain_rope_and_vllms_tensor_n
     assert not any(n.startswith("verifier_") for n in names)
 
 
-def test_dflash_warns_of_vllms_context_slots_for_an_m_rope_target_only() -> None:
-    """vLLM 0.32 slots a DFlash draft's context by the target's positions: for an M-RoPE
-    target the tokens of an image collide (measured in BENCHMARKS.md), so the training
-    says so; EAGLE-3 (slotted by token index) and text targets are not concerned."""
+def test_parallel_drafts_warn_of_vllms_slots_for_an_m_rope_target_only() -> None:
+    """vLLM 0.32 slots a parallel draft's keys by the target's positions: for an M-RoPE
+    target the tokens of an image collide (measured in BENCHMARKS.md), so a DFlash or
+    P-EAGLE training says so; EAGLE-3 (slotted by token index) and text targets are not
+    concerned."""
     mrope = {"text_config": {"rope_parameters": {"mrope_section": [4, 6, 6]}}}
     plain = {"rope_parameters": {"rope_theta": 1e6}}
-    assert FAMILIES["dflash"].serving_caveats(mrope) == [MROPE_CONTEXT_SLOTS]
+    assert FAMILIES["dflash"].serving_caveats(mrope) == [MROPE_SLOTS]
+    assert FAMILIES["peagle"].serving_caveats(mrope) == [MROPE_SLOTS]
     assert FAMILIES["dflash"].serving_caveats(plain) == []
     assert FAMILIES["eagle3"].serving_caveats(mrope) == []

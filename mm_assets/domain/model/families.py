@@ -44,19 +44,19 @@ class DraftFamily:
     training and in its metadata)."""
 
 
-MROPE_CONTEXT_SLOTS = (
-    "vLLM 0.32's model runner writes a DFlash draft's context into its KV cache at the "
-    "target's M-RoPE positions instead of its token indices: the tokens of an image, "
-    "which share one position, overwrite each other, and the served draft reads a context "
-    "it was never trained on. Its acceptance on image prompts stays well below the held-out "
-    "estimate; text prompts are unaffected (BENCHMARKS.md, 'Draft families'). Until vLLM "
-    "slots the context by token index (vllm-ascend did, #9340), serve EAGLE-3 for image "
-    "prompts of an M-RoPE target."
+MROPE_SLOTS = (
+    "vLLM 0.32's model runner writes a parallel draft's keys and values (DFlash's context, "
+    "P-EAGLE's one pass) into its KV cache at the target's M-RoPE positions instead of its "
+    "token indices: the tokens of an image, which share one position, overwrite each "
+    "other, and the served draft reads a context it was never trained on. Its acceptance "
+    "on image prompts stays well below the held-out estimate; text prompts are unaffected "
+    "(BENCHMARKS.md, 'Draft families'). Until vLLM slots them by token index (vllm-ascend "
+    "did, #9340), serve EAGLE-3 for image prompts of an M-RoPE target."
 )
 
 
-def _dflash_caveats(target_config: dict[str, Any]) -> list[str]:
-    return [MROPE_CONTEXT_SLOTS] if uses_mrope(target_config) else []
+def _parallel_caveats(target_config: dict[str, Any]) -> list[str]:
+    return [MROPE_SLOTS] if uses_mrope(target_config) else []
 
 
 def _mask_token(target_config: dict[str, Any], settings: SpeculatorSettings) -> int:
@@ -98,7 +98,7 @@ FAMILIES = {
         dflash_checkpoint.checkpoint_config,
         dflash_checkpoint.draft_shape,
         "aux_hidden_state_layer_ids",
-        _dflash_caveats,
+        _parallel_caveats,
     ),
     "peagle": DraftFamily(
         "peagle",
@@ -107,6 +107,7 @@ FAMILIES = {
         checkpoint.checkpoint_config,
         checkpoint.draft_shape,
         "eagle_aux_hidden_state_layer_ids",
+        _parallel_caveats,
     ),
 }
 
