@@ -46,7 +46,7 @@ def _beside(records: list[Any], row: Any) -> float | None:
 
 
 def run(draft: str = DRAFT, depths: list[int] = DEPTHS) -> dict[str, Any]:
-    from mm_assets.assets.partitions import REGISTRY
+    from mm_assets.assets.partitions import ALL_DRAFTS, REGISTRY
     from mm_assets.assets.resources import StorageResource, TargetModelResource, VllmResource
     from mm_assets.domain.model.acceptance import OVERALL
     from mm_assets.domain.model.benchmark import NONE, comparison, method_of
@@ -58,7 +58,7 @@ def run(draft: str = DRAFT, depths: list[int] = DEPTHS) -> dict[str, Any]:
 
     storage = StorageResource()
     tables, root = storage.tables(), storage.root_dir()
-    chosen = REGISTRY[draft].settings.get("speculator_benchmark", {})
+    chosen = ALL_DRAFTS[draft].settings.get("speculator_benchmark", {})
     every = {"max_prompts_per_category": None, "speculative_tokens": depths}
     settings = BenchmarkSettings(**{**chosen, **every})
     prompts = load_benchmark(tables, BENCHMARK)
