@@ -302,40 +302,32 @@ def dflash_draft(target_dir: Path, out_dir: Path) -> DraftUnderTest:
     return DraftUnderTest.at(out_dir)
 
 
-def test_a_dflash_draft_goes_through_the_same_benchmark_and_stays_lossless(
-    setup: dict, report: BenchmarkReport, started: list[str]
+OTHER_FAMILIES = {  # family: (its untrained checkpoint, what its server is started with)
+    "dflash": (dflash_draft, '"method": "dflash"'),
+    "peagle": (lambda target, out: untrained_draft(target, out, True), '"parallel_drafting": true'),
+}
+
+
+@pytest.mark.parametrize("family", list(OTHER_FAMILIES))
+def test_another_family_goes_through_the_same_benchmark_and_stays_lossless(
+    setup: dict, report: BenchmarkReport, started: list[str], family: str
 ) -> None:
-    """The checkpoint written here loads in vLLM 0.32 with `method: dflash` (read from its
-    `speculators_model_type`), drafts, and every greedy output stays the target's; n-gram
-    comes from the first run's records, no speculation is served again beside it."""
+    """A DFlash checkpoint (speculators' `dflash`) and a P-EAGLE one (`peagle`: EAGLE-3's
+    with a mask token and `mask_hidden`) written here load in vLLM 0.32 as their
+    `speculators_model_type` says (`method: dflash`; `eagle3` with `parallel_drafting`),
+    draft, and every greedy output stays the target's; n-gram comes from the first run's
+    records, no speculation is served again beside each."""
+    write, served_as = OTHER_FAMILIES[family]
     serving = setup["args"][0]
-    draft = dflash_draft(serving.target_dir, setup["args"][-1].parent / "dflash")
-    assert draft.method == "dflash" and draft.speculative_tokens == 3
+    draft = write(serving.target_dir, setup["args"][-1].parent / family)
+    assert draft.method == family and draft.speculative_tokens == 3
     args = list(setup["args"])
     args[2] = draft
     found = benchmark(*args)
-    assert len(started) == 2 and '"method": "dflash"' in started[1]
-    assert found.reused == {"none": True, "ngram@3": True, "dflash@3": False}
-    assert found.not_run == {} and found.draft_method == "dflash"
-    overall = _row(found, OVERALL, "dflash")
-    assert overall.drafts > 0 and overall.lossless == overall.compared == 11
-
-
-def test_a_parallel_eagle_draft_is_served_drafting_in_one_pass_and_stays_lossless(
-    setup: dict, report: BenchmarkReport, started: list[str]
-) -> None:
-    """A P-EAGLE checkpoint (speculators' `peagle`: EAGLE-3's with a mask token and
-    `mask_hidden`) loads in vLLM 0.32 with `parallel_drafting`, drafts, and every greedy
-    output stays the target's."""
-    serving = setup["args"][0]
-    draft = untrained_draft(serving.target_dir, setup["args"][-1].parent / "peagle", True)
-    assert draft.method == "peagle" and draft.speculative_tokens == 3
-    args = list(setup["args"])
-    args[2] = draft
-    found = benchmark(*args)
-    assert len(started) == 2 and '"parallel_drafting": true' in started[1]
-    assert found.reused == {"none": True, "ngram@3": True, "peagle@3": False}
-    overall = _row(found, OVERALL, "peagle")
+    assert len(started) == 2 and served_as in started[1]
+    assert found.reused == {"none": True, "ngram@3": True, f"{family}@3": False}
+    assert found.not_run == {} and found.draft_method == family
+    overall = _row(found, OVERALL, family)
     assert overall.drafts > 0 and overall.lossless == overall.compared == 11
 
 
