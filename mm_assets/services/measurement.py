@@ -289,8 +289,7 @@ def measure_draft(
         measured: dict[str, Measurement], walks: dict[str, list[list[int]]] | None
     ) -> dict[str, SourceMeasurement]:
         out, every = {}, []
-        if job.settings.speculative_tokens != ttt_steps:
-            walks = None  # replayed ttt_steps deep: no estimate of another depth
+        walks = walks if job.settings.speculative_tokens == ttt_steps else None  # its depth
         for source, m in measured.items():
             mine = [walks[r.row_id][r.reply] for r in replies[source]] if walks is not None else []
             every += mine
@@ -301,8 +300,7 @@ def measure_draft(
         overall = summarize(every, ttt_steps, max_tokens) if walks is not None else None
         same = [f.same_as_target for f in out.values()]
         lossless = None if None in same else sum(s for s in same if s is not None)
-        combined = Measurement.combined(measured)
-        out[OVERALL] = SourceMeasurement(combined, overall, lossless)
+        out[OVERALL] = SourceMeasurement(Measurement.combined(measured), overall, lossless)
         return out
 
     trained = figures(measure("trained", outcome.checkpoint, outcome.weights_sha256), replayed)

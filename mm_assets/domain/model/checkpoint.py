@@ -4,9 +4,8 @@ written and read by `storage/checkpoints.py`).
 `config.json` (EAGLE-3's, or P-EAGLE's with its `mask_token_id`) carries the full
 one-layer Llama config (`transformer_layer_config`, defaults written out: vLLM uses it as
 the draft's HF config) and the four norm flags written explicitly (vLLM and speculators
-default them differently). The weights are the
-draft's only, never the verifier's; `d2t`/`t2d` are omitted when the draft vocabulary is
-the whole target vocabulary.
+default them differently). The weights are the draft's only, never the verifier's;
+`d2t`/`t2d` are omitted when the draft vocabulary is the whole target vocabulary.
 """
 
 from __future__ import annotations

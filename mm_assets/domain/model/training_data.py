@@ -142,8 +142,8 @@ def load_batch(refs: Sequence[SampleRef]) -> Batch:
     """Read and shift each sample as EAGLE-3 training expects: the draft at position t
     reads the target's state at t and token t+1, so tokens and the mask drop their first
     entry, auxiliary states their last, and positions (those of the states, as vLLM
-    serves them) their last. Layer L is kept only
-    where the shifted mask is set (all the loss reads), whatever the blob's format."""
+    serves them) their last. Layer L is kept only where the shifted mask is set (all the
+    loss reads), whatever the blob's format."""
     ids, masks, aux, last, pos, seg = [], [], [], [], [], []
     for index, ref in enumerate(refs):
         stored = read_states(ref.path)

@@ -137,6 +137,12 @@ class ChatTokenizer:
                     f"{type(processor).__name__} cannot report image token counts from image "
                     "sizes (_get_num_multimodal_tokens); lazy tokenization needs it"
                 )
+            if mrope and not hasattr(getattr(processor, "image_processor", None), "merge_size"):
+                raise ValueError(
+                    f"{type(processor).__name__}: the target uses M-RoPE but its image "
+                    "processor names no merge_size, so the positions vLLM gives the draft "
+                    "cannot be laid out; use the processor the target ships with"
+                )
 
     @property
     def mask_method(self) -> str:
