@@ -66,7 +66,7 @@ def test_bad_drafts_are_refused_naming_file_draft_and_field() -> None:
     assert "draft 'layers': 'sources': their hidden_states layer_ids differ" in text
     assert "draft 'online': 'sources': live fetch hidden states online" in text
     assert "draft 'shape': expected a mapping with 'sources'" in text
-    assert "draft 'family'" in text and "'eagle3' or 'dflash'" in text
+    assert "draft 'family'" in text and "'eagle3', 'dflash' or 'peagle', got 'medusa'" in text
 
 
 def test_a_draft_name_that_is_not_one_plain_directory_name_is_refused_naming_it() -> None:
