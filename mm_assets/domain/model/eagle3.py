@@ -196,9 +196,10 @@ class Eagle3Draft(DraftModel):
         stats: list[StepStats] = []
         index = torch.arange(n, device=ids.device)
         for step in range(ttt_steps):
-            embeds = self.embed_tokens(ids)
             if step and self.cfg.mask_token_id is not None:
                 embeds, hidden = self._masked_slot(n)
+            else:
+                embeds = self.embed_tokens(ids)
             hidden = self.layers[0](
                 embeds, hidden, batch.position_ids + step, cache, ttt_mask(segment, step)
             )
